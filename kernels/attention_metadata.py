@@ -1,0 +1,36 @@
+"""What attention needs to know about one step's packed batch, passed explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """Layout of a packed batch: decode tokens first (one per sequence), then prefill chunks.
+
+    Built once per step by the model runner and shared by every layer.
+    """
+
+    slot_mapping: torch.Tensor
+    """[num_tokens] int64: the cache slot (block_id * block_size + offset) of each new token."""
+    num_decode_tokens: int
+    """The first num_decode_tokens tokens are single-token steps of distinct sequences."""
+    decode_block_tables: torch.Tensor
+    """[num_decode_tokens, max_num_blocks] int64, padded with block 0 beyond each table."""
+    decode_context_lens: torch.Tensor
+    """[num_decode_tokens] int64: tokens in the cache per decode sequence, this one included."""
+    prefill_query_starts: tuple[int, ...]
+    """Offset of each prefill chunk among the prefill tokens (those after the decode tokens)."""
+    prefill_query_lens: tuple[int, ...]
+    """Tokens in each prefill chunk."""
+    prefill_context_lens: tuple[int, ...]
+    """Tokens in the cache per prefill sequence after this step (cached prefix + chunk)."""
+    prefill_block_tables: tuple[torch.Tensor, ...]
+    """[num_blocks] int64 block table per prefill sequence."""
+
+    @property
+    def num_prefills(self) -> int:
+        return len(self.prefill_query_starts)

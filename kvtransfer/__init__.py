@@ -1,0 +1,1 @@
+"""Moving paged KV blocks between workers over ZMQ and NCCL (see DESIGN.md)."""

@@ -1,0 +1,147 @@
+"""The Python API, vLLM-style: ``LLM(model).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any, Union
+
+import torch
+from tqdm.auto import tqdm
+
+from tandem.config import DTYPES, EngineConfig
+from tandem.engine import LLMEngine
+from tandem.model.llama import LlamaModel
+from tandem.model.loader import load_model
+from tandem.model.source import resolve_model_source
+from tandem.outputs import RequestDelta, RequestOutput
+from tandem.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Message = dict[str, str]
+"""A chat message: {"role": ..., "content": ...}."""
+Prompt = Union[str, Sequence[int], dict[str, Any]]
+"""Text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}."""
+
+
+class LLM:
+    """A model on one engine. ``model=None`` is the embedded default (SmolLM2-135M-Instruct).
+
+    Other keyword arguments go to :meth:`EngineConfig.build` (block_size,
+    kv_cache_memory_gib, num_kv_blocks, max_model_len, max_num_seqs,
+    max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill).
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str = "float32",
+                 num_threads: int | None = None, **engine_args: Any) -> None:
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        source = resolve_model_source(model)
+        model_config, weights, self.tokenizer = load_model(source, DTYPES[dtype])
+        config = EngineConfig.build(model_config, dtype=dtype, **engine_args)
+        self.engine = LLMEngine(config, LlamaModel(model_config, weights, config.max_model_len), self.tokenizer)
+        self._request_ids = itertools.count()
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.engine.config
+
+    def encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        """-> (token ids, text or None) of one prompt."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"]), None
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt), prompt
+        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+            return list(prompt), None
+        raise TypeError(f"a prompt is text, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def apply_chat_template(self, messages: Sequence[Message]) -> list[int]:
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"a chat message is {{'role': str, 'content': str}}, got {m!r}")
+        text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to the end in one continuous batch; outputs in prompt order."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        encoded = [self.encode(p) for p in prompts]  # type: ignore[union-attr]
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """One conversation, or a list of them, rendered with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        encoded = [(self.apply_chat_template(c), None) for c in conversations]  # type: ignore[arg-type]
+        return self._run(encoded, sampling_params, use_tqdm)
+
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestDelta]:
+        """Yield one request's deltas as they are made; closing the iterator aborts it."""
+        token_ids, _ = self.encode(prompt)
+        request_id = self._add(token_ids, sampling_params or SamplingParams())
+        finished = False
+        try:
+            while not finished:
+                for delta in self.engine.step():
+                    if delta.request_id == request_id:
+                        finished = delta.finished
+                        yield delta
+        finally:
+            if not finished:
+                self.engine.abort_request(request_id)
+
+    def _add(self, token_ids: list[int], params: SamplingParams) -> str:
+        request_id = str(next(self._request_ids))
+        self.engine.add_request(request_id, token_ids, params)
+        return request_id
+
+    def _run(self, encoded: list[tuple[list[int], str | None]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+             use_tqdm: bool) -> list[RequestOutput]:
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params or SamplingParams()] * len(encoded)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(encoded):
+                raise ValueError(f"{len(params)} sampling params for {len(encoded)} prompts")
+        for token_ids, _ in encoded:  # refuse the whole call before queueing any of it
+            self.engine.check_prompt(token_ids)
+        outputs: dict[str, RequestOutput] = {}
+        for (token_ids, text), p in zip(encoded, params):
+            request_id = self._add(token_ids, p)
+            outputs[request_id] = RequestOutput(request_id, token_ids, prompt=text)
+        progress = tqdm(total=len(outputs), desc="Generating", disable=not use_tqdm)
+        try:
+            while self.engine.has_unfinished:
+                for delta in self.engine.step():
+                    if delta.request_id in outputs:
+                        outputs[delta.request_id].add(delta)
+                        progress.update(delta.finished)
+        finally:
+            progress.close()
+            for request_id, out in outputs.items():
+                if not out.finished:  # interrupted: leave nothing behind in the engine
+                    self.engine.abort_request(request_id)
+        return list(outputs.values())

@@ -1,0 +1,121 @@
+"""Our forward pass for Llama-family decoders (Llama, Qwen2, Mistral, SmolLM2) over a paged KV cache.
+
+Weights are plain tensors taken from a transformers model; q/k/v and gate/up are fused
+so that each layer runs four matrix products.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tandem.config import ModelConfig
+from tandem.kernels import ops
+from tandem.kernels.attention_metadata import AttentionMetadata
+
+
+@dataclass
+class LayerWeights:
+    qkv_proj: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None
+    o_proj: torch.Tensor  # [hidden, num_heads * head_dim]
+    gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]
+    down_proj: torch.Tensor  # [hidden, intermediate]
+    input_norm: torch.Tensor  # [hidden]
+    post_attention_norm: torch.Tensor  # [hidden]
+
+
+@dataclass
+class ModelWeights:
+    embed_tokens: torch.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as embed_tokens when tied
+    rope_inv_freq: torch.Tensor  # [head_dim // 2] float32
+    rope_attention_scaling: float
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of weights one decode step reads (each distinct tensor once)."""
+        seen: dict[int, int] = {}
+        tensors = [self.lm_head, self.norm] + [
+            t for layer in self.layers for t in vars(layer).values() if t is not None
+        ]
+        for t in tensors:
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+        return sum(seen.values())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Same operations as transformers' LlamaRMSNorm: statistics in float32.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class LlamaModel:
+    """A Llama-family decoder whose attention reads and writes a paged KV cache."""
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, max_model_len: int) -> None:
+        self.config = config
+        self.weights = weights
+        self.scale = config.head_dim ** -0.5
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        dtype = weights.embed_tokens.dtype
+        # cos, sin: [max_model_len, head_dim], computed as transformers does (float32).
+        positions = torch.arange(max_model_len, dtype=torch.float32)
+        freqs = positions[:, None] * weights.rope_inv_freq[None, :].float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * weights.rope_attention_scaling).to(dtype)
+        self.sin = (emb.sin() * weights.rope_attention_scaling).to(dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        logits_indices: torch.Tensor,
+    ) -> torch.Tensor:
+        """Run one packed step and return the logits of the tokens at ``logits_indices``.
+
+        input_ids, positions: [num_tokens]
+        kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+        logits_indices: [num_logits] -> returns [num_logits, vocab_size] float32
+        """
+        cfg, w = self.config, self.weights
+        num_tokens = input_ids.shape[0]
+        # cos, sin: [num_tokens, 1, head_dim], broadcast over heads
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        # h: [num_tokens, hidden]
+        h = w.embed_tokens[input_ids]
+        for layer_idx, lw in enumerate(w.layers):
+            x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(x, lw.qkv_proj, lw.qkv_bias)
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+            q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
+            k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            k_cache, v_cache = kv_cache[layer_idx]
+            ops.store_kv(k, v, k_cache, v_cache, meta)
+            attn = ops.attention(q, k, v, k_cache, v_cache, meta, self.scale)
+            h = h + F.linear(attn.reshape(num_tokens, self.q_size), lw.o_proj)
+            x = rms_norm(h, lw.post_attention_norm, cfg.rms_norm_eps)
+            gate, up = F.linear(x, lw.gate_up_proj).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, lw.down_proj)
+        # Only the rows that are sampled go through the final norm and the LM head.
+        h = rms_norm(h[logits_indices], w.norm, cfg.rms_norm_eps)
+        return F.linear(h, w.lm_head).float()

@@ -1,0 +1,103 @@
+"""Load a transformers model and take its weights into our own layout."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from tandem.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from tandem.model.llama import LayerWeights, ModelWeights
+from tandem.model.source import ModelSource, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+# GGUF files carry a model type but no architecture list.
+_ARCHITECTURE_OF_MODEL_TYPE = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+
+
+def load_hf_config(source: ModelSource):  # -> transformers.PretrainedConfig
+    """The checkpoint's config, refused early (before any weight is read) when unsupported."""
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(source.path, **source.from_pretrained_kwargs())
+    if not hf_config.architectures:
+        guess = _ARCHITECTURE_OF_MODEL_TYPE.get(hf_config.model_type, hf_config.model_type)
+        hf_config.architectures = [guess]
+    architecture = hf_config.architectures[0]
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {architecture!r} in {source.path}: tandem supports "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return hf_config
+
+
+def eos_token_ids_of(hf_model, tokenizer) -> tuple[int, ...]:
+    ids: set[int] = set()
+    gen_eos = getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None)
+    for value in (gen_eos, tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value is not None:
+            ids.update(value)
+    return tuple(sorted(ids))
+
+
+def load_model(source: ModelSource, dtype: torch.dtype):
+    """Returns (ModelConfig, ModelWeights, tokenizer) for ``source``, showing progress."""
+    from transformers import AutoModelForCausalLM
+
+    start = time.perf_counter()
+    hf_config = load_hf_config(source)
+    logger.info("loading %s (%s) from %s", source.name, hf_config.architectures[0], source.path)
+    tokenizer = load_tokenizer(source)
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        source.path, config=hf_config, dtype=torch.float32, **source.from_pretrained_kwargs()
+    )
+    config = ModelConfig.from_hf_config(hf_config, source.name, eos_token_ids_of(hf_model, tokenizer))
+    weights = weights_from_hf_model(hf_model, config, dtype)
+    logger.info("loaded %s in %.1f s (%.0f MB of weights)", source.name,
+                time.perf_counter() - start, weights.num_bytes / 1e6)
+    return config, weights, tokenizer
+
+
+def weights_from_hf_model(hf_model, config: ModelConfig, dtype: torch.dtype) -> ModelWeights:
+    """Copy (and fuse) a transformers Llama-family model's weights into ``ModelWeights``."""
+    state = hf_model.state_dict()
+
+    def get(name: str) -> torch.Tensor:
+        return state[name].detach().to(dtype).contiguous()
+
+    layers = []
+    for i in tqdm(range(config.num_layers), desc="Taking weights into tandem's layout", unit="layer"):
+        p = f"model.layers.{i}."
+        qkv_bias = None
+        if config.attention_bias:
+            qkv_bias = torch.cat([get(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+        layers.append(LayerWeights(
+            qkv_proj=torch.cat([get(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+            qkv_bias=qkv_bias,
+            o_proj=get(p + "self_attn.o_proj.weight"),
+            gate_up_proj=torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
+            down_proj=get(p + "mlp.down_proj.weight"),
+            input_norm=get(p + "input_layernorm.weight"),
+            post_attention_norm=get(p + "post_attention_layernorm.weight"),
+        ))
+    embed = get("model.embed_tokens.weight")
+    lm_head = embed if config.tie_word_embeddings else get("lm_head.weight")
+    rotary = hf_model.model.rotary_emb
+    return ModelWeights(
+        embed_tokens=embed,
+        layers=layers,
+        norm=get("model.norm.weight"),
+        lm_head=lm_head,
+        rope_inv_freq=rotary.inv_freq.detach().float().clone(),
+        rope_attention_scaling=float(rotary.attention_scaling),
+    )

@@ -1,0 +1,85 @@
+"""Turns a scheduled batch into tensors, runs the model over the KV cache, samples."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from tandem.config import EngineConfig
+from tandem.kernels.attention_metadata import AttentionMetadata
+from tandem.model.llama import LlamaModel
+from tandem.sampler import Sampler, SamplerOutput
+from tandem.scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model: LlamaModel) -> None:
+        self.config = config
+        self.model = model
+        m = config.model
+        # kv_cache: [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim]
+        self.kv_cache = torch.zeros(
+            m.num_layers, 2, config.num_kv_blocks, config.block_size, m.num_kv_heads, m.head_dim,
+            dtype=config.dtype,
+        )
+        self.sampler = Sampler()
+
+    def run(self, batch: ScheduledBatch) -> SamplerOutput:
+        input_ids, positions, meta, logits_indices = self.prepare(batch)
+        logits = self.model.forward(input_ids, positions, self.kv_cache, meta, logits_indices)
+        sampled = [i for i in range(len(batch.seqs)) if batch.samples(i)]
+        seqs = [batch.seqs[i] for i in sampled]
+        return self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+
+    def prepare(self, batch: ScheduledBatch):
+        """-> (input_ids [T], positions [T], AttentionMetadata, logits_indices [S])"""
+        bs = self.config.block_size
+        token_ids: list[np.ndarray] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        logits_indices: list[int] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        starts: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        tables: list[torch.Tensor] = []
+        offset = 0
+        num_decode = 0
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start = seq.num_computed_tokens
+            pos = np.arange(start, start + n)
+            table = np.asarray(seq.block_ids, dtype=np.int64)
+            token_ids.append(np.asarray(seq.token_ids[start:start + n], dtype=np.int64))
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            offset += n
+            if batch.samples(i):
+                logits_indices.append(offset - 1)
+            if n == 1 and not starts:  # decodes come first in the batch
+                num_decode += 1
+                decode_tables.append(seq.block_ids)
+                decode_lens.append(start + 1)
+            else:
+                starts.append(offset - n - num_decode)
+                query_lens.append(n)
+                context_lens.append(start + n)
+                tables.append(torch.from_numpy(table))
+        max_blocks = max((len(t) for t in decode_tables), default=0)
+        padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)),
+            num_decode_tokens=num_decode,
+            decode_block_tables=torch.tensor(padded, dtype=torch.int64).view(num_decode, max_blocks),
+            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int64),
+            prefill_query_starts=tuple(starts),
+            prefill_query_lens=tuple(query_lens),
+            prefill_context_lens=tuple(context_lens),
+            prefill_block_tables=tuple(tables),
+        )
+        return (
+            torch.from_numpy(np.concatenate(token_ids)),
+            torch.from_numpy(np.concatenate(positions)),
+            meta,
+            torch.tensor(logits_indices, dtype=torch.int64),
+        )

@@ -1,0 +1,135 @@
+"""Turns a batch of next-token logits into one chosen token per sequence.
+
+Greedy rows take the argmax. Random rows are tempered, filtered (min_p, top_k, top_p, in
+vLLM v1's order) and sampled with the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``,
+which draws from ``probs`` exactly. Each row draws its own ``q`` from its own generator, so a
+seeded request gets the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tandem.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplerOutput:
+    """What the sampler chose for each row of the batch."""
+
+    token_ids: list[int]
+    """One chosen token per row."""
+    logprobs: list[float]
+    """Log-probability of each chosen token under ``log_softmax(raw logits)`` in float32: the
+    model's own distribution, before temperature and filtering (as vLLM v1 reports it)."""
+
+
+class Sampler:
+    """Stateless: all randomness comes from the per-row generators passed to ``sample``."""
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> SamplerOutput:
+        """Choose one token per row.
+
+        Args:
+            logits: ``[num_seqs, vocab_size]``, any float dtype (computed in float32).
+            params: one ``SamplingParams`` per row.
+            generators: one generator per row, on ``logits``' device; ``None`` uses torch's
+                default generator (then the row is not reproducible on its own).
+        """
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [num_seqs, vocab_size], got shape {tuple(logits.shape)}")
+        num_seqs, vocab_size = logits.shape
+        if len(params) != num_seqs or len(generators) != num_seqs:
+            raise ValueError(
+                f"need one SamplingParams and one generator per row: {num_seqs} rows, "
+                f"{len(params)} params, {len(generators)} generators"
+            )
+        if num_seqs == 0:
+            return SamplerOutput(token_ids=[], logprobs=[])
+
+        logits = logits.float()  # logits: [num_seqs, vocab_size]
+        device = logits.device
+
+        chosen = torch.empty(num_seqs, dtype=torch.long, device=device)  # chosen: [num_seqs]
+        greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
+        random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        if greedy_rows:
+            idx = torch.tensor(greedy_rows, dtype=torch.long, device=device)
+            chosen[idx] = torch.argmax(logits[idx], dim=-1)
+        if random_rows:
+            idx = torch.tensor(random_rows, dtype=torch.long, device=device)
+            probs = _filtered_probs(logits[idx], [params[i] for i in random_rows])
+            chosen[idx] = _exponential_race(probs, [generators[i] for i in random_rows])
+
+        # logprob = logit - logsumexp(logits): avoids materialising a full log_softmax.
+        chosen_logits = logits.gather(1, chosen.unsqueeze(1)).squeeze(1)  # [num_seqs]
+        logprobs = chosen_logits - torch.logsumexp(logits, dim=-1)  # [num_seqs]
+        return SamplerOutput(token_ids=chosen.tolist(), logprobs=logprobs.tolist())
+
+
+def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """Tempered, filtered and renormalised probabilities of non-greedy rows.
+
+    Order (vLLM v1's): min_p, then top_k, then top_p over what top_k kept. min_p compares
+    with the top token, which every filter keeps, so its place before top_k changes nothing.
+    """
+    # logits: [rows, vocab_size] float32
+    rows, vocab_size = logits.shape
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    logits = logits / temperature.unsqueeze(1)  # [rows, vocab_size]
+
+    min_p = [p.min_p for p in params]
+    if any(m > 0 for m in min_p):
+        probs = torch.softmax(logits, dim=-1)  # [rows, vocab_size]
+        min_p_t = torch.tensor(min_p, dtype=torch.float32, device=device)
+        threshold = probs.amax(dim=-1, keepdim=True) * min_p_t.unsqueeze(1)  # [rows, 1]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+
+    # top_k <= 0 or >= vocab_size keeps everything: express both as k = vocab_size.
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    top_p = [p.top_p for p in params]
+    if any(k < vocab_size for k in top_k) or any(tp < 1.0 for tp in top_p):
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [rows, vocab_size]
+        k_t = torch.tensor(top_k, dtype=torch.long, device=device)
+        # Keep every token at least as likely as the k-th (ties at the boundary stay in).
+        kth = sorted_logits.gather(1, (k_t - 1).unsqueeze(1))  # [rows, 1]
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
+
+        top_p_t = torch.tensor(top_p, dtype=torch.float32, device=device)
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [rows, vocab_size]
+        cumulative = torch.cumsum(sorted_probs, dim=-1)
+        # Mass strictly before each position: a token is kept while the tokens above it sum
+        # to less than top_p, which always keeps the top token (top_p > 0).
+        mass_before = torch.cat([torch.zeros_like(cumulative[:, :1]), cumulative[:, :-1]], dim=-1)
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p_t.unsqueeze(1), float("-inf"))
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+    return torch.softmax(logits, dim=-1)  # [rows, vocab_size]
+
+
+def _exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Sample one token per row: ``argmax(probs / q)`` with ``q ~ Exp(1)`` is a draw from ``probs``."""
+    # probs: [rows, vocab_size]
+    rows, vocab_size = probs.shape
+    q = torch.empty_like(probs)  # [rows, vocab_size]
+    shared = [i for i, g in enumerate(generators) if g is None]
+    for i, gen in enumerate(generators):
+        if gen is not None:
+            # One row, one generator: its draws do not depend on the rest of the batch.
+            q[i].exponential_(generator=gen)
+    if shared:
+        # Rows on the default generator are not reproducible anyway: draw them in one call.
+        idx = torch.tensor(shared, dtype=torch.long, device=probs.device)
+        q[idx] = torch.empty(len(shared), vocab_size, device=probs.device).exponential_()
+    # exponential_ may return exactly 0; clamp so a kept token never divides 0 by 0.
+    q.clamp_(min=torch.finfo(q.dtype).tiny)
+    return torch.argmax(probs / q, dim=-1)  # [rows]

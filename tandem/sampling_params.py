@@ -1,0 +1,72 @@
+"""Per-request sampling parameters, validated once when built."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request's tokens are chosen and when it stops (vLLM's field names).
+
+    Every field crosses process boundaries later (router -> workers), so all are plain
+    values. Invalid values raise ``ValueError`` naming the field.
+    """
+
+    max_tokens: int = 16
+    """Most tokens to generate (>= 1)."""
+    temperature: float = 1.0
+    """0 means greedy; otherwise logits are divided by it before sampling."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability sums to top_p, in (0, 1]."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 (or 0) keeps all."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p times the top token's, in [0, 1]."""
+    seed: int | None = None
+    """Seed of this request's own generator: the same seed and prompt give the same tokens."""
+    stop: tuple[str, ...] = ()
+    """Strings that end generation; the stop string itself is not returned."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Token ids that end generation (besides EOS); the token is kept in token_ids."""
+    ignore_eos: bool = False
+    """Keep generating past the EOS token."""
+    logprobs: bool = False
+    """Return the log-probability of each chosen token under the model's distribution."""
+
+    def __post_init__(self) -> None:
+        # Lists are accepted for convenience and frozen into tuples.
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+               "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        _check(_is_real(self.temperature) and self.temperature >= 0,
+               "temperature", f"must be a number >= 0, got {self.temperature!r}")
+        _check(_is_real(self.top_p) and 0 < self.top_p <= 1,
+               "top_p", f"must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.top_k, int) and self.top_k >= -1,
+               "top_k", f"must be -1 (disabled), 0 (disabled) or a positive integer, got {self.top_k!r}")
+        _check(_is_real(self.min_p) and 0 <= self.min_p <= 1,
+               "min_p", f"must be in [0, 1], got {self.min_p!r}")
+        _check(self.seed is None or isinstance(self.seed, int),
+               "seed", f"must be an integer or None, got {self.seed!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop),
+               "stop", "must be non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+               "stop_token_ids", "must be non-negative integers")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check(ok: bool, name: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"SamplingParams.{name} {message}")

@@ -1,0 +1,106 @@
+"""One request's state inside an engine. Only the scheduler moves it forward."""
+
+from __future__ import annotations
+
+from enum import Enum, IntEnum
+
+import torch
+
+from tandem.detokenizer import IncrementalDetokenizer
+from tandem.sampling_params import SamplingParams
+
+
+class SequenceStatus(IntEnum):
+    """Ordered: every status from FINISHED_STOPPED on is final."""
+
+    WAITING = 0
+    RUNNING = 1
+    FINISHED_STOPPED = 2
+    FINISHED_LENGTH = 3
+    FINISHED_ABORTED = 4
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= SequenceStatus.FINISHED_STOPPED
+
+
+class FinishReason(str, Enum):
+    """Why a request ended, as clients see it (OpenAI's and vLLM's words)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: FinishReason.STOP,
+    SequenceStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    SequenceStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Sequence:
+    """Tokens, KV blocks and progress of one request.
+
+    ``num_computed_tokens`` counts the tokens whose KV is in the cache; the tokens from
+    there to ``num_tokens`` are still to be run through the model (the prompt, a chunk
+    of it, or the last sampled token).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_index: int,
+        detokenizer: IncrementalDetokenizer | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.arrival_index = arrival_index
+        self.detokenizer = detokenizer
+        self.status = SequenceStatus.WAITING
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.output_logprobs: list[float] = []
+        self.num_computed_tokens = 0
+        self.num_cached_prompt_tokens = 0
+        """Prompt tokens found in the prefix cache at first admission."""
+        self.num_preemptions = 0
+        self.block_ids: list[int] = []
+        """The block table: block i holds tokens [i * block_size, (i + 1) * block_size)."""
+        self.block_hashes: list[bytes] = []
+        """Chained hashes of this sequence's full, computed blocks, in order."""
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return FINISH_REASONS.get(self.status)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_ids})"
+        )

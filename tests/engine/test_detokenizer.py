@@ -1,0 +1,218 @@
+"""IncrementalDetokenizer on the real default tokenizer: streaming equals a full decode, and
+stop strings cut the text without ever leaking a piece of themselves."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from tandem.detokenizer import IncrementalDetokenizer, TextDelta
+from tandem.model.source import load_tokenizer, resolve_model_source
+
+TEXTS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "Emoji: 😀🎉👍🏽 family 👨‍👩‍👧‍👦 flags 🇫🇷🇯🇵 end",
+    "中文测试：你好，世界！这是一个句子。日本語のテキストも。한국어 텍스트",
+    "Accents: café, naïve, résumé, Ångström, Zürich, São Paulo, Łódź, ğüşıöç",
+    "def f(x):\n    return x ** 2  # ∑ ∫ √ ≠ ≤ → ∞\n\n\tTabs and   spaces  ",
+    "Mixed ①②③ ½ ¾ € £ ¥ ₹ — “quotes” ‘single’ … «guillemets» ℃ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n好的 😀<|im_end|>",
+    " leading space and trailing space ",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return load_tokenizer(resolve_model_source(None))
+
+
+def _stream(tokenizer: Any, ids: list[int], stop: tuple[str, ...] = (),
+            skip_special_tokens: bool = True) -> tuple[IncrementalDetokenizer, list[TextDelta], str]:
+    detok = IncrementalDetokenizer(tokenizer, stop=stop, skip_special_tokens=skip_special_tokens)
+    deltas = []
+    for token_id in ids:
+        delta = detok.append(token_id)
+        deltas.append(delta)
+        if delta.stopped:
+            break
+    return detok, deltas, detok.flush()
+
+
+def _random_sequences(tokenizer: Any, count: int, seed: int) -> list[list[int]]:
+    """Uniform ids, ids biased to UTF-8 fragments (tokens decoding to "\\ufffd"), and
+    shuffled real multi-byte text: all kinds of ways to split characters across tokens."""
+    rng = random.Random(seed)
+    vocab = len(tokenizer)
+    fragments = [i for i in range(vocab) if "\ufffd" in tokenizer.decode([i])]
+    assert len(fragments) > 50
+    special = list(tokenizer.all_special_ids)
+    real = [t for text in TEXTS for t in tokenizer.encode(text)]
+    sequences = []
+    for n in range(count):
+        length = rng.randint(1, 40)
+        kind = n % 3
+        if kind == 0:
+            ids = [rng.randrange(vocab) for _ in range(length)]
+        elif kind == 1:
+            ids = [rng.choice(fragments) if rng.random() < 0.7 else rng.randrange(vocab) for _ in range(length)]
+        else:
+            start = rng.randrange(len(real) - length)
+            ids = real[start:start + length]
+        for _ in range(rng.randint(0, 3)):
+            ids.insert(rng.randrange(len(ids) + 1), rng.choice(special))
+        sequences.append(ids)
+    return sequences
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_stream_equals_full_decode_on_real_text(tokenizer: Any, skip_special_tokens: bool) -> None:
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        detok, deltas, tail = _stream(tokenizer, ids, skip_special_tokens=skip_special_tokens)
+        expected = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert "".join(d.text for d in deltas) + tail == expected
+        assert detok.output_text == expected
+        assert not any(d.stopped for d in deltas)
+        assert all("\ufffd" not in d.text for d in deltas), "a split character was streamed"
+        if not skip_special_tokens:
+            assert expected == text
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_stream_equals_full_decode_on_random_ids(tokenizer: Any, skip_special_tokens: bool) -> None:
+    for ids in _random_sequences(tokenizer, count=300, seed=1 + skip_special_tokens):
+        _, deltas, tail = _stream(tokenizer, ids, skip_special_tokens=skip_special_tokens)
+        expected = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        assert "".join(d.text for d in deltas) + tail == expected, ids
+
+
+def test_stop_strings_that_never_complete_change_nothing(tokenizer: Any) -> None:
+    # Each stop string starts like text that occurs, so tails are held back, then released.
+    stop = ("café!", "😀😀", "你好吗", "world?", "\n\n\n\n")
+    for ids in [tokenizer.encode(t) for t in TEXTS] + _random_sequences(tokenizer, 60, seed=7):
+        expected = tokenizer.decode(ids, skip_special_tokens=True)
+        if any(s in expected for s in stop):
+            continue
+        detok, deltas, tail = _stream(tokenizer, ids, stop=stop)
+        assert not any(d.stopped for d in deltas)
+        assert "".join(d.text for d in deltas) + tail == expected
+        assert detok.output_text == expected
+
+
+def _check_stop(tokenizer: Any, text: str, stop: tuple[str, ...]) -> list[TextDelta]:
+    """Stream ``text``'s tokens and check the cut, the stopping step and the held-back text."""
+    ids = tokenizer.encode(text)
+    # The first step whose decode contains a stop string is where streaming must stop, and
+    # the text is cut before the earliest stop string in what is decoded by then (a longer
+    # stop string that began earlier but has not completed does not count).
+    stop_step = next(n for n in range(1, len(ids) + 1)
+                     if any(s in tokenizer.decode(ids[:n]) for s in stop))
+    full = tokenizer.decode(ids[:stop_step])
+    cut = min(i for i in (full.find(s) for s in stop) if i >= 0)
+    detok, deltas, tail = _stream(tokenizer, ids, stop=stop)
+    assert len(deltas) == stop_step
+    assert deltas[-1].stopped and not any(d.stopped for d in deltas[:-1])
+    assert tail == ""
+    assert detok.output_text == full[:cut]
+    released = ""
+    longest = max(len(s) for s in stop)
+    for n, delta in enumerate(deltas[:-1], start=1):
+        released += delta.text
+        # Never a character past the cut (so no piece of the stop string), ...
+        assert full[:cut].startswith(released)
+        # ... and no more held back than a possible stop-string start, besides the tokens
+        # of a character whose bytes are not all there yet.
+        stable = next(d for d in (tokenizer.decode(ids[:m]) for m in range(n, -1, -1))
+                      if not d.endswith("\ufffd"))
+        assert len(released) >= len(stable) - (longest - 1)
+    assert not any(s in detok.output_text for s in stop)
+    # Once stopped, further tokens are ignored.
+    assert detok.append(ids[0]) == TextDelta("", True)
+    assert detok.flush() == "" and detok.output_text == full[:cut]
+    return deltas
+
+
+def test_stop_string_spanning_token_boundaries(tokenizer: Any) -> None:
+    text = "The answer is forty-two, of course. Nothing more to say."
+    stop = "y-two, of co"
+    ids = tokenizer.encode(text)
+    # The stop string must straddle several tokens for this test to mean anything.
+    assert not any(stop in tokenizer.decode([t]) for t in ids)
+    _check_stop(tokenizer, text, (stop,))
+
+
+def test_stop_string_with_false_starts(tokenizer: Any) -> None:
+    text = "a <EN b <E c <<END> d <END> e"
+    deltas = _check_stop(tokenizer, text, ("<END>",))
+    released = "".join(d.text for d in deltas)
+    assert released == "a <EN b <E c <"
+    # The false starts were held back only until they could no longer begin "<END>".
+    first_b = next(i for i, d in enumerate(deltas) if "b" in d.text)
+    assert "<EN" in "".join(d.text for d in deltas[:first_b + 1])
+
+
+def test_stop_string_inside_a_multibyte_character_run(tokenizer: Any) -> None:
+    _check_stop(tokenizer, "Weather: ☀️ then 🌧️ then 😀 finally", ("😀",))
+    _check_stop(tokenizer, "我们今天去公园散步，然后回家吃饭。", ("回家",))
+    _check_stop(tokenizer, "résumé café naïveté", ("é ca",))
+
+
+def test_earliest_of_several_stop_strings_wins(tokenizer: Any) -> None:
+    text = "one two three four five six"
+    deltas = _check_stop(tokenizer, text, ("five", "two thr", "three f"))
+    assert "".join(d.text for d in deltas) == "one "
+
+
+def test_first_completed_stop_string_wins(tokenizer: Any) -> None:
+    # "bright" starts earlier but "right" completes first (at the same token): cut before it.
+    deltas = _check_stop(tokenizer, "go bright now", ("bright n", "right"))
+    assert "".join(d.text for d in deltas) == "go b"
+
+
+def test_stop_string_at_the_very_start(tokenizer: Any) -> None:
+    deltas = _check_stop(tokenizer, "STOP right there", ("STOP",))
+    assert all(d.text == "" for d in deltas)
+
+
+def test_random_stop_strings_from_the_text(tokenizer: Any) -> None:
+    rng = random.Random(3)
+    checked = 0
+    for _ in range(80):
+        text = rng.choice(TEXTS[:6])
+        full = tokenizer.decode(tokenizer.encode(text))
+        start = rng.randrange(len(full) - 1)
+        stop = full[start:start + rng.randint(1, 8)]
+        if not stop.strip() or "\ufffd" in stop:
+            continue
+        other = full[rng.randrange(len(full) - 1):][:rng.randint(2, 5)]
+        _check_stop(tokenizer, text, (stop, other) if other.strip() else (stop,))
+        checked += 1
+    assert checked > 60
+
+
+class _CountingTokenizer:
+    """Wraps a tokenizer to count how many token ids all decodes together are handed."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.inner = tokenizer
+        self.all_special_ids = tokenizer.all_special_ids
+        self.decoded_ids = 0
+
+    def decode(self, ids: list[int], **kwargs: Any) -> str:
+        self.decoded_ids += len(ids)
+        return self.inner.decode(ids, **kwargs)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_work_per_token_is_bounded(tokenizer: Any, skip_special_tokens: bool) -> None:
+    ids = tokenizer.encode(" ".join(TEXTS) * 10)
+    eos = tokenizer.eos_token_id
+    ids = ids + [eos] * 300 + ids  # a run of EOS, as with ignore_eos
+    counting = _CountingTokenizer(tokenizer)
+    _, deltas, tail = _stream(counting, ids, stop=("never-there",), skip_special_tokens=skip_special_tokens)
+    assert "".join(d.text for d in deltas) + tail == tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    assert len(ids) > 1500
+    # Two decodes of a window of a few tokens per step, not of the whole output.
+    assert counting.decoded_ids < 12 * len(ids)
