@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from tandem.config import DTYPES, EngineConfig
 from tandem.engine import LLMEngine
 from tandem.model.llama import LlamaModel
-from tandem.model.loader import load_model
+from tandem.model.loader import LoadedModel, load_model
 from tandem.model.source import resolve_model_source
 from tandem.outputs import RequestDelta, RequestOutput
 from tandem.sampling_params import SamplingParams
@@ -40,10 +40,20 @@ class LLM:
             torch.set_num_threads(num_threads)
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        source = resolve_model_source(model)
-        model_config, weights, self.tokenizer = load_model(source, DTYPES[dtype])
-        config = EngineConfig.build(model_config, dtype=dtype, **engine_args)
-        self.engine = LLMEngine(config, LlamaModel(model_config, weights, config.max_model_len), self.tokenizer)
+        self._start(load_model(resolve_model_source(model), DTYPES[dtype]), dtype, engine_args)
+
+    @classmethod
+    def from_loaded(cls, loaded: LoadedModel, *, dtype: str = "float32", **engine_args: Any) -> LLM:
+        """A fresh engine on weights already loaded (tests and benchmarks share one load)."""
+        llm = cls.__new__(cls)
+        llm._start(loaded, dtype, engine_args)
+        return llm
+
+    def _start(self, loaded: LoadedModel, dtype: str, engine_args: dict[str, Any]) -> None:
+        self.tokenizer = loaded.tokenizer
+        config = EngineConfig.build(loaded.config, dtype=dtype, **engine_args)
+        model = LlamaModel(loaded.config, loaded.weights, config.max_model_len)
+        self.engine = LLMEngine(config, model, self.tokenizer)
         self._request_ids = itertools.count()
 
     @property

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -50,22 +51,42 @@ def eos_token_ids_of(hf_model, tokenizer) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def load_model(source: ModelSource, dtype: torch.dtype):
-    """Returns (ModelConfig, ModelWeights, tokenizer) for ``source``, showing progress."""
+@dataclass
+class LoadedModel:
+    """Our model's config and weights, with the tokenizer from the same files."""
+
+    config: ModelConfig
+    weights: ModelWeights
+    tokenizer: object  # transformers.PreTrainedTokenizerBase
+
+
+def load_hf_model(source: ModelSource):
+    """-> (transformers model in float32, tokenizer), refusing unsupported architectures first."""
     from transformers import AutoModelForCausalLM
 
-    start = time.perf_counter()
     hf_config = load_hf_config(source)
     logger.info("loading %s (%s) from %s", source.name, hf_config.architectures[0], source.path)
     tokenizer = load_tokenizer(source)
     hf_model = AutoModelForCausalLM.from_pretrained(
         source.path, config=hf_config, dtype=torch.float32, **source.from_pretrained_kwargs()
     )
-    config = ModelConfig.from_hf_config(hf_config, source.name, eos_token_ids_of(hf_model, tokenizer))
-    weights = weights_from_hf_model(hf_model, config, dtype)
+    return hf_model.eval(), tokenizer
+
+
+def loaded_from_hf_model(hf_model, tokenizer, name: str, dtype: torch.dtype) -> LoadedModel:
+    """Take a transformers model's weights into our layout (the model itself stays usable)."""
+    config = ModelConfig.from_hf_config(hf_model.config, name, eos_token_ids_of(hf_model, tokenizer))
+    return LoadedModel(config, weights_from_hf_model(hf_model, config, dtype), tokenizer)
+
+
+def load_model(source: ModelSource, dtype: torch.dtype) -> LoadedModel:
+    """Load ``source`` for serving, showing progress."""
+    start = time.perf_counter()
+    hf_model, tokenizer = load_hf_model(source)
+    loaded = loaded_from_hf_model(hf_model, tokenizer, source.name, dtype)
     logger.info("loaded %s in %.1f s (%.0f MB of weights)", source.name,
-                time.perf_counter() - start, weights.num_bytes / 1e6)
-    return config, weights, tokenizer
+                time.perf_counter() - start, loaded.weights.num_bytes / 1e6)
+    return loaded
 
 
 def weights_from_hf_model(hf_model, config: ModelConfig, dtype: torch.dtype) -> ModelWeights:
@@ -101,3 +122,27 @@ def weights_from_hf_model(hf_model, config: ModelConfig, dtype: torch.dtype) -> 
         rope_inv_freq=rotary.inv_freq.detach().float().clone(),
         rope_attention_scaling=float(rotary.attention_scaling),
     )
+
+
+def load_model_with_hf(source: ModelSource, dtype: torch.dtype):
+    """Like :func:`load_model`, and also returns the transformers model the weights came from.
+
+    Returns (ModelConfig, ModelWeights, tokenizer, hf_model). Benchmarks use it to run
+    transformers and tandem on one loaded copy of the model (float32 weights that need no
+    conversion are shared between the two, not copied).
+    """
+    from transformers import AutoModelForCausalLM
+
+    start = time.perf_counter()
+    hf_config = load_hf_config(source)
+    logger.info("loading %s (%s) from %s", source.name, hf_config.architectures[0], source.path)
+    tokenizer = load_tokenizer(source)
+    hf_model = AutoModelForCausalLM.from_pretrained(
+        source.path, config=hf_config, dtype=torch.float32, **source.from_pretrained_kwargs()
+    )
+    hf_model.eval()
+    config = ModelConfig.from_hf_config(hf_config, source.name, eos_token_ids_of(hf_model, tokenizer))
+    weights = weights_from_hf_model(hf_model, config, dtype)
+    logger.info("loaded %s in %.1f s (%.0f MB of weights)", source.name,
+                time.perf_counter() - start, weights.num_bytes / 1e6)
+    return config, weights, tokenizer, hf_model

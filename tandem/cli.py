@@ -1,0 +1,92 @@
+"""The ``tandem`` command: ``tandem serve`` (a prompt or a chat loop) and ``tandem bench``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from tandem.sampling_params import SamplingParams
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(
+        model=args.model, dtype=args.dtype, num_threads=args.num_threads, block_size=args.block_size,
+        kv_cache_memory_gib=args.kv_cache_memory_gib, max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+    )
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Answer --prompt and exit, or chat on stdin until EOF (the engine alone, for now)."""
+    from tandem.llm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    if args.prompt is not None:
+        for delta in llm.stream(llm.apply_chat_template([{"role": "user", "content": args.prompt}]), params):
+            print(delta.new_text, end="", flush=True)
+        print()
+        return 0
+    messages: list[dict[str, str]] = []
+    print("tandem: chat with the model (Ctrl-D to quit)", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        reply = ""
+        for delta in llm.stream(llm.apply_chat_template(messages), params):
+            reply += delta.new_text
+            print(delta.new_text, end="", flush=True)
+        print()
+        messages.append({"role": "assistant", "content": reply})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    p = commands.add_parser("serve", help="run the engine on the model: answer --prompt, or chat on stdin")
+    add_engine_args(p)
+    p.add_argument("--prompt", default=None, help="answer this one message and exit")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.set_defaults(func=serve)
+
+    bench = commands.add_parser("bench", help="benchmarks (ratios measured side by side)")
+    bench_commands = bench.add_subparsers(dest="bench", required=True)
+    from tandem.bench import engine as bench_engine
+
+    p = bench_commands.add_parser("engine", help=bench_engine.__doc__)
+    bench_engine.add_args(p)
+    p.set_defaults(func=bench_engine.run)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""Session fixtures: the default model is loaded once, and engines are built on its weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem import LLM
+from tandem.model.loader import LoadedModel, load_hf_model, loaded_from_hf_model
+from tandem.model.source import resolve_model_source
+
+
+@pytest.fixture(scope="session")
+def hf_model_and_tokenizer():
+    """transformers' own model: the independent reference for every output check."""
+    source = resolve_model_source(None)
+    return load_hf_model(source)
+
+
+@pytest.fixture(scope="session")
+def hf_model(hf_model_and_tokenizer):
+    return hf_model_and_tokenizer[0]
+
+
+@pytest.fixture(scope="session")
+def tokenizer(hf_model_and_tokenizer):
+    return hf_model_and_tokenizer[1]
+
+
+@pytest.fixture(scope="session")
+def loaded(hf_model_and_tokenizer) -> LoadedModel:
+    hf_model, tokenizer = hf_model_and_tokenizer
+    return loaded_from_hf_model(hf_model, tokenizer, "SmolLM2-135M-Instruct", torch.float32)
+
+
+@pytest.fixture(scope="session")
+def make_llm(loaded):
+    """Build a fresh engine (own KV pool and scheduler) on the shared weights."""
+
+    def make(**engine_args) -> LLM:
+        return LLM.from_loaded(loaded, **engine_args)
+
+    return make
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    """Every block back in the pool, nothing queued: the state every exit path must leave."""
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(c == 0 for c in bm.ref_counts)
+    assert not llm.engine.scheduler.waiting and not llm.engine.scheduler.running
+    assert not llm.engine.sequences
