@@ -38,6 +38,7 @@ def make_llm(loaded):
     """Build a fresh engine (own KV pool and scheduler) on the shared weights."""
 
     def make(**engine_args) -> LLM:
+        engine_args.setdefault("kv_cache_memory_gib", 0.25)
         return LLM.from_loaded(loaded, **engine_args)
 
     return make

