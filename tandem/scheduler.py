@@ -118,6 +118,9 @@ class Scheduler:
         num_sampled = 0
         for i, seq in enumerate(batch.seqs):
             samples = batch.samples(i)
+            if seq.status.is_finished:  # aborted while its step ran: nothing to advance
+                num_sampled += samples
+                continue
             seq.num_computed_tokens += batch.num_new_tokens[i]
             self.block_manager.cache_full_blocks(seq)
             if not samples:
