@@ -122,4 +122,3 @@ def weights_from_hf_model(hf_model, config: ModelConfig, dtype: torch.dtype) -> 
         rope_inv_freq=rotary.inv_freq.detach().float().clone(),
         rope_attention_scaling=float(rotary.attention_scaling),
     )
-

@@ -92,17 +92,20 @@ def test_report_and_plots_from_results(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_quick_run_end_to_end(tmp_path: Path):
-    """The real command, shrunk further than --quick so that it stays well under 90 s."""
+    """The real command, shrunk further than --quick so that it stays well under 90 s
+    (about 30 s, most of it the model load). One thread: on a small machine shared with
+    other test runs, more threads than free cores makes every step crawl."""
     out_dir = tmp_path / "results"
     cmd = [sys.executable, "-m", "tandem", "bench", "engine", "--quick", "--out-dir", str(out_dir),
            "--prompt-len", "8", "24", "--output-len", "2", "5", "--tpot-prompt-len", "8",
-           "--tpot-output-len", "4"]
+           "--tpot-output-len", "4", "--num-threads", "1"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "ratio" in proc.stdout and "bandwidth utilisation" in proc.stdout
 
     results = json.loads((out_dir / "results.json").read_text())
     assert {"model", "num_threads", "workload", "bandwidth", "throughput", "single_stream"} <= results.keys()
+    assert results["num_threads"] == 1
     assert [r["concurrency"] for r in results["throughput"]] == [1, 2]
     for r in results["throughput"]:
         for key in ("tandem_tok_s", "transformers_tok_s", "ratio"):
