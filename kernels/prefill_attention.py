@@ -39,8 +39,9 @@ def prefill_attention_torch(
         else:
             num_blocks = -(-ctx_len // block_size)
             # ks, vs: [num_kv_heads, ctx_len, head_dim]
-            ks = k_cache[table[:num_blocks]].view(-1, num_kv_heads, head_dim)[:ctx_len].transpose(0, 1)
-            vs = v_cache[table[:num_blocks]].view(-1, num_kv_heads, head_dim)[:ctx_len].transpose(0, 1)
+            blocks = table[:num_blocks]
+            ks = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx_len].transpose(0, 1)
+            vs = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx_len].transpose(0, 1)
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
             mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)

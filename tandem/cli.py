@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_commands = bench.add_subparsers(dest="bench", required=True)
     from tandem.bench import engine as bench_engine
 
-    p = bench_commands.add_parser("engine", help=bench_engine.__doc__)
+    p = bench_commands.add_parser("engine", help=bench_engine.__doc__, description=bench_engine.__doc__)
     bench_engine.add_args(p)
     p.set_defaults(func=bench_engine.run)
 
