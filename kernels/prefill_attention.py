@@ -30,20 +30,20 @@ def prefill_attention_torch(
     gqa = num_kv_heads != q.shape[1]
     out = torch.empty_like(q)
     for start, q_len, ctx_len, table in zip(query_starts, query_lens, context_lens, block_tables):
-        # qs: [num_heads, q_len, head_dim]
-        qs = q[start:start + q_len].transpose(0, 1)
+        # qs: [1, num_heads, q_len, head_dim] (4-D: CPU SDPA's fast kernel wants a batch dim)
+        qs = q[start:start + q_len].transpose(0, 1)[None]
         if ctx_len == q_len:  # nothing cached before this chunk: use its own keys
-            ks = k[start:start + q_len].transpose(0, 1)
-            vs = v[start:start + q_len].transpose(0, 1)
+            ks = k[start:start + q_len].transpose(0, 1)[None]
+            vs = v[start:start + q_len].transpose(0, 1)[None]
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             num_blocks = -(-ctx_len // block_size)
-            # ks, vs: [num_kv_heads, ctx_len, head_dim]
+            # ks, vs: [1, num_kv_heads, ctx_len, head_dim]
             blocks = table[:num_blocks]
-            ks = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx_len].transpose(0, 1)
-            vs = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx_len].transpose(0, 1)
+            ks = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx_len].transpose(0, 1)[None]
+            vs = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:ctx_len].transpose(0, 1)[None]
             q_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
             mask = torch.arange(ctx_len, device=q.device)[None, :] <= q_pos[:, None]
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=gqa)
-        out[start:start + q_len] = o.transpose(0, 1)
+        out[start:start + q_len] = o[0].transpose(0, 1)
     return out
