@@ -15,6 +15,14 @@ UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def check_architecture(architecture: str, where: str) -> None:
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {architecture!r} in {where}: tandem supports "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The shape of a Llama-family decoder, read from its transformers config."""
@@ -38,11 +46,7 @@ class ModelConfig:
     @classmethod
     def from_hf_config(cls, hf_config, name: str, eos_token_ids: tuple[int, ...]) -> ModelConfig:
         architecture = (hf_config.architectures or ["?"])[0]
-        if architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {architecture!r}: tandem supports "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        check_architecture(architecture, name)
         rope = getattr(hf_config, "rope_parameters", None) or {}
         if rope.get("rope_type") in UNSUPPORTED_ROPE_TYPES:
             raise ValueError(f"unsupported RoPE type {rope['rope_type']!r} in {name}")
@@ -115,18 +119,18 @@ class EngineConfig:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         torch_dtype = DTYPES[dtype]
-        _require(block_size >= 1, "block_size", block_size)
-        _require(max_num_seqs >= 1, "max_num_seqs", max_num_seqs)
-        _require(max_num_batched_tokens >= 1, "max_num_batched_tokens", max_num_batched_tokens)
+        _require(block_size >= 1, "block_size", block_size, ">= 1")
+        _require(max_num_seqs >= 1, "max_num_seqs", max_num_seqs, ">= 1")
+        _require(max_num_batched_tokens >= 1, "max_num_batched_tokens", max_num_batched_tokens, ">= 1")
         if num_kv_blocks is None:
-            _require(kv_cache_memory_gib > 0, "kv_cache_memory_gib", kv_cache_memory_gib)
+            _require(kv_cache_memory_gib > 0, "kv_cache_memory_gib", kv_cache_memory_gib, "> 0")
             block_bytes = block_size * model.kv_bytes_per_token(torch_dtype)
             num_kv_blocks = int(kv_cache_memory_gib * 2**30) // block_bytes
-        _require(num_kv_blocks >= 1, "num_kv_blocks", num_kv_blocks)
+        _require(num_kv_blocks >= 1, "num_kv_blocks", num_kv_blocks, ">= 1 (a bigger kv_cache_memory_gib?)")
 
         limit = model.max_position_embeddings
         if max_model_len is not None:
-            _require(max_model_len >= 1, "max_model_len", max_model_len)
+            _require(max_model_len >= 1, "max_model_len", max_model_len, ">= 1")
             limit = min(limit, max_model_len)
         if model.sliding_window is not None and model.sliding_window < limit:
             # NOTE: below the window, sliding-window attention equals full attention.
@@ -149,6 +153,6 @@ class EngineConfig:
         )
 
 
-def _require(ok: bool, name: str, value: object) -> None:
+def _require(ok: bool, name: str, value: object, rule: str) -> None:
     if not ok:
-        raise ValueError(f"{name} must be >= 1 (or > 0), got {value!r}")
+        raise ValueError(f"{name} must be {rule}, got {value!r}")

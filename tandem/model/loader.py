@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from tandem.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from tandem.config import ModelConfig, check_architecture
 from tandem.model.llama import LayerWeights, ModelWeights
 from tandem.model.source import ModelSource, load_tokenizer
 
@@ -31,12 +31,7 @@ def load_hf_config(source: ModelSource):  # -> transformers.PretrainedConfig
     if not hf_config.architectures:
         guess = _ARCHITECTURE_OF_MODEL_TYPE.get(hf_config.model_type, hf_config.model_type)
         hf_config.architectures = [guess]
-    architecture = hf_config.architectures[0]
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported architecture {architecture!r} in {source.path}: tandem supports "
-            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    check_architecture(hf_config.architectures[0], source.path)
     return hf_config
 
 
