@@ -22,15 +22,24 @@ class AttentionMetadata:
     """[num_decode_tokens, max_num_blocks] int64, padded with block 0 beyond each table."""
     decode_context_lens: torch.Tensor
     """[num_decode_tokens] int64: tokens in the cache per decode sequence, this one included."""
+    max_decode_context_len: int
+    """The largest of decode_context_lens, known on the host (sizes kernels without a sync)."""
     prefill_query_starts: tuple[int, ...]
     """Offset of each prefill chunk among the prefill tokens (those after the decode tokens)."""
     prefill_query_lens: tuple[int, ...]
     """Tokens in each prefill chunk."""
     prefill_context_lens: tuple[int, ...]
     """Tokens in the cache per prefill sequence after this step (cached prefix + chunk)."""
-    prefill_block_tables: tuple[torch.Tensor, ...]
-    """[num_blocks] int64 block table per prefill sequence."""
+    prefill_block_tables: torch.Tensor
+    """[num_prefills, max_num_blocks] int64, padded with block 0 beyond each table."""
+    prefill_layout: torch.Tensor
+    """[num_prefills, 3] int64: (query start, query length, context length) per chunk, the
+    three tuples above as one tensor for kernels."""
 
     @property
     def num_prefills(self) -> int:
         return len(self.prefill_query_starts)
+
+    @property
+    def max_prefill_query_len(self) -> int:
+        return max(self.prefill_query_lens, default=0)

@@ -1,6 +1,15 @@
-"""The attention operations the model calls: the one place that picks an implementation."""
+"""The attention operations the model calls: the one place that picks an implementation.
+
+`TANDEM_ATTENTION_BACKEND` chooses: `auto` (the default: Triton on CUDA tensors, torch
+elsewhere), `triton` (also on CPU tensors, which needs `TRITON_INTERPRET=1` set before
+the kernels are first imported) or `torch`. It is read at every call, so a test or an
+operator can switch it without rebuilding the engine.
+"""
 
 from __future__ import annotations
+
+import enum
+import os
 
 import torch
 
@@ -9,10 +18,38 @@ from tandem.kernels.paged_decode_attention import paged_decode_attention_torch
 from tandem.kernels.prefill_attention import prefill_attention_torch
 from tandem.kernels.store_kv import store_kv_torch
 
+BACKEND_ENV = "TANDEM_ATTENTION_BACKEND"
+
+
+class Backend(enum.Enum):
+    AUTO = "auto"
+    TORCH = "torch"
+    TRITON = "triton"
+
+
+def backend_for(t: torch.Tensor) -> Backend:
+    """The implementation to run on tensors like `t`: TORCH or TRITON, never AUTO."""
+    name = os.environ.get(BACKEND_ENV, Backend.AUTO.value)
+    try:
+        backend = Backend(name)
+    except ValueError:
+        choices = ", ".join(b.value for b in Backend)
+        raise ValueError(f"{BACKEND_ENV}={name!r}: must be one of {choices}") from None
+    if backend is Backend.AUTO:
+        return Backend.TRITON if t.is_cuda else Backend.TORCH
+    if backend is Backend.TRITON and not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(f"{BACKEND_ENV}=triton on CPU tensors needs TRITON_INTERPRET=1 "
+                           "set before the process first imports the Triton kernels")
+    return backend
+
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              meta: AttentionMetadata) -> None:
-    store_kv_torch(k, v, k_cache, v_cache, meta.slot_mapping)
+    if backend_for(k) is Backend.TRITON:
+        from tandem.kernels.store_kv_triton import store_kv_triton
+        store_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
+    else:
+        store_kv_torch(k, v, k_cache, v_cache, meta.slot_mapping)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -23,6 +60,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     returns: [num_tokens, num_heads, head_dim]
     """
     num_decode = meta.num_decode_tokens
+    if backend_for(q) is Backend.TRITON:
+        from tandem.kernels.paged_decode_attention_triton import paged_decode_attention_triton
+        from tandem.kernels.prefill_attention_triton import prefill_attention_triton
+        out = torch.empty_like(q)
+        # Both kernels write disjoint rows of `out`; the prefill layout's starts are relative
+        # to the prefill tokens, hence the offset views.
+        paged_decode_attention_triton(q[:num_decode], k_cache, v_cache, meta.decode_block_tables,
+                                      meta.decode_context_lens, scale, meta.max_decode_context_len,
+                                      out=out[:num_decode])
+        prefill_attention_triton(q[num_decode:], k_cache, v_cache, meta.prefill_block_tables,
+                                 meta.prefill_layout, meta.max_prefill_query_len, scale, out=out[num_decode:])
+        return out
     if meta.num_prefills == 0:
         return paged_decode_attention_torch(
             q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)

@@ -15,7 +15,7 @@ def prefill_attention_torch(
     query_starts: tuple[int, ...],
     query_lens: tuple[int, ...],
     context_lens: tuple[int, ...],
-    block_tables: tuple[torch.Tensor, ...],
+    block_tables: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """Reference version, one sequence at a time.
@@ -23,6 +23,7 @@ def prefill_attention_torch(
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
     (this step's keys and values, already stored in the cache too)
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: [num_chunks, max_num_blocks] int64
     returns: [num_tokens, num_heads, head_dim]; query token i of a chunk sits at position
     context_len - query_len + i and sees every position up to its own.
     """

@@ -74,10 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     bench = commands.add_parser("bench", help="benchmarks (ratios measured side by side)")
     bench_commands = bench.add_subparsers(dest="bench", required=True)
     from tandem.bench import engine as bench_engine
+    from tandem.bench import kernels as bench_kernels
 
-    p = bench_commands.add_parser("engine", help=bench_engine.__doc__, description=bench_engine.__doc__)
-    bench_engine.add_args(p)
-    p.set_defaults(func=bench_engine.run)
+    for name, module in (("engine", bench_engine), ("kernels", bench_kernels)):
+        p = bench_commands.add_parser(name, help=module.__doc__.split("\n\n")[0], description=module.__doc__)
+        module.add_args(p)
+        p.set_defaults(func=module.run)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

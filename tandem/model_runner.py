@@ -43,7 +43,7 @@ class ModelRunner:
         starts: list[int] = []
         query_lens: list[int] = []
         context_lens: list[int] = []
-        tables: list[torch.Tensor] = []
+        prefill_tables: list[list[int]] = []
         offset = 0
         num_decode = 0
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
@@ -64,18 +64,18 @@ class ModelRunner:
                 starts.append(offset - n - num_decode)
                 query_lens.append(n)
                 context_lens.append(start + n)
-                tables.append(torch.from_numpy(table))
-        max_blocks = max((len(t) for t in decode_tables), default=0)
-        padded = [t + [0] * (max_blocks - len(t)) for t in decode_tables]
+                prefill_tables.append(seq.block_ids)
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(np.concatenate(slots)),
             num_decode_tokens=num_decode,
-            decode_block_tables=torch.tensor(padded, dtype=torch.int64).view(num_decode, max_blocks),
+            decode_block_tables=padded_tables(decode_tables),
             decode_context_lens=torch.tensor(decode_lens, dtype=torch.int64),
+            max_decode_context_len=max(decode_lens, default=0),
             prefill_query_starts=tuple(starts),
             prefill_query_lens=tuple(query_lens),
             prefill_context_lens=tuple(context_lens),
-            prefill_block_tables=tuple(tables),
+            prefill_block_tables=padded_tables(prefill_tables),
+            prefill_layout=torch.tensor(list(zip(starts, query_lens, context_lens)), dtype=torch.int64).view(-1, 3),
         )
         return (
             torch.from_numpy(np.concatenate(token_ids)),
@@ -83,3 +83,9 @@ class ModelRunner:
             meta,
             torch.tensor(logits_indices, dtype=torch.int64),
         )
+
+
+def padded_tables(tables: list[list[int]]) -> torch.Tensor:
+    """-> [len(tables), longest] int64, each table padded with block 0."""
+    width = max((len(t) for t in tables), default=0)
+    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64).view(len(tables), width)

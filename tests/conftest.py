@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton kernels then run on CPU tensors through Triton's interpreter, which is chosen
+    # when a kernel module is first imported.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tandem import LLM
 from tandem.model.loader import LoadedModel, load_hf_model, loaded_from_hf_model

@@ -28,7 +28,7 @@ class Bandwidth:
         return asdict(self)
 
 
-def measure_copy_bandwidth(size_mib: int = 1024, repeats: int = 5) -> Bandwidth:
+def measure_copy_bandwidth(size_mib: int = 1024, repeats: int = 5, device: str = "cpu") -> Bandwidth:
     """Best-of-``repeats`` bandwidth of copying a ``size_mib`` MiB float32 tensor.
 
     The tensor is far larger than any cache, so the copy streams from and to DRAM, as a
@@ -38,17 +38,20 @@ def measure_copy_bandwidth(size_mib: int = 1024, repeats: int = 5) -> Bandwidth:
     if size_mib < 1 or repeats < 1:
         raise ValueError(f"size_mib and repeats must be >= 1, got {size_mib}, {repeats}")
     numel = size_mib * 2**20 // 4
-    src = torch.ones(numel, dtype=torch.float32)
-    dst = torch.zeros(numel, dtype=torch.float32)
+    src = torch.ones(numel, dtype=torch.float32, device=device)
+    dst = torch.zeros(numel, dtype=torch.float32, device=device)
+    sync = torch.cuda.synchronize if dst.is_cuda else (lambda: None)
     dst.copy_(src)  # warm-up: fault every page in, outside the timing
+    sync()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         dst.copy_(src)
+        sync()
         times.append(time.perf_counter() - start)
     best = min(times)
     size = numel * 4
     result = Bandwidth(2 * size / best, size, best, repeats, torch.get_num_threads())
-    logger.info("copy bandwidth: %.2f GB/s (%d MiB, best of %d: %.1f ms)",
-                result.bytes_per_s / 1e9, size_mib, repeats, best * 1e3)
+    logger.info("copy bandwidth on %s: %.2f GB/s (%d MiB, best of %d: %.2f ms)",
+                device, result.bytes_per_s / 1e9, size_mib, repeats, best * 1e3)
     return result

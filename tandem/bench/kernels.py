@@ -1,0 +1,268 @@
+"""Attention kernels against torch's scaled_dot_product_attention (and FlashAttention if
+installed) on Llama-8B-like heads: time, achieved memory bandwidth as a fraction of the
+device's measured copy bandwidth, and the ratio to SDPA, side by side in one run.
+
+On a GPU the kernels under test are the Triton ones; on a CPU the torch paths that the
+dispatch picks there, so the command always works. Also: python -m tandem.bench.kernels
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from tandem.bench.bandwidth import measure_copy_bandwidth
+from tandem.kernels import ops
+from tandem.kernels.paged_decode_attention import paged_decode_attention_torch
+from tandem.kernels.prefill_attention import prefill_attention_torch
+from tandem.kernels.store_kv import store_kv_torch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Llama-3-8B's attention: 32 query heads, 8 KV heads, head dim 128."""
+
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    block_size: int = 16
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    parser.add_argument("--dtype", default=None, choices=["float16", "bfloat16", "float32"],
+                        help="default: float16 on cuda, float32 on cpu")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                        help="decode batch sizes (default: 1 8 64 128 256 on cuda, 1 8 32 on cpu)")
+    parser.add_argument("--context-lens", type=int, nargs="+", default=None,
+                        help="decode context lengths (default: 128 1024 4096 16384 32768 on cuda, 128 1024 4096 on cpu)")
+    parser.add_argument("--max-kv-tokens", type=int, default=None,
+                        help="skip decode shapes with more cached tokens (default: 4M on cuda, 64k on cpu)")
+    parser.add_argument("--out-dir", default="bench-results/kernels", help="where results.json and the PNG go")
+
+
+def timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
+    """-> a function giving the median seconds of a call (after warm-up)."""
+    if device.type == "cuda":
+        import triton.testing
+        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100) / 1e3
+
+    def median_s(fn: Callable[[], object]) -> float:
+        fn()
+        times = []
+        deadline = time.perf_counter() + 1.0
+        while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 50):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    return median_s
+
+
+def flash_attn_decode() -> Callable | None:
+    try:
+        from flash_attn import flash_attn_with_kvcache
+    except ImportError:
+        return None
+    return flash_attn_with_kvcache
+
+
+def bench_decode(s: Shapes, batch: int, ctx: int, dtype: torch.dtype, device: torch.device, timed, copy_bw: float) -> dict:
+    num_blocks_per_seq = -(-ctx // s.block_size)
+    num_blocks = batch * num_blocks_per_seq
+    k_cache = torch.randn(num_blocks, s.block_size, s.num_kv_heads, s.head_dim, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    # Shuffled block tables: paging as the engine leaves it, not one contiguous run.
+    tables = torch.randperm(num_blocks, device=device).view(batch, num_blocks_per_seq)
+    lens = torch.full((batch,), ctx, dtype=torch.int64, device=device)
+    q = torch.randn(batch, s.num_heads, s.head_dim, dtype=dtype, device=device)
+    scale = s.head_dim ** -0.5
+    if ops.backend_for(q) is ops.Backend.TRITON:
+        from tandem.kernels.paged_decode_attention_triton import paged_decode_attention_triton
+        ours = lambda: paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale, ctx)
+    else:
+        ours = lambda: paged_decode_attention_torch(q, k_cache, v_cache, tables, lens, scale)
+    # SDPA's best case: each sequence's K and V contiguous, no paging. [batch, kv_heads, ctx, head_dim]
+    k = torch.randn(batch, s.num_kv_heads, ctx, s.head_dim, dtype=dtype, device=device)
+    v = torch.randn_like(k)
+    sdpa = lambda: F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True)
+    kv_bytes = 2 * batch * ctx * s.num_kv_heads * s.head_dim * k.element_size()
+    row = {"batch": batch, "context_len": ctx, "kv_bytes": kv_bytes}
+    row.update(timings({"tandem": ours, "sdpa": sdpa, **flash_decode(q, k, v, lens, scale)}, timed, kv_bytes, copy_bw))
+    return row
+
+
+def flash_decode(q, k, v, lens, scale) -> dict:
+    fa = flash_attn_decode()
+    if fa is None or not q.is_cuda:
+        return {}
+    k_fa, v_fa = k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()  # [batch, ctx, kv_heads, d]
+    seqlens = lens.to(torch.int32)
+    return {"flash_attn": lambda: fa(q.unsqueeze(1), k_fa, v_fa, cache_seqlens=seqlens, softmax_scale=scale)}
+
+
+def timings(fns: dict, timed, num_bytes: int, copy_bw: float) -> dict:
+    row = {}
+    for name, fn in fns.items():
+        t = timed(fn)
+        row[f"{name}_s"] = t
+        row[f"{name}_bw_fraction"] = num_bytes / t / copy_bw
+    row["speedup_vs_sdpa"] = row["sdpa_s"] / row["tandem_s"]
+    return row
+
+
+def bench_prefill(s: Shapes, batch: int, seq_len: int, dtype: torch.dtype, device: torch.device, timed) -> dict:
+    num_blocks_per_seq = -(-seq_len // s.block_size)
+    num_blocks = batch * num_blocks_per_seq
+    k_cache = torch.randn(num_blocks, s.block_size, s.num_kv_heads, s.head_dim, dtype=dtype, device=device)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.randperm(num_blocks, device=device).view(batch, num_blocks_per_seq)
+    q = torch.randn(batch * seq_len, s.num_heads, s.head_dim, dtype=dtype, device=device)
+    k = torch.randn(batch * seq_len, s.num_kv_heads, s.head_dim, dtype=dtype, device=device)
+    v = torch.randn_like(k)
+    scale = s.head_dim ** -0.5
+    starts = tuple(i * seq_len for i in range(batch))
+    if ops.backend_for(q) is ops.Backend.TRITON:
+        from tandem.kernels.prefill_attention_triton import prefill_attention_triton
+        layout = torch.tensor([(st, seq_len, seq_len) for st in starts], dtype=torch.int64, device=device)
+        ours = lambda: prefill_attention_triton(q, k_cache, v_cache, tables, layout, seq_len, scale)
+    else:
+        lens = (seq_len,) * batch
+        ours = lambda: prefill_attention_torch(q, k, v, k_cache, v_cache, starts, lens, lens, tables, scale)
+    # [batch, heads, seq_len, head_dim]
+    qb = q.view(batch, seq_len, s.num_heads, s.head_dim).transpose(1, 2)
+    kb = k.view(batch, seq_len, s.num_kv_heads, s.head_dim).transpose(1, 2)
+    vb = v.view(batch, seq_len, s.num_kv_heads, s.head_dim).transpose(1, 2)
+    sdpa = lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True)
+    flops = 2 * 2 * batch * s.num_heads * s.head_dim * seq_len * (seq_len + 1) / 2  # causal QK^T and PV
+    row = {"batch": batch, "seq_len": seq_len}
+    for name, fn in {"tandem": ours, "sdpa": sdpa}.items():
+        t = timed(fn)
+        row[f"{name}_s"] = t
+        row[f"{name}_tflops"] = flops / t / 1e12
+    row["speedup_vs_sdpa"] = row["sdpa_s"] / row["tandem_s"]
+    return row
+
+
+def bench_store_kv(s: Shapes, num_tokens: int, dtype: torch.dtype, device: torch.device, timed, copy_bw: float) -> dict:
+    num_blocks = -(-num_tokens // s.block_size) * 2
+    k_cache = torch.zeros(num_blocks, s.block_size, s.num_kv_heads, s.head_dim, dtype=dtype, device=device)
+    v_cache = torch.zeros_like(k_cache)
+    k = torch.randn(num_tokens, s.num_kv_heads, s.head_dim, dtype=dtype, device=device)
+    v = torch.randn_like(k)
+    slots = torch.randperm(num_blocks * s.block_size, device=device)[:num_tokens]
+    if ops.backend_for(k) is ops.Backend.TRITON:
+        from tandem.kernels.store_kv_triton import store_kv_triton
+        ours = lambda: store_kv_triton(k, v, k_cache, v_cache, slots)
+    else:
+        ours = lambda: store_kv_torch(k, v, k_cache, v_cache, slots)
+    moved = 2 * 2 * k.numel() * k.element_size()  # K and V, read and written
+    t = timed(ours)
+    return {"num_tokens": num_tokens, "tandem_s": t, "tandem_bw_fraction": moved / t / copy_bw}
+
+
+def defaults(args: argparse.Namespace, on_cuda: bool) -> argparse.Namespace:
+    pick = lambda value, gpu, cpu: value if value is not None else (gpu if on_cuda else cpu)
+    return argparse.Namespace(
+        dtype=getattr(torch, pick(args.dtype, "float16", "float32")),
+        batch_sizes=pick(args.batch_sizes, [1, 8, 64, 128, 256], [1, 8, 32]),
+        context_lens=pick(args.context_lens, [128, 1024, 4096, 16384, 32768], [128, 1024, 4096]),
+        max_kv_tokens=pick(args.max_kv_tokens, 4 * 2**20, 64 * 2**10),
+        prefill=pick(None, [(1, 512), (1, 4096), (8, 1024), (16, 2048)], [(1, 128), (1, 1024), (4, 512)]),
+        store_kv_tokens=pick(None, [256, 4096, 32768], [256, 4096]),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    cfg = defaults(args, device.type == "cuda")
+    s = Shapes()
+    timed = timer(device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    probe = torch.empty(0, device=device)
+    logger.info("bench kernels on %s (%s backend), %s", name, ops.backend_for(probe).value, cfg.dtype)
+    bw = measure_copy_bandwidth(1024, 10, str(device))
+    decode_shapes = [(b, c) for b in cfg.batch_sizes for c in cfg.context_lens if b * c <= cfg.max_kv_tokens]
+    with torch.inference_mode():
+        decode = [bench_decode(s, b, c, cfg.dtype, device, timed, bw.bytes_per_s)
+                  for b, c in tqdm(decode_shapes, desc="decode attention")]
+        prefill = [bench_prefill(s, b, n, cfg.dtype, device, timed)
+                   for b, n in tqdm(cfg.prefill, desc="prefill attention")]
+        store = [bench_store_kv(s, n, cfg.dtype, device, timed, bw.bytes_per_s)
+                 for n in tqdm(cfg.store_kv_tokens, desc="store_kv")]
+    results = {"device": name, "backend": ops.backend_for(probe).value, "dtype": str(cfg.dtype).removeprefix("torch."),
+               "shapes": s.__dict__, "copy_bandwidth": bw.as_dict(), "decode": decode, "prefill": prefill,
+               "store_kv": store}
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    print_report(results)
+    plot = write_plot(results, out_dir)
+    print(f"\nwrote {out_dir / 'results.json'}, {plot}")
+    return 0
+
+
+def print_report(r: dict) -> None:
+    print(f"\n{r['device']}, {r['backend']} kernels, {r['dtype']}; "
+          f"copy bandwidth {r['copy_bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s")
+    has_fa = any("flash_attn_s" in row for row in r["decode"])
+    print("\ndecode attention (fraction of copy bandwidth; speedup = sdpa time / tandem time)")
+    print(f"{'batch':>6} {'context':>8} {'tandem ms':>10} {'tandem bw':>10} {'sdpa ms':>9} {'sdpa bw':>8}"
+          f" {'speedup':>8}" + (f" {'flash ms':>9}" if has_fa else ""))
+    for row in r["decode"]:
+        print(f"{row['batch']:>6} {row['context_len']:>8} {row['tandem_s'] * 1e3:>10.3f} "
+              f"{row['tandem_bw_fraction']:>10.0%} {row['sdpa_s'] * 1e3:>9.3f} {row['sdpa_bw_fraction']:>8.0%} "
+              f"{row['speedup_vs_sdpa']:>7.2f}x" + (f" {row.get('flash_attn_s', float('nan')) * 1e3:>9.3f}" if has_fa else ""))
+    print("\nprefill attention (causal, no prefix)")
+    print(f"{'batch':>6} {'seq len':>8} {'tandem ms':>10} {'TFLOP/s':>8} {'sdpa ms':>9} {'TFLOP/s':>8} {'speedup':>8}")
+    for row in r["prefill"]:
+        print(f"{row['batch']:>6} {row['seq_len']:>8} {row['tandem_s'] * 1e3:>10.3f} {row['tandem_tflops']:>8.2f} "
+              f"{row['sdpa_s'] * 1e3:>9.3f} {row['sdpa_tflops']:>8.2f} {row['speedup_vs_sdpa']:>7.2f}x")
+    print("\nstore_kv")
+    for row in r["store_kv"]:
+        print(f"{row['num_tokens']:>6} tokens {row['tandem_s'] * 1e3:>9.3f} ms {row['tandem_bw_fraction']:>5.0%} of copy bandwidth")
+
+
+def write_plot(r: dict, out_dir: Path) -> Path:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, batch in enumerate(sorted({row["batch"] for row in r["decode"]})):
+        rows = [row for row in r["decode"] if row["batch"] == batch]
+        ctx = [row["context_len"] for row in rows]
+        ax.plot(ctx, [row["tandem_bw_fraction"] for row in rows], "o-", color=f"C{i}", label=f"tandem, batch {batch}")
+        ax.plot(ctx, [row["sdpa_bw_fraction"] for row in rows], "x--", color=f"C{i}", alpha=0.6, label=f"sdpa, batch {batch}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("fraction of copy bandwidth")
+    ax.set_ylim(bottom=0)
+    ax.set_title(f"Decode attention, {r['device']}, {r['dtype']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    path = out_dir / "decode_bandwidth.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_args(parser)
+    raise SystemExit(run(parser.parse_args()))
