@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 import torch
 
@@ -24,9 +26,10 @@ class ModelRunner:
         )
         self.sampler = Sampler()
 
-    def run(self, batch: ScheduledBatch) -> SamplerOutput:
+    def run(self, batch: ScheduledBatch, on_layer_stored: Callable[[int], None] | None = None) -> SamplerOutput:
+        """on_layer_stored: see LlamaModel.forward."""
         input_ids, positions, meta, logits_indices = self.prepare(batch)
-        logits = self.model.forward(input_ids, positions, self.kv_cache, meta, logits_indices)
+        logits = self.model.forward(input_ids, positions, self.kv_cache, meta, logits_indices, on_layer_stored)
         sampled = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         seqs = [batch.seqs[i] for i in sampled]
         return self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])

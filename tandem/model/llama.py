@@ -7,6 +7,7 @@ so that each layer runs four matrix products.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -85,8 +86,12 @@ class LlamaModel:
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
         logits_indices: torch.Tensor,
+        on_layer_stored: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Run one packed step and return the logits of the tokens at ``logits_indices``.
+
+        on_layer_stored(layer) runs as soon as a layer's new K and V are in the cache, while
+        the rest of the step still computes (a prefill worker sends that layer then).
 
         input_ids, positions: [num_tokens]
         kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
@@ -111,6 +116,8 @@ class LlamaModel:
             k = k * cos + rotate_half(k) * sin
             k_cache, v_cache = kv_cache[layer_idx]
             ops.store_kv(k, v, k_cache, v_cache, meta)
+            if on_layer_stored is not None:
+                on_layer_stored(layer_idx)
             attn = ops.attention(q, k, v, k_cache, v_cache, meta, self.scale)
             h = h + F.linear(attn.reshape(num_tokens, self.q_size), lw.o_proj)
             x = rms_norm(h, lw.post_attention_norm, cfg.rms_norm_eps)

@@ -1,0 +1,67 @@
+"""The two data paths for KV rows: frames of the ZMQ message itself, or torch.distributed
+point-to-point (NCCL between GPUs, gloo on CPUs) beside the same ZMQ headers."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tandem.kvtransfer.protocol import KVLayout
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def layout_of(kv_cache: torch.Tensor) -> KVLayout:
+    """kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]"""
+    num_layers, two, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+    if two != 2 or not kv_cache.is_contiguous():
+        raise ValueError(f"kv_cache must be a contiguous [layers, 2, blocks, block_size, heads, dim], got {tuple(kv_cache.shape)}")
+    names = {v: k for k, v in TORCH_DTYPES.items()}
+    if kv_cache.dtype not in names:
+        raise ValueError(f"kv_cache dtype must be one of {list(TORCH_DTYPES)}, got {kv_cache.dtype}")
+    return KVLayout(num_layers, num_blocks, block_size, num_kv_heads, head_dim, names[kv_cache.dtype])
+
+
+def layer_rows(kv_cache: torch.Tensor, layer: int, kv: int) -> torch.Tensor:
+    """-> [num_blocks * block_size, num_kv_heads, head_dim], a view: row i is slot i's K (kv=0) or V (kv=1)."""
+    return kv_cache[layer, kv].flatten(0, 1)
+
+
+def frame_of(rows: torch.Tensor) -> memoryview:
+    """Raw bytes of contiguous rows, without a copy when they are in host memory."""
+    host = rows if rows.device.type == "cpu" else rows.cpu()  # the one copy a socket needs
+    return memoryview(host.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+def rows_of(frame: memoryview, dtype: str, row_shape: tuple[int, int]) -> torch.Tensor:
+    """-> [n, *row_shape] over the frame's bytes (no copy)."""
+    return torch.frombuffer(frame, dtype=TORCH_DTYPES[dtype]).view(-1, *row_shape)
+
+
+class DistPayload:
+    """KV rows sent with torch.distributed send/recv to a peer rank of `group`.
+
+    NOTE: tensors on one pair of ranks are matched in order, so the sender sends them in
+    the order of its headers and the receiver, which reads the headers in the same order,
+    receives them before checking the header (a message it drops is still drained).
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("DistPayload needs torch.distributed.init_process_group first")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+            else torch.device("cpu")
+
+    def send(self, peer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        for t in (k, v):
+            dist.send(t.to(self.device).contiguous(), dst=peer, group=self.group)
+
+    def recv(self, peer: int, num_tokens: int, row_shape: tuple[int, int], dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+        out = []
+        for _ in range(2):
+            t = torch.empty(num_tokens, *row_shape, dtype=TORCH_DTYPES[dtype], device=self.device)
+            dist.recv(t, src=peer, group=self.group)
+            out.append(t)
+        return out[0], out[1]

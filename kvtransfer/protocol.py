@@ -1,0 +1,174 @@
+"""The transfer protocol's messages: a msgpack header (never pickle) plus raw tensor frames.
+
+Every message on the wire is a ZMQ multipart message whose first frame is a msgpack map
+with at least `v` (PROTOCOL_VERSION), `kind` (MessageKind) and `request_id`; LAYER
+messages are followed by the K frames and then the V frames of their payload (or, on the
+torch.distributed data path, by nothing: the tensors follow on the process group).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+DTYPES = ("float32", "float16", "bfloat16")
+ITEM_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
+MAX_HEADER_BYTES = 1 << 20
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow the protocol; the `reason` names the counter it bumps."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
+class TransferRefused(RuntimeError):
+    """The receiver refused the handshake (incompatible KV layouts, protocol version)."""
+
+
+class MessageKind(enum.IntEnum):
+    HELLO = 1  # sender -> receiver: the sender's layout
+    HELLO_OK = 2  # receiver -> sender: the receiver's layout
+    REFUSED = 3  # receiver -> sender: the handshake failed, with the reason
+    LAYER = 4  # sender -> receiver: one layer's K and V for a token range of a request
+    ABORT = 5  # either way: forget this request
+    DONE = 6  # receiver -> sender: every layer of the request arrived
+    FAILED = 7  # receiver -> sender: the request failed on the receiver (reason given)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of one worker's KV pool: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim].
+
+    Crosses the wire in the handshake. Sender and receiver must agree on everything but
+    num_blocks and block_size.
+    """
+
+    num_layers: int
+    num_blocks: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    """One of DTYPES."""
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's K (or V) in one layer."""
+        return self.num_kv_heads * self.head_dim * ITEM_SIZES[self.dtype]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any) -> KVLayout:
+        fields = ("num_layers", "num_blocks", "block_size", "num_kv_heads", "head_dim")
+        if not isinstance(d, dict) or any(not isinstance(d.get(f), int) or d[f] < 1 for f in fields):
+            raise ProtocolError("malformed", f"layout needs positive integers {fields}: {d!r}")
+        if d.get("dtype") not in DTYPES:
+            raise ProtocolError("malformed", f"layout dtype must be one of {DTYPES}: {d.get('dtype')!r}")
+        return cls(**{f: d[f] for f in (*fields, "dtype")})
+
+    def incompatibility(self, other: KVLayout) -> str | None:
+        """Why KV of `other` cannot be written into this pool, or None when it can."""
+        for field in ("num_layers", "num_kv_heads", "head_dim", "dtype"):
+            mine, theirs = getattr(self, field), getattr(other, field)
+            if mine != theirs:
+                return f"{field} differs: receiver has {mine}, sender has {theirs}"
+        return None
+
+
+@dataclass(frozen=True)
+class LayerHeader:
+    """One layer's K and V for tokens [token_start, token_start + num_tokens) of a request."""
+
+    request_id: str
+    layer: int
+    token_start: int
+    num_tokens: int
+    block_ids: tuple[int, ...]
+    """The receiver's blocks covering the token range (its layout, its block size)."""
+    dtype: str
+    row_shape: tuple[int, int]
+    """(num_kv_heads, head_dim) of each token row."""
+    frame_tokens: tuple[int, ...]
+    """Token rows in each K frame (the V frames split the same way); empty when the payload
+    travels on torch.distributed instead of in the message."""
+
+
+def encode(kind: MessageKind, request_id: str = "", **fields: Any) -> bytes:
+    return msgpack.packb({"v": PROTOCOL_VERSION, "kind": int(kind), "request_id": request_id, **fields})
+
+
+def decode(frame: bytes | memoryview) -> tuple[MessageKind, str, dict[str, Any]]:
+    """-> (kind, request_id, the whole map); ProtocolError on anything unexpected."""
+    if len(frame) > MAX_HEADER_BYTES:
+        raise ProtocolError("malformed", f"header of {len(frame)} bytes")
+    try:
+        msg = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several types for bad bytes
+        raise ProtocolError("malformed", f"header is not msgpack: {e}") from None
+    if not isinstance(msg, dict):
+        raise ProtocolError("malformed", "header is not a map")
+    if msg.get("v") != PROTOCOL_VERSION:
+        raise ProtocolError("version", f"protocol version {msg.get('v')!r}, expected {PROTOCOL_VERSION}")
+    try:
+        kind = MessageKind(msg.get("kind"))
+    except ValueError:
+        raise ProtocolError("malformed", f"unknown message kind {msg.get('kind')!r}") from None
+    request_id = msg.get("request_id")
+    if not isinstance(request_id, str):
+        raise ProtocolError("malformed", "request_id must be a string")
+    return kind, request_id, msg
+
+
+def layer_header(request_id: str, msg: dict[str, Any]) -> LayerHeader:
+    """The fields of a LAYER message, type-checked (values are checked by the receiver)."""
+    ints = ("layer", "token_start", "num_tokens")
+    if any(not isinstance(msg.get(f), int) or msg[f] < 0 for f in ints):
+        raise ProtocolError("malformed", f"LAYER needs non-negative integers {ints}")
+    lists = ("block_ids", "row_shape", "frame_tokens")
+    if any(not isinstance(msg.get(f), list) or not all(isinstance(x, int) for x in msg[f]) for f in lists):
+        raise ProtocolError("malformed", f"LAYER needs integer lists {lists}")
+    if len(msg["row_shape"]) != 2:
+        raise ProtocolError("malformed", "row_shape must be (num_kv_heads, head_dim)")
+    if not isinstance(msg.get("dtype"), str):
+        raise ProtocolError("malformed", "dtype must be a string")
+    return LayerHeader(request_id, msg["layer"], msg["token_start"], msg["num_tokens"], tuple(msg["block_ids"]),
+                       msg["dtype"], tuple(msg["row_shape"]), tuple(msg["frame_tokens"]))
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where a request's KV must go: handed by the receiving worker to the sending one."""
+
+    request_id: str
+    address: str
+    """The receiver's ZMQ address (tcp://host:port or ipc://path)."""
+    block_ids: tuple[int, ...]
+    """The blocks the receiver reserved for the request, in token order."""
+    num_tokens: int
+    """Tokens whose KV the receiver waits for, in every layer."""
+
+
+class TransferStatus(enum.IntEnum):
+    """Where a transfer stands; ordered, so `status >= DONE` means it has ended."""
+
+    PENDING = 0
+    DONE = 1
+    FAILED = 2
+
+
+@dataclass(frozen=True)
+class TransferEvent:
+    """A transfer that ended, as either side reports it to its owner."""
+
+    request_id: str
+    status: TransferStatus
+    reason: str = ""

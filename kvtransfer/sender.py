@@ -1,0 +1,175 @@
+"""The sending side: a request's KV leaves the pool layer by layer, as soon as each is computed.
+
+One DEALER socket per receiver address, used only from the owner's thread (the prefill
+worker's step loop): `send_layer` hands zero-copy frames to ZMQ and returns at once, and
+`poll` collects the receivers' acks and times out requests nobody acks. The owner keeps a
+request's source blocks until its event arrives: ZMQ may still be reading them before that.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from tandem.kvtransfer.payload import DistPayload, frame_of, layer_rows, layout_of
+from tandem.kvtransfer.protocol import (
+    Destination, KVLayout, MessageKind, ProtocolError, TransferEvent, TransferRefused, TransferStatus, decode, encode,
+)
+from tandem.kvtransfer.slots import contiguous_runs, covering_blocks, token_slots
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Peer:
+    socket: zmq.Socket
+    layout: KVLayout
+    """The receiver's pool layout, from the handshake."""
+    dist_rank: int | None
+
+
+@dataclass
+class _Outgoing:
+    destination: Destination
+    src_block_ids: list[int]
+    deadline: float
+
+
+class KVSender:
+    def __init__(self, kv_cache: torch.Tensor, timeout_s: float = 30.0, dist_payload: DistPayload | None = None) -> None:
+        """kv_cache: the pool read from, [layers, 2, blocks, block_size, kv_heads, head_dim].
+        timeout_s: a request fails when its receiver has not acked it this long after `begin`.
+        """
+        self.kv_cache = kv_cache
+        self.layout = layout_of(kv_cache)
+        self.timeout_s = timeout_s
+        self.dist_payload = dist_payload
+        self._peers: dict[str, _Peer] = {}
+        self._outgoing: dict[str, _Outgoing] = {}
+        self._events: list[TransferEvent] = []
+
+    def connect(self, address: str, timeout_s: float = 10.0) -> KVLayout:
+        """Handshake with a receiver (once per address). -> its layout.
+
+        Raises TransferRefused when the layouts cannot exchange KV, TimeoutError when it
+        does not answer.
+        """
+        if address in self._peers:
+            return self._peers[address].layout
+        sock = zmq.Context.instance().socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
+        sock.connect(address)
+        hello = {"layout": self.layout.as_dict()}
+        if self.dist_payload is not None:
+            hello["dist_rank"] = self.dist_payload.rank
+        sock.send(encode(MessageKind.HELLO, **hello))
+        if not sock.poll(int(timeout_s * 1000)):
+            sock.close()
+            raise TimeoutError(f"no KV receiver answered at {address} within {timeout_s} s")
+        kind, _, msg = decode(sock.recv())
+        if kind is not MessageKind.HELLO_OK:
+            sock.close()
+            raise TransferRefused(f"KV receiver at {address} refused the transfer: {msg.get('reason')}")
+        peer = _Peer(sock, KVLayout.from_dict(msg.get("layout")), msg.get("dist_rank"))
+        self._peers[address] = peer
+        return peer.layout
+
+    def begin(self, destination: Destination, src_block_ids: list[int]) -> None:
+        """Start sending a request's KV (held in `src_block_ids` here) to its destination."""
+        if len(src_block_ids) * self.layout.block_size < destination.num_tokens:
+            raise ValueError(f"{destination.request_id}: {len(src_block_ids)} source blocks "
+                             f"cannot hold {destination.num_tokens} tokens")
+        self.connect(destination.address)
+        self._outgoing[destination.request_id] = _Outgoing(
+            destination, list(src_block_ids), time.monotonic() + self.timeout_s)
+
+    def send_layer(self, request_id: str, layer: int, token_start: int = 0, token_end: int | None = None) -> bool:
+        """Send layer `layer`'s K and V of tokens [token_start, token_end) (default: to the end).
+
+        -> False when the request is no longer being sent (aborted or failed): skip it.
+        """
+        out = self._outgoing.get(request_id)
+        if out is None:
+            return False
+        dest = out.destination
+        end = dest.num_tokens if token_end is None else token_end
+        if not 0 <= token_start < end <= dest.num_tokens:
+            raise ValueError(f"{request_id}: token range [{token_start}, {end}) outside [0, {dest.num_tokens})")
+        peer = self._peers[dest.address]
+        src_slots = token_slots(out.src_block_ids, self.layout.block_size, token_start, end)
+        header = dict(layer=layer, token_start=token_start, num_tokens=end - token_start,
+                      block_ids=covering_blocks(dest.block_ids, peer.layout.block_size, token_start, end),
+                      dtype=self.layout.dtype, row_shape=[self.layout.num_kv_heads, self.layout.head_dim])
+        k_rows, v_rows = layer_rows(self.kv_cache, layer, 0), layer_rows(self.kv_cache, layer, 1)
+        if self.dist_payload is not None:
+            header.update(frame_tokens=[], dist_rank=self.dist_payload.rank)
+            peer.socket.send(encode(MessageKind.LAYER, request_id, **header))
+            index = torch.from_numpy(src_slots).to(self.kv_cache.device)
+            self.dist_payload.send(peer.dist_rank, k_rows.index_select(0, index), v_rows.index_select(0, index))
+            return True
+        # One frame per run of neighbouring slots: views of the pool itself, not copies.
+        runs = contiguous_runs(src_slots)
+        header["frame_tokens"] = [n for _, n in runs]
+        frames = [frame_of(rows[first:first + n]) for rows in (k_rows, v_rows) for first, n in runs]
+        peer.socket.send_multipart([encode(MessageKind.LAYER, request_id, **header), *frames], copy=False)
+        return True
+
+    def abort(self, request_id: str) -> bool:
+        """Stop sending a request and tell its receiver (which then frees its blocks). No event follows."""
+        out = self._outgoing.pop(request_id, None)
+        if out is not None:
+            self._peers[out.destination.address].socket.send(encode(MessageKind.ABORT, request_id))
+        return out is not None
+
+    def poll(self) -> list[TransferEvent]:
+        """Acks that arrived and requests that timed out since the last call (never blocks)."""
+        for address, peer in self._peers.items():
+            while peer.socket.poll(0):
+                try:
+                    kind, request_id, msg = decode(peer.socket.recv())
+                except ProtocolError as e:
+                    logger.warning("kv sender dropped a message from %s: %s", address, e)
+                    continue
+                if kind in (MessageKind.DONE, MessageKind.FAILED, MessageKind.ABORT) \
+                        and self._outgoing.pop(request_id, None) is not None:
+                    status = TransferStatus.DONE if kind is MessageKind.DONE else TransferStatus.FAILED
+                    reason = "" if kind is MessageKind.DONE else f"receiver: {msg.get('reason', 'aborted')}"
+                    self._events.append(TransferEvent(request_id, status, reason))
+        now = time.monotonic()
+        for request_id in [r for r, o in self._outgoing.items() if o.deadline <= now]:
+            self.abort(request_id)
+            logger.warning("kv transfer %s: no ack within %.1f s", request_id, self.timeout_s)
+            self._events.append(TransferEvent(request_id, TransferStatus.FAILED, "timed out waiting for the receiver"))
+        events, self._events = self._events, []
+        return events
+
+    def wait(self, request_id: str, timeout_s: float | None = None) -> TransferEvent:
+        """Poll until `request_id` ends; other requests' events are kept for the next `poll`."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        kept: list[TransferEvent] = []
+        try:
+            while True:
+                for event in self.poll():
+                    if event.request_id == request_id:
+                        return event
+                    kept.append(event)
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"{request_id}: not ended within the wait")
+                time.sleep(0.001)
+        finally:
+            self._events = kept + self._events
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._outgoing)
+
+    def close(self) -> None:
+        for peer in self._peers.values():
+            peer.socket.close()
+        self._peers.clear()
