@@ -125,6 +125,9 @@ class KVReceiver:
                 except ProtocolError as e:
                     self.dropped[e.reason] += 1
                     logger.warning("kv receiver dropped a message: %s", e)
+                except Exception:  # NOTE: the thread must outlive any message, or deadlines stop
+                    self.dropped["internal_error"] += 1
+                    logger.exception("kv receiver failed on a message")
             while not self._outbox.empty():
                 self._socket.send_multipart(self._outbox.get())
             if time.monotonic() >= next_sweep:
@@ -167,7 +170,7 @@ class KVReceiver:
         self._socket.send_multipart([sender, encode(MessageKind.HELLO_OK, **reply)])
 
     def _receive_layer(self, sender: bytes, h: LayerHeader, frames: list[zmq.Frame], dist_rank: object) -> None:
-        k_parts, v_parts = self._payload(h, frames, dist_rank)
+        k_parts, v_parts = self._payload(sender, h, frames, dist_rank)
         with self._lock:
             exp = self._expected.get(h.request_id)
             if exp is None:
@@ -191,7 +194,7 @@ class KVReceiver:
             self._socket.send_multipart([sender, encode(MessageKind.DONE, h.request_id)])
             self._events.put(TransferEvent(h.request_id, TransferStatus.DONE))
 
-    def _payload(self, h: LayerHeader, frames: list[zmq.Frame], dist_rank: object
+    def _payload(self, sender: bytes, h: LayerHeader, frames: list[zmq.Frame], dist_rank: object
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """-> the K and the V rows the message carries, as pieces ([n_i, *row_shape]) in token order."""
         dist_parts = None
@@ -199,7 +202,11 @@ class KVReceiver:
             # Drained before any check (see DistPayload), as the header claims it.
             if not isinstance(dist_rank, int) or frames or h.dtype not in TORCH_DTYPES:
                 raise ProtocolError("malformed", "a torch.distributed LAYER has dist_rank, a dtype and no frames")
-            k, v = self.dist_payload.recv(dist_rank, h.num_tokens, h.row_shape, h.dtype)
+            try:
+                k, v = self.dist_payload.recv(dist_rank, h.num_tokens, h.row_shape, h.dtype)
+            except RuntimeError as e:  # the peer died between header and tensors
+                self._fail_sender(sender, h.request_id, f"torch.distributed peer lost: {e}")
+                raise ProtocolError("peer_lost", f"{h.request_id}: {e}") from None
             dist_parts = ([k], [v])
         if h.dtype != self.layout.dtype:
             raise ProtocolError("wrong_dtype", f"{h.request_id}: {h.dtype}, the pool holds {self.layout.dtype}")
@@ -234,6 +241,17 @@ class KVReceiver:
             raise ProtocolError("foreign_block", f"{h.request_id}: blocks {h.block_ids} are not its own")
         slots = token_slots(h.block_ids, layout.block_size, h.token_start, end, h.token_start // layout.block_size)
         return torch.from_numpy(slots).to(self.kv_cache.device)
+
+    def _fail_sender(self, sender: bytes, request_id: str, reason: str) -> None:
+        """Fail `request_id` and every pending request of a sender whose data path broke
+        (its stream is out of step)."""
+        with self._lock:
+            lost = [rid for rid, e in self._expected.items() if e.sender == sender or rid == request_id]
+            for rid in lost:
+                del self._expected[rid]
+                self._remember_ended(rid)
+        for rid in lost:
+            self._events.put(TransferEvent(rid, TransferStatus.FAILED, reason))
 
     def _sweep_deadlines(self) -> None:
         now = time.monotonic()

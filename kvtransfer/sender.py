@@ -24,6 +24,8 @@ from tandem.kvtransfer.slots import contiguous_runs, covering_blocks, token_slot
 
 logger = logging.getLogger(__name__)
 
+SEND_QUEUE_MESSAGES = 100_000
+
 
 @dataclass
 class _Peer:
@@ -64,11 +66,20 @@ class KVSender:
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
+        # Queue nothing for a receiver that is gone (sends fail at once instead), and allow
+        # many layers in flight: queued frames are views of the pool, not copies.
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+        sock.setsockopt(zmq.SNDHWM, SEND_QUEUE_MESSAGES)
+        sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
         sock.connect(address)
         hello = {"layout": self.layout.as_dict()}
         if self.dist_payload is not None:
             hello["dist_rank"] = self.dist_payload.rank
-        sock.send(encode(MessageKind.HELLO, **hello))
+        try:
+            sock.send(encode(MessageKind.HELLO, **hello))
+        except zmq.Again:
+            sock.close()
+            raise TimeoutError(f"no KV receiver accepted a connection at {address} within {timeout_s} s") from None
         if not sock.poll(int(timeout_s * 1000)):
             sock.close()
             raise TimeoutError(f"no KV receiver answered at {address} within {timeout_s} s")
@@ -109,7 +120,8 @@ class KVSender:
         k_rows, v_rows = layer_rows(self.kv_cache, layer, 0), layer_rows(self.kv_cache, layer, 1)
         if self.dist_payload is not None:
             header.update(frame_tokens=[], dist_rank=self.dist_payload.rank)
-            peer.socket.send(encode(MessageKind.LAYER, request_id, **header))
+            if not self._send(request_id, peer, [encode(MessageKind.LAYER, request_id, **header)]):
+                return False
             index = torch.from_numpy(src_slots).to(self.kv_cache.device)
             self.dist_payload.send(peer.dist_rank, k_rows.index_select(0, index), v_rows.index_select(0, index))
             return True
@@ -117,14 +129,27 @@ class KVSender:
         runs = contiguous_runs(src_slots)
         header["frame_tokens"] = [n for _, n in runs]
         frames = [frame_of(rows[first:first + n]) for rows in (k_rows, v_rows) for first, n in runs]
-        peer.socket.send_multipart([encode(MessageKind.LAYER, request_id, **header), *frames], copy=False)
-        return True
+        return self._send(request_id, peer, [encode(MessageKind.LAYER, request_id, **header), *frames])
+
+    def _send(self, request_id: str, peer: _Peer, frames: list) -> bool:
+        """Never blocks: a receiver that cannot take the message fails the request."""
+        try:
+            peer.socket.send_multipart(frames, copy=False, flags=zmq.DONTWAIT)
+            return True
+        except zmq.Again:
+            self._outgoing.pop(request_id, None)
+            logger.warning("kv transfer %s: the receiver is not accepting messages", request_id)
+            self._events.append(TransferEvent(request_id, TransferStatus.FAILED, "receiver not accepting messages"))
+            return False
 
     def abort(self, request_id: str) -> bool:
         """Stop sending a request and tell its receiver (which then frees its blocks). No event follows."""
         out = self._outgoing.pop(request_id, None)
         if out is not None:
-            self._peers[out.destination.address].socket.send(encode(MessageKind.ABORT, request_id))
+            try:  # best effort: a receiver that is gone times the request out itself
+                self._peers[out.destination.address].socket.send(encode(MessageKind.ABORT, request_id), zmq.DONTWAIT)
+            except zmq.Again:
+                pass
         return out is not None
 
     def poll(self) -> list[TransferEvent]:
@@ -153,15 +178,19 @@ class KVSender:
         """Poll until `request_id` ends; other requests' events are kept for the next `poll`."""
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         kept: list[TransferEvent] = []
+        found: TransferEvent | None = None
         try:
-            while True:
+            while found is None:
                 for event in self.poll():
                     if event.request_id == request_id:
-                        return event
-                    kept.append(event)
-                if time.monotonic() >= deadline:
+                        found = event
+                    else:
+                        kept.append(event)
+                if found is None and time.monotonic() >= deadline:
                     raise TimeoutError(f"{request_id}: not ended within the wait")
-                time.sleep(0.001)
+                if found is None:
+                    time.sleep(0.001)
+            return found
         finally:
             self._events = kept + self._events
 

@@ -1,0 +1,201 @@
+"""Bad input and faults: each bad message is dropped with a counter, the connection and the
+pool stay usable, nothing is written outside the request's own blocks; aborts and
+timeouts end a transfer on both sides."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from kv_pools import pair, random_pool, token_rows
+from tandem.kvtransfer.payload import frame_of, layer_rows
+from tandem.kvtransfer.protocol import MessageKind, TransferStatus, encode
+from tandem.kvtransfer.receiver import KVReceiver
+from tandem.kvtransfer.sender import KVSender
+
+LAYERS, BLOCKS, BLOCK_SIZE, HEADS, DIM = 2, 8, 4, 2, 8
+DST_BLOCKS = [5, 2]  # the request's reservation: 8 tokens in blocks 5 and 2
+NUM_TOKENS = 8
+
+
+class RawSender:
+    """A hand-driven peer that can put any bytes on the wire after a proper handshake."""
+
+    def __init__(self, receiver: KVReceiver, dtype: torch.dtype = torch.float32) -> None:
+        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
+        self.socket.connect(receiver.address)
+        self.src = random_pool(LAYERS, 2, 8, HEADS, DIM, dtype, seed=7)  # tokens 0..7 in block 0
+        layout = dict(num_layers=LAYERS, num_blocks=2, block_size=8, num_kv_heads=HEADS, head_dim=DIM,
+                      dtype=str(dtype).removeprefix("torch."))
+        self.socket.send(encode(MessageKind.HELLO, layout=layout))
+        assert self.socket.poll(5000)
+        assert msgpack.unpackb(self.socket.recv())["kind"] == MessageKind.HELLO_OK
+
+    def header(self, request_id: str = "req", layer: int = 0, **changes) -> dict:
+        h = dict(layer=layer, token_start=0, num_tokens=NUM_TOKENS, block_ids=DST_BLOCKS, dtype="float32",
+                 row_shape=[HEADS, DIM], frame_tokens=[NUM_TOKENS])
+        h.update(changes)
+        return h
+
+    def frames(self, layer: int = 0) -> list:
+        return [frame_of(layer_rows(self.src, layer, kv)[:NUM_TOKENS]) for kv in (0, 1)]
+
+    def send(self, header: dict | bytes, frames: list, request_id: str = "req") -> None:
+        first = header if isinstance(header, bytes) else encode(MessageKind.LAYER, request_id, **header)
+        self.socket.send_multipart([first, *frames])
+
+    def send_all_layers(self, request_id: str = "req") -> None:
+        for layer in range(LAYERS):
+            self.send(self.header(request_id, layer), self.frames(layer), request_id)
+
+    def next_kind(self, timeout_s: float = 5.0) -> MessageKind:
+        assert self.socket.poll(int(timeout_s * 1000)), "no answer from the receiver"
+        return MessageKind(msgpack.unpackb(self.socket.recv())["kind"])
+
+
+@pytest.fixture
+def receiver():
+    r = KVReceiver(random_pool(LAYERS, BLOCKS, BLOCK_SIZE, HEADS, DIM, torch.float32, seed=3), timeout_s=10)
+    yield r
+    r.close()
+
+
+def wait_dropped(receiver: KVReceiver, reason: str) -> None:
+    deadline = time.monotonic() + 5
+    while receiver.dropped[reason] == 0:
+        assert time.monotonic() < deadline, f"never dropped for {reason}: {receiver.dropped}"
+        time.sleep(0.005)
+
+
+BAD_MESSAGES = {
+    "malformed": lambda s: (b"\xc1 not msgpack", s.frames()),
+    "version": lambda s: (msgpack.packb({"v": 99, "kind": 4, "request_id": "req"}), s.frames()),
+    "unknown_request": lambda s: (s.header(), s.frames(), "nobody"),
+    "wrong_dtype": lambda s: (s.header(dtype="float16"), s.frames()),
+    "wrong_shape": lambda s: (s.header(row_shape=[HEADS * 2, DIM // 2]), s.frames()),
+    "truncated": lambda s: (s.header(), [s.frames()[0], bytes(len(s.frames()[1]) - 4)]),
+    "block_out_of_range": lambda s: (s.header(block_ids=[5, BLOCKS]), s.frames()),
+    "foreign_block": lambda s: (s.header(block_ids=[5, 3]), s.frames()),
+    "layer_out_of_range": lambda s: (s.header(layer=LAYERS), s.frames()),
+    "bad_token_range": lambda s: (s.header(token_start=4, num_tokens=4, frame_tokens=[4]),
+                                  [f[:4 * HEADS * DIM * 4] for f in s.frames()]),
+}
+
+
+@pytest.mark.parametrize("reason", list(BAD_MESSAGES))
+def test_bad_message_is_dropped_and_the_connection_stays_usable(receiver, reason):
+    before = receiver.kv_cache.clone()
+    receiver.expect("req", DST_BLOCKS, NUM_TOKENS)
+    raw = RawSender(receiver)
+    header, frames, *request_id = BAD_MESSAGES[reason](raw)
+    raw.send(header, frames, *request_id)
+    wait_dropped(receiver, reason)
+    assert torch.equal(receiver.kv_cache, before), "a dropped message wrote into the pool"
+    # The same connection then completes the request, and only its blocks change.
+    raw.send_all_layers()
+    assert raw.next_kind() is MessageKind.DONE
+    assert receiver.get_event(5).status is TransferStatus.DONE
+    assert torch.equal(token_rows(receiver.kv_cache, DST_BLOCKS, NUM_TOKENS), token_rows(raw.src, [0], NUM_TOKENS))
+    others = [b for b in range(BLOCKS) if b not in DST_BLOCKS]
+    assert torch.equal(receiver.kv_cache[:, :, others], before[:, :, others])
+
+
+def test_duplicate_layer_is_dropped_and_keeps_the_first(receiver):
+    receiver.expect("req", DST_BLOCKS, NUM_TOKENS)
+    raw = RawSender(receiver)
+    raw.send(raw.header(layer=0), raw.frames(0))
+    raw.send(raw.header(layer=0), raw.frames(1))  # layer 0 again, with other bytes
+    wait_dropped(receiver, "duplicate_layer")
+    raw.send(raw.header(layer=1), raw.frames(1))
+    assert raw.next_kind() is MessageKind.DONE
+    assert torch.equal(token_rows(receiver.kv_cache, DST_BLOCKS, NUM_TOKENS), token_rows(raw.src, [0], NUM_TOKENS))
+
+
+def test_receiver_abort_stops_the_sender_and_late_layers_write_nothing(receiver):
+    receiver.expect("req", DST_BLOCKS, NUM_TOKENS)
+    raw = RawSender(receiver)
+    raw.send(raw.header(layer=0), raw.frames(0))
+    deadline = time.monotonic() + 5
+    while receiver._expected["req"].received[0] == 0:  # layer 0 written
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    assert receiver.abort("req")
+    assert raw.next_kind() is MessageKind.ABORT  # the sender is told at once
+    after_abort = receiver.kv_cache.clone()
+    raw.send(raw.header(layer=1), raw.frames(1))  # a layer already in flight
+    assert raw.next_kind() is MessageKind.ABORT
+    assert receiver.dropped["ended_request"] == 1
+    assert torch.equal(receiver.kv_cache, after_abort)
+    assert receiver.get_event(0.2) is None and receiver.num_pending == 0
+
+
+def test_abort_from_the_sender_fails_the_request_on_the_receiver():
+    src, dst = random_pool(2, 4, 16, 1, 4, torch.float32, 1), random_pool(2, 4, 16, 1, 4, torch.float32, 2)
+    sender, receiver = pair(src, dst)
+    try:
+        sender.begin(receiver.expect("req", [1], 10), [3])
+        sender.send_layer("req", 0)
+        assert sender.abort("req") and sender.num_pending == 0
+        assert not sender.send_layer("req", 1)  # nothing more goes out
+        event = receiver.get_event(5)
+        assert (event.request_id, event.status) == ("req", TransferStatus.FAILED)
+        assert "sender" in event.reason and receiver.num_pending == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_receiver_abort_reaches_the_sender_as_failed():
+    src, dst = random_pool(2, 4, 16, 1, 4, torch.float32, 1), random_pool(2, 4, 16, 1, 4, torch.float32, 2)
+    sender, receiver = pair(src, dst)
+    try:
+        sender.begin(receiver.expect("req", [1], 10), [3])
+        sender.send_layer("req", 0)
+        deadline = time.monotonic() + 5
+        while receiver._expected["req"].sender is None:  # the receiver knows whom to tell
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+        assert receiver.abort("req")
+        event = sender.wait("req", 5)
+        assert event.status is TransferStatus.FAILED and sender.num_pending == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_transfer_that_stalls_times_out_on_both_sides():
+    """Layer 1 never comes: the receiver's sweep fails it with no further traffic, and the
+    sender, never acked, fails it too."""
+    src, dst = random_pool(2, 4, 16, 1, 4, torch.float32, 1), random_pool(2, 4, 16, 1, 4, torch.float32, 2)
+    receiver = KVReceiver(dst, timeout_s=0.3)
+    sender = KVSender(src, timeout_s=0.6)
+    try:
+        sender.begin(receiver.expect("req", [1], 10), [3])
+        sender.send_layer("req", 0)
+        start = time.monotonic()
+        event = receiver.get_event(5)
+        assert event.status is TransferStatus.FAILED and "timed out" in event.reason
+        assert time.monotonic() - start < 2 and receiver.num_pending == 0
+        assert sender.wait("req", 5).status is TransferStatus.FAILED and sender.num_pending == 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_sender_gives_up_on_a_receiver_that_never_answers():
+    sender = KVSender(random_pool(2, 4, 16, 1, 4, torch.float32, 1))
+    dead = zmq.Context.instance().socket(zmq.ROUTER)  # bound, but nobody reads it
+    port = dead.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        with pytest.raises(TimeoutError, match="no KV receiver answered"):
+            sender.connect(f"tcp://127.0.0.1:{port}", timeout_s=0.2)
+    finally:
+        dead.close(linger=0)
+        sender.close()
