@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import zmq
 
@@ -24,7 +25,7 @@ from tandem.kvtransfer.protocol import (
     Destination, KVLayout, LayerHeader, MessageKind, ProtocolError, TransferEvent, TransferStatus, decode, encode,
     layer_header,
 )
-from tandem.kvtransfer.slots import covering_blocks, token_slots
+from tandem.kvtransfer.slots import contiguous_runs, covering_blocks, token_slots
 
 logger = logging.getLogger(__name__)
 
@@ -181,10 +182,7 @@ class KVReceiver:
             slots = self._check(h, exp)
             exp.sender = sender
             for kv, parts in ((0, k_parts), (1, v_parts)):
-                dst, offset = layer_rows(self.kv_cache, h.layer, kv), 0
-                for rows in parts:
-                    dst.index_copy_(0, slots[offset:offset + len(rows)], rows.to(self.kv_cache.device))
-                    offset += len(rows)
+                write_rows(layer_rows(self.kv_cache, h.layer, kv), slots, parts)
             exp.received[h.layer] += h.num_tokens
             complete = all(n == exp.destination.num_tokens for n in exp.received)
             if complete:
@@ -214,7 +212,8 @@ class KVReceiver:
             raise ProtocolError("wrong_shape", f"{h.request_id}: rows of {h.row_shape}")
         if dist_parts is not None:
             return dist_parts
-        if len(frames) != 2 * len(h.frame_tokens) or sum(h.frame_tokens) != h.num_tokens:
+        if len(frames) != 2 * len(h.frame_tokens) or sum(h.frame_tokens) != h.num_tokens \
+                or min(h.frame_tokens, default=0) < 1:
             raise ProtocolError("truncated", f"{h.request_id}: {len(frames)} frames for {h.frame_tokens}")
         parts: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         for i, (frame, n) in enumerate(zip(frames, h.frame_tokens * 2)):
@@ -223,7 +222,7 @@ class KVReceiver:
             parts[i // len(h.frame_tokens)].append(rows_of(frame.buffer, h.dtype, h.row_shape))
         return parts
 
-    def _check(self, h: LayerHeader, exp: _Expected) -> torch.Tensor:
+    def _check(self, h: LayerHeader, exp: _Expected) -> np.ndarray:
         """The destination slots of a LAYER message, once it is proven to touch only its own blocks."""
         layout, dest = self.layout, exp.destination
         if h.layer >= layout.num_layers:
@@ -239,8 +238,7 @@ class KVReceiver:
         end = h.token_start + h.num_tokens
         if list(h.block_ids) != covering_blocks(dest.block_ids, layout.block_size, h.token_start, end):
             raise ProtocolError("foreign_block", f"{h.request_id}: blocks {h.block_ids} are not its own")
-        slots = token_slots(h.block_ids, layout.block_size, h.token_start, end, h.token_start // layout.block_size)
-        return torch.from_numpy(slots).to(self.kv_cache.device)
+        return token_slots(h.block_ids, layout.block_size, h.token_start, end, h.token_start // layout.block_size)
 
     def _fail_sender(self, sender: bytes, request_id: str, reason: str) -> None:
         """Fail `request_id` and every pending request of a sender whose data path broke
@@ -271,3 +269,21 @@ class KVReceiver:
         self._ended[request_id] = None
         while len(self._ended) > MAX_ENDED:
             self._ended.popitem(last=False)
+
+
+def write_rows(dst: torch.Tensor, slots: np.ndarray, parts: list[torch.Tensor]) -> None:
+    """dst[slots[i]] = the i-th row of the concatenated parts; slice copies where slots run
+    side by side (faster than index_copy_), one index_copy_ per part where they are scattered."""
+    runs = contiguous_runs(slots)
+    if len(runs) > 8:
+        offset = 0
+        index = torch.from_numpy(slots).to(dst.device)
+        for rows in parts:
+            dst.index_copy_(0, index[offset:offset + len(rows)], rows.to(dst.device))
+            offset += len(rows)
+        return
+    rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+    offset = 0
+    for first, n in runs:
+        dst[first:first + n].copy_(rows[offset:offset + n])
+        offset += n

@@ -3,7 +3,8 @@
 One DEALER socket per receiver address, used only from the owner's thread (the prefill
 worker's step loop): `send_layer` hands zero-copy frames to ZMQ and returns at once, and
 `poll` collects the receivers' acks and times out requests nobody acks. The owner keeps a
-request's source blocks until its event arrives: ZMQ may still be reading them before that.
+request's source blocks until its event arrives, which is never before ZMQ has stopped
+reading them (message trackers), whether the request ended well, failed or was aborted.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import zmq
@@ -25,6 +26,7 @@ from tandem.kvtransfer.slots import contiguous_runs, covering_blocks, token_slot
 logger = logging.getLogger(__name__)
 
 SEND_QUEUE_MESSAGES = 100_000
+MAX_VIEW_FRAMES = 8  # more runs than this per layer and the rows are gathered into one frame
 
 
 @dataclass
@@ -40,6 +42,10 @@ class _Outgoing:
     destination: Destination
     src_block_ids: list[int]
     deadline: float
+    trackers: list[zmq.MessageTracker] = field(default_factory=list)
+    """One per message with frames of the pool: done once ZMQ no longer reads them."""
+    ended: TransferEvent | None = None
+    """Set when the request ended but ZMQ may still read its blocks: reported once it does not."""
 
 
 class KVSender:
@@ -106,7 +112,7 @@ class KVSender:
         -> False when the request is no longer being sent (aborted or failed): skip it.
         """
         out = self._outgoing.get(request_id)
-        if out is None:
+        if out is None or out.ended is not None:
             return False
         dest = out.destination
         end = dest.num_tokens if token_end is None else token_end
@@ -125,35 +131,51 @@ class KVSender:
             index = torch.from_numpy(src_slots).to(self.kv_cache.device)
             self.dist_payload.send(peer.dist_rank, k_rows.index_select(0, index), v_rows.index_select(0, index))
             return True
-        # One frame per run of neighbouring slots: views of the pool itself, not copies.
         runs = contiguous_runs(src_slots)
-        header["frame_tokens"] = [n for _, n in runs]
-        frames = [frame_of(rows[first:first + n]) for rows in (k_rows, v_rows) for first, n in runs]
+        if len(runs) <= MAX_VIEW_FRAMES:  # a few long runs: frames are views of the pool itself
+            header["frame_tokens"] = [n for _, n in runs]
+            frames = [frame_of(rows[first:first + n]) for rows in (k_rows, v_rows) for first, n in runs]
+        else:  # scattered blocks: one gathered frame each for K and V beats many small ones
+            index = torch.from_numpy(src_slots).to(self.kv_cache.device)
+            header["frame_tokens"] = [len(src_slots)]
+            frames = [frame_of(rows.index_select(0, index)) for rows in (k_rows, v_rows)]
         return self._send(request_id, peer, [encode(MessageKind.LAYER, request_id, **header), *frames])
 
     def _send(self, request_id: str, peer: _Peer, frames: list) -> bool:
         """Never blocks: a receiver that cannot take the message fails the request."""
         try:
-            peer.socket.send_multipart(frames, copy=False, flags=zmq.DONTWAIT)
-            return True
+            tracker = peer.socket.send_multipart(frames, copy=False, track=True, flags=zmq.DONTWAIT)
         except zmq.Again:
-            self._outgoing.pop(request_id, None)
             logger.warning("kv transfer %s: the receiver is not accepting messages", request_id)
-            self._events.append(TransferEvent(request_id, TransferStatus.FAILED, "receiver not accepting messages"))
+            self._end(request_id, TransferEvent(request_id, TransferStatus.FAILED, "receiver not accepting messages"))
             return False
+        self._outgoing[request_id].trackers.append(tracker)
+        return True
+
+    def _end(self, request_id: str, event: TransferEvent) -> None:
+        """Stop sending; the event is reported once ZMQ has let go of the request's frames."""
+        out = self._outgoing.get(request_id)
+        if out is not None and out.ended is None:
+            out.ended = event
 
     def abort(self, request_id: str) -> bool:
-        """Stop sending a request and tell its receiver (which then frees its blocks). No event follows."""
-        out = self._outgoing.pop(request_id, None)
-        if out is not None:
-            try:  # best effort: a receiver that is gone times the request out itself
-                self._peers[out.destination.address].socket.send(encode(MessageKind.ABORT, request_id), zmq.DONTWAIT)
-            except zmq.Again:
-                pass
-        return out is not None
+        """Stop sending a request and tell its receiver (which then frees its blocks).
+
+        -> whether it was being sent; if so a FAILED event follows (its blocks are the
+        owner's again only then).
+        """
+        out = self._outgoing.get(request_id)
+        if out is None or out.ended is not None:
+            return False
+        try:  # best effort: a receiver that is gone times the request out itself
+            self._peers[out.destination.address].socket.send(encode(MessageKind.ABORT, request_id), zmq.DONTWAIT)
+        except zmq.Again:
+            pass
+        self._end(request_id, TransferEvent(request_id, TransferStatus.FAILED, "aborted by the sender"))
+        return True
 
     def poll(self) -> list[TransferEvent]:
-        """Acks that arrived and requests that timed out since the last call (never blocks)."""
+        """Requests that ended since the last call: acked, refused, timed out or aborted (never blocks)."""
         for address, peer in self._peers.items():
             while peer.socket.poll(0):
                 try:
@@ -161,16 +183,18 @@ class KVSender:
                 except ProtocolError as e:
                     logger.warning("kv sender dropped a message from %s: %s", address, e)
                     continue
-                if kind in (MessageKind.DONE, MessageKind.FAILED, MessageKind.ABORT) \
-                        and self._outgoing.pop(request_id, None) is not None:
+                if kind in (MessageKind.DONE, MessageKind.FAILED, MessageKind.ABORT):
                     status = TransferStatus.DONE if kind is MessageKind.DONE else TransferStatus.FAILED
                     reason = "" if kind is MessageKind.DONE else f"receiver: {msg.get('reason', 'aborted')}"
-                    self._events.append(TransferEvent(request_id, status, reason))
+                    self._end(request_id, TransferEvent(request_id, status, reason))
         now = time.monotonic()
-        for request_id in [r for r, o in self._outgoing.items() if o.deadline <= now]:
-            self.abort(request_id)
-            logger.warning("kv transfer %s: no ack within %.1f s", request_id, self.timeout_s)
-            self._events.append(TransferEvent(request_id, TransferStatus.FAILED, "timed out waiting for the receiver"))
+        for request_id, out in self._outgoing.items():
+            if out.ended is None and out.deadline <= now:
+                logger.warning("kv transfer %s: no ack within %.1f s", request_id, self.timeout_s)
+                self._end(request_id, TransferEvent(request_id, TransferStatus.FAILED, "timed out waiting for the receiver"))
+        released = [r for r, o in self._outgoing.items() if o.ended is not None and all(t.done for t in o.trackers)]
+        for request_id in released:
+            self._events.append(self._outgoing.pop(request_id).ended)
         events, self._events = self._events, []
         return events
 

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
+from typing import Callable
+
+import torch
 
 from tandem.block_manager import BlockManager
 from tandem.config import EngineConfig
@@ -12,8 +16,8 @@ from tandem.model.llama import LlamaModel
 from tandem.model_runner import ModelRunner
 from tandem.outputs import RequestDelta
 from tandem.sampling_params import SamplingParams
-from tandem.scheduler import Scheduler
-from tandem.sequence import Sequence
+from tandem.scheduler import ScheduledBatch, Scheduler
+from tandem.sequence import Sequence, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +43,40 @@ class LLMEngine:
             config.max_model_len,
         )
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request; raises ValueError at once when it could never run."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        self.scheduler.add(seq)
+        return seq
+
+    def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int] | None:
+        """Hold blocks for a prompt whose KV another worker computes. -> their ids, or None
+        when the pool cannot hold it now. The request waits outside the scheduler until
+        :meth:`start_prefilled`."""
+        self.check_prompt(prompt_token_ids)
+        # Room for the prompt and the first decode step, beyond what running sequences hold.
+        if self.block_manager.num_free_blocks < self.block_manager.num_blocks_for(len(prompt_token_ids) + 1):
+            return None
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        self.block_manager.allocate(seq, len(prompt_token_ids))
+        return list(seq.block_ids)
+
+    def start_prefilled(self, request_id: str, first_token_id: int, first_logprob: float,
+                        generator_state: torch.Tensor | None) -> RequestDelta:
+        """The prompt KV of a reserved request has arrived and its first token was sampled:
+        it joins the running batch (unless that token already ends it)."""
+        seq = self.sequences[request_id]
+        seq.num_computed_tokens = len(seq.prompt_token_ids)
+        self.block_manager.cache_full_blocks(seq)
+        if seq.generator is not None and generator_state is not None:
+            seq.generator.set_state(generator_state)
+        self.scheduler.add_running(seq)
+        u = self.scheduler.append_token(seq, first_token_id, first_logprob)
+        if seq.status.is_finished:
+            del self.sequences[request_id]
+        return self._delta(seq, u.new_token_ids, u.new_text, u.new_logprobs)
+
+    def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         if request_id in self.sequences:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.check_prompt(prompt_token_ids)
@@ -49,7 +85,7 @@ class LLMEngine:
             detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
         seq = Sequence(request_id, prompt_token_ids, params, next(self._arrivals), detokenizer)
         self.sequences[request_id] = seq
-        self.scheduler.add(seq)
+        return seq
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raise ValueError if this prompt could never run on this engine."""
@@ -77,7 +113,12 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestDelta | None:
         seq = self.scheduler.abort(request_id)
         if seq is None:
-            return None
+            seq = self.sequences.get(request_id)
+            if seq is None:
+                return None
+            # Reserved for a prefill elsewhere, not yet started.
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.FINISHED_ABORTED
         del self.sequences[request_id]
         return self._delta(seq, [], "", [])
 
@@ -85,11 +126,12 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
-    def step(self) -> list[RequestDelta]:
+    def step(self, layer_hook: Callable[[ScheduledBatch, int], None] | None = None) -> list[RequestDelta]:
+        """layer_hook(batch, layer) runs as each layer's KV is stored (see LlamaModel.forward)."""
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
-        sampled = self.runner.run(batch)
+        sampled = self.runner.run(batch, None if layer_hook is None else functools.partial(layer_hook, batch))
         deltas = []
         for u in self.scheduler.update(batch, sampled):
             deltas.append(self._delta(u.seq, u.new_token_ids, u.new_text, u.new_logprobs))

@@ -125,24 +125,31 @@ class Scheduler:
             self.block_manager.cache_full_blocks(seq)
             if not samples:
                 continue  # a prefill chunk short of the prompt's end
-            token_id = sampled.token_ids[num_sampled]
-            logprob = sampled.logprobs[num_sampled]
+            updates.append(self.append_token(seq, sampled.token_ids[num_sampled], sampled.logprobs[num_sampled]))
             num_sampled += 1
-            seq.token_ids.append(token_id)
-            seq.output_logprobs.append(logprob)
-            new_text = ""
-            status = self._stop_status(seq, token_id)
-            if seq.detokenizer is not None:
-                delta = seq.detokenizer.append(token_id)
-                new_text = delta.text
-                if delta.stopped:
-                    status = SequenceStatus.FINISHED_STOPPED
-                elif status is not None:
-                    new_text += seq.detokenizer.flush()
-            if status is not None:
-                self._finish(seq, status)
-            updates.append(SequenceUpdate(seq, [token_id], new_text, [logprob]))
         return updates
+
+    def append_token(self, seq: Sequence, token_id: int, logprob: float) -> SequenceUpdate:
+        """Add a sampled token to a sequence whose KV is computed up to it; stop if it ends."""
+        seq.token_ids.append(token_id)
+        seq.output_logprobs.append(logprob)
+        new_text = ""
+        status = self._stop_status(seq, token_id)
+        if seq.detokenizer is not None:
+            delta = seq.detokenizer.append(token_id)
+            new_text = delta.text
+            if delta.stopped:
+                status = SequenceStatus.FINISHED_STOPPED
+            elif status is not None:
+                new_text += seq.detokenizer.flush()
+        if status is not None:
+            self._finish(seq, status)
+        return SequenceUpdate(seq, [token_id], new_text, [logprob])
+
+    def add_running(self, seq: Sequence) -> None:
+        """Join a sequence whose prompt KV is already in its blocks (sent by a prefill worker)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Drop a request wherever it is; its blocks return to the pool."""
@@ -165,9 +172,10 @@ class Scheduler:
     def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
         if seq.status == SequenceStatus.RUNNING:
             self.running.remove(seq)
-        elif seq.status == SequenceStatus.WAITING:
+        elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
-        self.block_manager.free(seq)
+        if not seq.keep_blocks:
+            self.block_manager.free(seq)
         seq.status = status
 
     def _preempt(self, seq: Sequence) -> None:

@@ -71,6 +71,9 @@ class Sequence:
         """The block table: block i holds tokens [i * block_size, (i + 1) * block_size)."""
         self.block_hashes: list[bytes] = []
         """Chained hashes of this sequence's full, computed blocks, in order."""
+        self.keep_blocks = False
+        """When set, finishing leaves the blocks with the sequence and its owner frees them
+        (a prefill worker, once the KV it sends from them has arrived)."""
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
