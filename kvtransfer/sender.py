@@ -97,17 +97,17 @@ class KVSender:
         self._peers[address] = peer
         return peer.layout
 
-    def begin(self, destination: Destination, src_block_ids: list[int]) -> None:
-        """Start sending a request's KV (held in `src_block_ids` here) to its destination."""
-        if len(src_block_ids) * self.layout.block_size < destination.num_tokens:
-            raise ValueError(f"{destination.request_id}: {len(src_block_ids)} source blocks "
-                             f"cannot hold {destination.num_tokens} tokens")
+    def begin(self, destination: Destination, src_block_ids: list[int] = ()) -> None:
+        """Start sending a request's KV (held in `src_block_ids` here, or given to each
+        `send_layer` as the blocks come) to its destination."""
         self.connect(destination.address)
         self._outgoing[destination.request_id] = _Outgoing(
             destination, list(src_block_ids), time.monotonic() + self.timeout_s)
 
-    def send_layer(self, request_id: str, layer: int, token_start: int = 0, token_end: int | None = None) -> bool:
-        """Send layer `layer`'s K and V of tokens [token_start, token_end) (default: to the end).
+    def send_layer(self, request_id: str, layer: int, token_start: int = 0, token_end: int | None = None,
+                   src_block_ids: list[int] | None = None) -> bool:
+        """Send layer `layer`'s K and V of tokens [token_start, token_end) (default: to the end),
+        read from `src_block_ids` (default: those given before).
 
         -> False when the request is no longer being sent (aborted or failed): skip it.
         """
@@ -116,8 +116,11 @@ class KVSender:
             return False
         dest = out.destination
         end = dest.num_tokens if token_end is None else token_end
-        if not 0 <= token_start < end <= dest.num_tokens:
-            raise ValueError(f"{request_id}: token range [{token_start}, {end}) outside [0, {dest.num_tokens})")
+        if src_block_ids is not None:
+            out.src_block_ids = list(src_block_ids)
+        if not 0 <= token_start < end <= min(dest.num_tokens, len(out.src_block_ids) * self.layout.block_size):
+            raise ValueError(f"{request_id}: token range [{token_start}, {end}) outside [0, {dest.num_tokens}) "
+                             f"or the {len(out.src_block_ids)} source blocks")
         peer = self._peers[dest.address]
         src_slots = token_slots(out.src_block_ids, self.layout.block_size, token_start, end)
         header = dict(layer=layer, token_start=token_start, num_tokens=end - token_start,

@@ -1,8 +1,25 @@
-"""tandem: LLM serving with prefill and decode disaggregated into two pools."""
+"""tandem: LLM serving with prefill and decode disaggregated into two pools.
 
-from tandem.llm import LLM
-from tandem.outputs import RequestDelta, RequestOutput
-from tandem.sampling_params import SamplingParams
-from tandem.sequence import FinishReason
+The names below load on first use, so that torch-free parts (the router, the wire
+messages) can import `tandem.*` modules without pulling in torch.
+"""
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestDelta", "FinishReason"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "LLM": "tandem.llm",
+    "SamplingParams": "tandem.sampling_params",
+    "RequestOutput": "tandem.outputs",
+    "RequestDelta": "tandem.outputs",
+    "FinishReason": "tandem.sequence",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'tandem' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -1,0 +1,39 @@
+"""The colocated worker: prefill and decode in one engine (the same scheduler code), the
+baseline the disaggregated cluster is measured against."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+from tandem.engine import LLMEngine
+from tandem.worker import Worker
+from tandem.worker_api import Role, StreamDelta, WorkerRequest
+
+
+class ColocatedWorker(Worker):
+    role = Role.COLOCATED
+
+    async def generate(self, request: WorkerRequest) -> AsyncIterator[StreamDelta]:
+        """The request's deltas until its last; leaving early aborts it."""
+        q = self.loop.open_stream(request.request_id)
+        finished = False
+        try:
+            await self.loop.call(lambda engine: engine.add_request(
+                request.request_id, request.prompt_token_ids, request.params) and None)
+            while not finished:
+                delta = await q.get()
+                finished = delta.finish_reason is not None or delta.error is not None
+                yield delta
+        finally:
+            self.loop.close_stream(request.request_id)
+            if not finished:
+                await self.abort(request.request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.loop.call(lambda engine: self._abort(engine, request_id))
+
+    def _abort(self, engine: LLMEngine, request_id: str) -> bool:
+        delta = engine.abort_request(request_id)
+        if delta is not None:
+            self.loop.publish_engine_delta(delta)
+        return delta is not None

@@ -1,0 +1,118 @@
+"""The decode worker: reserves blocks for a prompt prefilled elsewhere, receives its KV,
+then decodes it in its continuous batch and streams the tokens."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, AsyncIterator
+
+import numpy as np
+import torch
+
+from tandem.engine import LLMEngine
+from tandem.engine_loop import EngineLoop
+from tandem.kvtransfer.protocol import Destination, TransferStatus
+from tandem.kvtransfer.receiver import DEFAULT_ADDRESS, KVReceiver
+from tandem.worker import Worker
+from tandem.worker_api import PoolFull, PrefillResult, Role, StreamDelta, WorkerRequest
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeWorker(Worker):
+    role = Role.DECODE
+
+    def __init__(self, instance: str = "decode-0", transfer_address: str = DEFAULT_ADDRESS,
+                 transfer_timeout_s: float = 30.0, **kwargs: Any) -> None:
+        self._transfer_address = transfer_address
+        self._transfer_timeout_s = transfer_timeout_s
+        self._arrived: set[str] = set()
+        """Requests whose KV is in their blocks, waiting for their first token."""
+        self._first_tokens: dict[str, PrefillResult] = {}
+        """First tokens that came before their KV."""
+        super().__init__(instance, **kwargs)
+
+    def _start_loop(self) -> EngineLoop:
+        self.receiver = KVReceiver(self.engine.runner.kv_cache, self._transfer_address, self._transfer_timeout_s)
+        return EngineLoop(self.engine, tick=self._tick)
+
+    async def reserve(self, request: WorkerRequest) -> Destination:
+        """Hold blocks for the request's prompt and wait for its KV. Raises PoolFull when the
+        pool cannot hold it now; call `stream` next to read its output."""
+        self.loop.open_stream(request.request_id)
+        try:
+            return await self.loop.call(lambda engine: self._reserve(engine, request))
+        except BaseException:
+            self.loop.close_stream(request.request_id)
+            raise
+
+    async def start(self, first: PrefillResult) -> None:
+        """The prefill worker's first token: decoding starts once the KV has arrived too."""
+        await self.loop.call(lambda engine: self._start(engine, first))
+
+    async def stream(self, request_id: str) -> AsyncIterator[StreamDelta]:
+        """The request's deltas until its last; leaving early aborts it."""
+        q = self.loop.stream_queue(request_id)
+        finished = False
+        try:
+            while not finished:
+                delta = await q.get()
+                finished = delta.finish_reason is not None or delta.error is not None
+                yield delta
+        finally:
+            self.loop.close_stream(request_id)
+            if not finished:
+                await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.loop.call(lambda engine: self._abort(engine, request_id))
+
+    # -- on the loop thread -------------------------------------------------------------
+    def _reserve(self, engine: LLMEngine, request: WorkerRequest) -> Destination:
+        block_ids = engine.reserve_prefilled(request.request_id, request.prompt_token_ids, request.params)
+        if block_ids is None:
+            raise PoolFull(f"{self.instance}: no room for {len(request.prompt_token_ids)} prompt tokens now")
+        return self.receiver.expect(request.request_id, block_ids, len(request.prompt_token_ids))
+
+    def _start(self, engine: LLMEngine, first: PrefillResult) -> None:
+        if first.request_id not in engine.sequences:
+            return  # aborted or failed meanwhile
+        self._first_tokens[first.request_id] = first
+        self._start_if_ready(engine, first.request_id)
+
+    def _start_if_ready(self, engine: LLMEngine, request_id: str) -> None:
+        if request_id not in self._arrived or request_id not in self._first_tokens:
+            return
+        self._arrived.discard(request_id)
+        first = self._first_tokens.pop(request_id)
+        state = None if first.generator_state is None else torch.from_numpy(
+            np.frombuffer(first.generator_state, dtype=np.uint8).copy())
+        self.loop.publish_engine_delta(engine.start_prefilled(request_id, first.first_token_id, first.first_logprob, state))
+
+    def _tick(self) -> None:
+        while (event := self.receiver.get_event(0)) is not None:
+            rid = event.request_id
+            if rid not in self.engine.sequences:
+                continue
+            if event.status is TransferStatus.DONE:
+                self._arrived.add(rid)
+                self._start_if_ready(self.engine, rid)
+            else:
+                self._first_tokens.pop(rid, None)
+                delta = self.engine.abort_request(rid)
+                if delta is not None:
+                    self.loop.publish_engine_delta(delta, error=f"the prompt's KV never arrived: {event.reason}")
+
+    def _abort(self, engine: LLMEngine, request_id: str) -> bool:
+        # NOTE: after receiver.abort returns, nothing writes into the request's blocks.
+        self.receiver.abort(request_id)
+        self._arrived.discard(request_id)
+        self._first_tokens.pop(request_id, None)
+        delta = engine.abort_request(request_id)
+        if delta is not None:
+            self.loop.publish_engine_delta(delta)
+        return delta is not None
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.receiver.close()

@@ -1,0 +1,124 @@
+"""The prefill worker: computes prompts' KV, streams each layer to the decode worker that
+reserved blocks for it, and returns the first sampled token."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.engine import LLMEngine
+from tandem.engine_loop import EngineLoop
+from tandem.kvtransfer.protocol import Destination, TransferStatus
+from tandem.kvtransfer.sender import KVSender
+from tandem.outputs import RequestDelta
+from tandem.scheduler import ScheduledBatch
+from tandem.sequence import Sequence
+from tandem.worker import Worker
+from tandem.worker_api import PrefillResult, Role, WorkerRequest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Prefill:
+    seq: Sequence
+    result: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+    num_sent_tokens: int = 0
+    """Prompt tokens whose KV went out in every layer."""
+
+
+class PrefillWorker(Worker):
+    role = Role.PREFILL
+
+    def __init__(self, instance: str = "prefill-0", transfer_timeout_s: float = 30.0, **kwargs: Any) -> None:
+        self._transfer_timeout_s = transfer_timeout_s
+        self._prefills: dict[str, _Prefill] = {}
+        super().__init__(instance, **kwargs)
+
+    def _start_loop(self) -> EngineLoop:
+        self.sender = KVSender(self.engine.runner.kv_cache, timeout_s=self._transfer_timeout_s)
+        return EngineLoop(self.engine, tick=self._tick, layer_hook=self._send_layer, on_delta=self._on_delta)
+
+    async def prefill(self, request: WorkerRequest, destination: Destination) -> PrefillResult:
+        """Prefill `request` into `destination`; -> its first token once sampled (the KV is
+        then on its way; the decode worker learns of its arrival from the transfer)."""
+        result = asyncio.get_running_loop().create_future()
+        await self.loop.call(lambda engine: self._admit(engine, request, destination, result))
+        try:
+            return await result
+        except asyncio.CancelledError:
+            await self.abort(request.request_id)
+            raise
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.loop.call(lambda engine: self._abort(engine, request_id))
+
+    # -- on the loop thread -------------------------------------------------------------
+    def _admit(self, engine: LLMEngine, request: WorkerRequest, destination: Destination, result: asyncio.Future) -> None:
+        if destination.num_tokens != len(request.prompt_token_ids):
+            raise ValueError(f"{request.request_id}: the destination holds {destination.num_tokens} tokens, "
+                             f"the prompt has {len(request.prompt_token_ids)}")
+        # One token: the first; the decode worker samples the rest with the request's own params.
+        params = dataclasses.replace(request.params, max_tokens=1, stop=())
+        seq = engine.add_request(request.request_id, request.prompt_token_ids, params)
+        seq.keep_blocks = True  # freed once the decode worker has the KV (see _tick)
+        self.sender.begin(destination)
+        self._prefills[request.request_id] = _Prefill(seq, result, result.get_loop())
+
+    def _send_layer(self, batch: ScheduledBatch, layer: int) -> None:
+        last_layer = layer == self.engine.config.model.num_layers - 1
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            p = self._prefills.get(seq.request_id)
+            if p is None:
+                continue
+            end = seq.num_computed_tokens + n  # a cached prefix goes out with the first chunk
+            if end > p.num_sent_tokens:
+                self.sender.send_layer(seq.request_id, layer, p.num_sent_tokens, end, src_block_ids=seq.block_ids)
+            if last_layer:
+                p.num_sent_tokens = end
+
+    def _on_delta(self, d: RequestDelta) -> None:
+        p = self._prefills.get(d.request_id)
+        if p is None or not d.new_token_ids:
+            return
+        seq = p.seq
+        state = None if seq.generator is None else seq.generator.get_state().numpy().tobytes()
+        result = PrefillResult(d.request_id, seq.token_ids[-1], seq.output_logprobs[-1], state, d.num_cached_tokens)
+        p.loop.call_soon_threadsafe(_resolve, p.result, result, None)
+
+    def _tick(self) -> None:
+        for event in self.sender.poll():
+            p = self._prefills.pop(event.request_id, None)
+            if p is None:
+                continue
+            if event.status is not TransferStatus.DONE:
+                self.engine.abort_request(event.request_id)
+            # The KV has arrived, or never will; ZMQ has let go of the blocks either way.
+            self.engine.block_manager.free(p.seq)
+            if event.status is not TransferStatus.DONE:
+                error = RuntimeError(f"KV transfer of {event.request_id} failed: {event.reason}")
+                p.loop.call_soon_threadsafe(_resolve, p.result, None, error)
+
+    def _abort(self, engine: LLMEngine, request_id: str) -> bool:
+        p = self._prefills.get(request_id)
+        if p is None:
+            return False
+        engine.abort_request(request_id)
+        # NOTE: the blocks are freed in _tick when the sender reports the end, never here:
+        # ZMQ may still be reading them.
+        self.sender.abort(request_id)
+        p.loop.call_soon_threadsafe(_resolve, p.result, None, RuntimeError(f"{request_id} was aborted"))
+        return True
+
+
+def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,0 +1,43 @@
+"""What the gRPC servicer needs from the workers behind it: one narrow interface, so the
+servicer is the same whether the workers are Ray actors (disaggregated or colocated) or
+an engine in this process."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator, Protocol
+
+from tandem.sampling_params import SamplingParams
+from tandem.worker_api import StreamDelta, TokenizerSpec, WorkerLoad
+
+
+class Overloaded(RuntimeError):
+    """Every worker's queue or KV pool is full: RESOURCE_EXHAUSTED."""
+
+
+class NoHealthyWorker(RuntimeError):
+    """No worker can serve the request: UNAVAILABLE."""
+
+
+class Backend(Protocol):
+    tokenizer_spec: TokenizerSpec
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[StreamDelta]:
+        """Stream a request's deltas, the last one with finish_reason set.
+
+        Raises Overloaded or NoHealthyWorker before the first delta; ValueError for a
+        request the workers refuse. Closing the iterator early (client cancel, deadline)
+        aborts the request on every worker that holds it.
+        """
+        ...
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request wherever it is. -> whether it was running."""
+        ...
+
+    async def loads(self) -> list[WorkerLoad]:
+        """Every worker's current load (also how health is judged)."""
+        ...
+
+    def is_ready(self) -> bool:
+        """Whether the workers are loaded and serving."""
+        ...

@@ -1,0 +1,71 @@
+"""What every worker (prefill, decode, colocated) shares: its model, engine, loop and load."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from tandem.config import DTYPES, EngineConfig
+from tandem.engine import LLMEngine
+from tandem.engine_loop import EngineLoop
+from tandem.model.llama import LlamaModel
+from tandem.model.loader import LoadedModel, load_model
+from tandem.model.source import resolve_model_source
+from tandem.worker_api import Role, TokenizerSpec, WorkerLoad
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    """An engine over one KV pool, stepped by an EngineLoop. Subclasses add their phase."""
+
+    role: Role
+
+    def __init__(self, instance: str, model: str | None = None, dtype: str = "float32",
+                 num_threads: int | None = None, loaded: LoadedModel | None = None, **engine_args: Any) -> None:
+        """loaded: weights already in this process (tests); otherwise `model` is loaded here."""
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)  # pinned: workers sharing a host do not fight
+        self.instance = instance
+        if loaded is None:
+            loaded = load_model(resolve_model_source(model), DTYPES[dtype])
+        self.loaded = loaded
+        config = EngineConfig.build(loaded.config, dtype=dtype, **engine_args)
+        tokenizer = loaded.tokenizer if self.role is not Role.PREFILL else None  # prefill emits no text
+        self.engine = LLMEngine(config, LlamaModel(loaded.config, loaded.weights, config.max_model_len), tokenizer)
+        self.loop = self._start_loop()
+        logger.info("%s worker %s ready (pid %d, %d torch threads)", self.role.value, instance, os.getpid(),
+                    torch.get_num_threads())
+
+    def _start_loop(self) -> EngineLoop:
+        return EngineLoop(self.engine)
+
+    def is_ready(self) -> bool:
+        return True
+
+    def tokenizer_spec(self) -> TokenizerSpec:
+        tok = self.loaded.tokenizer
+        return TokenizerSpec(
+            tokenizer_json=tok.backend_tokenizer.to_str(), chat_template=tok.chat_template,
+            bos_token=tok.bos_token, eos_token=tok.eos_token, add_bos_token=bool(getattr(tok, "add_bos_token", False)),
+            model_name=self.loaded.config.name, vocab_size=self.loaded.config.vocab_size,
+            max_model_len=self.engine.config.max_model_len,
+        )
+
+    async def load(self) -> WorkerLoad:
+        return await self.loop.call(self._load)
+
+    def _load(self, engine: LLMEngine) -> WorkerLoad:
+        sched = engine.scheduler
+        return WorkerLoad(
+            role=self.role, instance=self.instance, num_blocks=engine.block_manager.num_blocks,
+            num_free_blocks=engine.block_manager.num_free_blocks, num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_queued_tokens=sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting),
+        )
+
+    def shutdown(self) -> None:
+        self.loop.stop()

@@ -1,0 +1,87 @@
+"""Typed messages between the router and the workers (Ray actor calls). Torch-free, so
+that the router can import them."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from tandem.sampling_params import SamplingParams
+
+
+class Role(str, enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COLOCATED = "colocated"
+
+
+@dataclass(frozen=True)
+class WorkerRequest:
+    """One generation request as the router hands it to a worker."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What a prefill worker returns once the prompt's KV is computed and sent."""
+
+    request_id: str
+    first_token_id: int
+    first_logprob: float
+    generator_state: bytes | None
+    """The request's seeded generator after sampling the first token (None when unseeded),
+    so that the decode worker continues the same random stream."""
+    num_cached_tokens: int
+    """Prompt tokens the prefill worker found in its prefix cache."""
+
+
+@dataclass(frozen=True)
+class StreamDelta:
+    """One step's new output of a request, streamed from the decode (or colocated) worker."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    """None until the last delta; then "stop", "length" or "abort"."""
+    num_prompt_tokens: int
+    num_output_tokens: int
+    logprobs: list[float] | None = None
+    error: str | None = None
+    """Set (on the last delta) when the request failed on the workers, e.g. its KV never came."""
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    """A worker's load, for routing policies and health."""
+
+    role: Role
+    instance: str
+    num_blocks: int
+    num_free_blocks: int
+    num_running: int
+    num_waiting: int
+    num_queued_tokens: int
+    """Prompt tokens waiting to be prefilled."""
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """Everything the router needs to tokenize without transformers or torch."""
+
+    tokenizer_json: str
+    """The fast tokenizer's JSON (tokenizers.Tokenizer.from_str)."""
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    add_bos_token: bool
+    model_name: str
+    vocab_size: int
+    max_model_len: int
+
+
+class PoolFull(RuntimeError):
+    """The worker cannot take the request now (no free blocks); another may."""
