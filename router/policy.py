@@ -1,0 +1,87 @@
+"""Which worker gets a request: round_robin, least_loaded or prefix_aware."""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+from tandem.worker_api import WorkerLoad
+
+POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+PREFIX_CHUNK = 16  # tokens per hashed prefix chunk (the default KV block size)
+MAX_PREFIXES = 200_000  # remembered chunk hashes, least recently routed dropped first
+
+
+@dataclass
+class WorkerState:
+    """The router's view of one worker."""
+
+    instance: str
+    handle: Any
+    """The worker's Ray actor handle."""
+    load: WorkerLoad | None = None
+    """Its last reported load."""
+    num_in_flight: int = 0
+    num_in_flight_tokens: int = 0
+    """Prompt tokens the router sent it that have not finished prefill yet."""
+    healthy: bool = True
+
+    def pressure(self) -> tuple[int, int]:
+        """Smaller is less loaded: queued prompt tokens, then fewer free blocks."""
+        queued = self.num_in_flight_tokens + (self.load.num_queued_tokens if self.load else 0)
+        free = self.load.num_free_blocks if self.load else 0
+        return queued, -free
+
+
+@dataclass
+class Router:
+    policy: str
+    _turn: itertools.count = field(default_factory=itertools.count)
+    _prefix_owner: collections.OrderedDict[bytes, str] = field(default_factory=collections.OrderedDict)
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+
+    def order(self, workers: list[WorkerState], prompt_token_ids: list[int]) -> list[WorkerState]:
+        """Healthy workers, the policy's choice first (the rest as fallbacks)."""
+        healthy = [w for w in workers if w.healthy]
+        if not healthy:
+            return []
+        if self.policy == "round_robin":
+            k = next(self._turn) % len(healthy)
+            return healthy[k:] + healthy[:k]
+        by_load = sorted(healthy, key=WorkerState.pressure)
+        if self.policy == "least_loaded":
+            return by_load
+        owner = self._longest_prefix_owner(prompt_token_ids)
+        return sorted(by_load, key=lambda w: w.instance != owner)  # stable: then by load
+
+    def record(self, worker: WorkerState, prompt_token_ids: list[int]) -> None:
+        """Remember that `worker` now holds this prompt's prefix."""
+        for h in _chunk_hashes(prompt_token_ids):
+            self._prefix_owner[h] = worker.instance
+            self._prefix_owner.move_to_end(h)
+        while len(self._prefix_owner) > MAX_PREFIXES:
+            self._prefix_owner.popitem(last=False)
+
+    def _longest_prefix_owner(self, prompt_token_ids: list[int]) -> str | None:
+        owner = None
+        for h in _chunk_hashes(prompt_token_ids):
+            if h not in self._prefix_owner:
+                break
+            owner = self._prefix_owner[h]
+        return owner
+
+
+def _chunk_hashes(token_ids: list[int]) -> list[bytes]:
+    """Chained hashes of the prompt's full PREFIX_CHUNK-token chunks."""
+    hashes, parent = [], b""
+    for start in range(0, len(token_ids) - PREFIX_CHUNK + 1, PREFIX_CHUNK):
+        chunk = ",".join(map(str, token_ids[start:start + PREFIX_CHUNK])).encode()
+        parent = hashlib.blake2b(parent + chunk, digest_size=16).digest()
+        hashes.append(parent)
+    return hashes

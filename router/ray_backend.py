@@ -1,0 +1,162 @@
+"""The router's Backend over Ray actor workers: disaggregated (prefill pool + decode pool)
+or colocated. Picks workers by policy, runs a request's phases, aborts on every exit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import AsyncIterator
+
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+
+from tandem.router.backend import NoHealthyWorker, Overloaded
+from tandem.router.policy import Router, WorkerState
+from tandem.sampling_params import SamplingParams
+from tandem.worker_api import PoolFull, StreamDelta, TokenizerSpec, WorkerLoad, WorkerRequest
+
+logger = logging.getLogger(__name__)
+
+LOAD_POLL_S = 0.1
+
+
+class RayBackend:
+    def __init__(self, prefill: list[WorkerState], decode: list[WorkerState], colocated: list[WorkerState],
+                 policy: str, tokenizer_spec: TokenizerSpec) -> None:
+        if colocated and (prefill or decode):
+            raise ValueError("either colocated workers or prefill and decode pools, not both")
+        if not colocated and not (prefill and decode):
+            raise ValueError("a disaggregated cluster needs at least one prefill and one decode worker")
+        self.prefill, self.decode, self.colocated = prefill, decode, colocated
+        self.prefill_router = Router(policy)
+        self.decode_router = Router("least_loaded" if policy == "prefix_aware" else policy)
+        self.tokenizer_spec = tokenizer_spec
+        self._poller: asyncio.Task | None = None
+
+    @property
+    def workers(self) -> list[WorkerState]:
+        return self.prefill + self.decode + self.colocated
+
+    def is_ready(self) -> bool:
+        return all(w.healthy for w in self.workers)
+
+    async def loads(self) -> list[WorkerLoad]:
+        await self._refresh_loads()
+        return [w.load for w in self.workers if w.load is not None]
+
+    def start_polling(self) -> None:
+        """Keep worker loads (and health) fresh in the background."""
+        async def poll() -> None:
+            while True:
+                await self._refresh_loads()
+                await asyncio.sleep(LOAD_POLL_S)
+        self._poller = asyncio.get_running_loop().create_task(poll())
+
+    async def _refresh_loads(self) -> None:
+        async def one(w: WorkerState) -> None:
+            try:
+                w.load = await w.handle.load.remote()
+                w.healthy = True
+            except RayActorError:
+                w.healthy = False
+        await asyncio.gather(*(one(w) for w in self.workers))
+
+    async def abort(self, request_id: str) -> bool:
+        results = await asyncio.gather(*(w.handle.abort.remote(request_id) for w in self.workers if w.healthy),
+                                       return_exceptions=True)
+        return any(r is True for r in results)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[StreamDelta]:
+        request = WorkerRequest(request_id, prompt_token_ids, params)
+        stream = self._colocated(request) if self.colocated else self._disaggregated(request)
+        try:
+            async for delta in stream:
+                yield delta
+        except RayActorError as e:
+            raise NoHealthyWorker(f"a worker serving {request_id} died: {e}") from None
+        except RayTaskError as e:
+            if isinstance(e, ValueError):  # the worker refused the request's input
+                raise ValueError(str(e.cause if hasattr(e, "cause") else e)) from None
+            raise
+
+    async def _colocated(self, request: WorkerRequest) -> AsyncIterator[StreamDelta]:
+        order = self.prefill_router.order(self.colocated, request.prompt_token_ids)
+        if not order:
+            raise NoHealthyWorker("no colocated worker is healthy")
+        worker = order[0]
+        self.prefill_router.record(worker, request.prompt_token_ids)
+        async for delta in self._follow(worker, worker.handle.generate.options(num_returns="streaming").remote(request),
+                                        request, [worker]):
+            yield delta
+
+    async def _disaggregated(self, request: WorkerRequest) -> AsyncIterator[StreamDelta]:
+        decode, destination = await self._reserve(request)
+        prefills = self.prefill_router.order(self.prefill, request.prompt_token_ids)
+        if not prefills:
+            await decode.handle.abort.remote(request.request_id)
+            raise NoHealthyWorker("no prefill worker is healthy")
+        prefill = prefills[0]
+        self.prefill_router.record(prefill, request.prompt_token_ids)
+        stream = decode.handle.stream.options(num_returns="streaming").remote(request.request_id)
+        phase = asyncio.get_running_loop().create_task(self._prefill(prefill, decode, request, destination))
+        try:
+            async for delta in self._follow(decode, stream, request, [decode, prefill], phase):
+                yield delta
+        finally:
+            phase.cancel()
+
+    async def _reserve(self, request: WorkerRequest):
+        candidates = self.decode_router.order(self.decode, request.prompt_token_ids)
+        if not candidates:
+            raise NoHealthyWorker("no decode worker is healthy")
+        for worker in candidates:
+            try:
+                return worker, await worker.handle.reserve.remote(request)
+            except PoolFull:
+                continue
+            except RayActorError:
+                worker.healthy = False
+        raise Overloaded(f"no decode worker has room for {len(request.prompt_token_ids)} prompt tokens now")
+
+    async def _prefill(self, prefill: WorkerState, decode: WorkerState, request: WorkerRequest, destination) -> None:
+        """Prefill on one worker, then hand the first token to the decode worker."""
+        n = len(request.prompt_token_ids)
+        prefill.num_in_flight += 1
+        prefill.num_in_flight_tokens += n
+        try:
+            first = await prefill.handle.prefill.remote(request, destination)
+            await decode.handle.start.remote(first)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the decode stream then ends with this request aborted
+            logger.warning("prefill of %s failed: %s", request.request_id, e)
+            await decode.handle.abort.remote(request.request_id)
+            raise
+        finally:
+            prefill.num_in_flight -= 1
+            prefill.num_in_flight_tokens -= n
+
+    async def _follow(self, streamer: WorkerState, stream, request: WorkerRequest, holders: list[WorkerState],
+                      phase: asyncio.Task | None = None) -> AsyncIterator[StreamDelta]:
+        """Yield a worker stream's deltas; on any early exit abort the request on every holder."""
+        finished = False
+        try:
+            async for ref in stream:
+                delta: StreamDelta = await ref
+                if delta.error is not None:
+                    raise NoHealthyWorker(f"{request.request_id}: {delta.error}")
+                if delta.finish_reason == "abort" and phase is not None and phase.done() and phase.exception():
+                    raise NoHealthyWorker(f"{request.request_id}: prefill failed: {phase.exception()}")
+                finished = delta.finish_reason is not None
+                yield delta
+                if finished:
+                    return
+        finally:
+            if not finished:
+                try:
+                    ray.cancel(stream)
+                except Exception:  # already finished on the worker side
+                    pass
+                await asyncio.gather(*(h.handle.abort.remote(request.request_id) for h in holders if h.healthy),
+                                     return_exceptions=True)
