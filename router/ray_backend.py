@@ -18,11 +18,15 @@ from tandem.worker_api import PoolFull, StreamDelta, TokenizerSpec, WorkerLoad, 
 logger = logging.getLogger(__name__)
 
 LOAD_POLL_S = 0.1
+ADMISSION_RETRY_S = 0.02
 
 
 class RayBackend:
     def __init__(self, prefill: list[WorkerState], decode: list[WorkerState], colocated: list[WorkerState],
-                 policy: str, tokenizer_spec: TokenizerSpec) -> None:
+                 policy: str, tokenizer_spec: TokenizerSpec, max_queued_requests: int = 1024,
+                 admission_timeout_s: float = 60.0) -> None:
+        """max_queued_requests: requests waiting for a decode worker with room before new
+        ones are refused; admission_timeout_s: how long one waits."""
         if colocated and (prefill or decode):
             raise ValueError("either colocated workers or prefill and decode pools, not both")
         if not colocated and not (prefill and decode):
@@ -32,6 +36,9 @@ class RayBackend:
         self.decode_router = Router("least_loaded" if policy == "prefix_aware" else policy)
         self.tokenizer_spec = tokenizer_spec
         self._poller: asyncio.Task | None = None
+        self.max_queued_requests = max_queued_requests
+        self.admission_timeout_s = admission_timeout_s
+        self._num_admitting = 0
 
     @property
     def workers(self) -> list[WorkerState]:
@@ -107,17 +114,30 @@ class RayBackend:
             phase.cancel()
 
     async def _reserve(self, request: WorkerRequest):
-        candidates = self.decode_router.order(self.decode, request.prompt_token_ids)
-        if not candidates:
-            raise NoHealthyWorker("no decode worker is healthy")
-        for worker in candidates:
-            try:
-                return worker, await worker.handle.reserve.remote(request)
-            except PoolFull:
-                continue
-            except RayActorError:
-                worker.healthy = False
-        raise Overloaded(f"no decode worker has room for {len(request.prompt_token_ids)} prompt tokens now")
+        """A decode worker with room for the prompt: wait in the admission queue for one
+        while it is not too long, then give up (RESOURCE_EXHAUSTED)."""
+        if self._num_admitting >= self.max_queued_requests:
+            raise Overloaded(f"{self._num_admitting} requests already wait for KV room")
+        self._num_admitting += 1
+        try:
+            deadline = asyncio.get_running_loop().time() + self.admission_timeout_s
+            while True:
+                candidates = self.decode_router.order(self.decode, request.prompt_token_ids)
+                if not candidates:
+                    raise NoHealthyWorker("no decode worker is healthy")
+                for worker in candidates:
+                    try:
+                        return worker, await worker.handle.reserve.remote(request)
+                    except PoolFull:
+                        continue
+                    except RayActorError:
+                        worker.healthy = False
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise Overloaded(f"no decode worker had room for {len(request.prompt_token_ids)} prompt "
+                                     f"tokens within {self.admission_timeout_s} s")
+                await asyncio.sleep(ADMISSION_RETRY_S)
+        finally:
+            self._num_admitting -= 1
 
     async def _prefill(self, prefill: WorkerState, decode: WorkerState, request: WorkerRequest, destination) -> None:
         """Prefill on one worker, then hand the first token to the decode worker."""

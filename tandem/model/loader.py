@@ -10,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tandem.config import ModelConfig, check_architecture
+from tandem.model.gguf_cache import cached_source, save_converted
 from tandem.model.llama import LayerWeights, ModelWeights
 from tandem.model.source import ModelSource, load_tokenizer
 
@@ -59,12 +60,15 @@ def load_hf_model(source: ModelSource):
     """-> (transformers model in float32, tokenizer), refusing unsupported architectures first."""
     from transformers import AutoModelForCausalLM
 
+    original, source = source, cached_source(source)
     hf_config = load_hf_config(source)
     logger.info("loading %s (%s) from %s", source.name, hf_config.architectures[0], source.path)
     tokenizer = load_tokenizer(source)
     hf_model = AutoModelForCausalLM.from_pretrained(
         source.path, config=hf_config, dtype=torch.float32, **source.from_pretrained_kwargs()
     )
+    if source is original:
+        save_converted(source, hf_model, tokenizer)
     return hf_model.eval(), tokenizer
 
 

@@ -1,0 +1,77 @@
+"""`tandem serve`: a local Ray (or an existing cluster), the workers, and the gRPC router in
+front of them, until Ctrl-C. Torch-free: the workers load the model in their own processes."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from tandem.router.policy import POLICIES
+
+logger = logging.getLogger(__name__)
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
+    parser.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
+    parser.add_argument("--colocated", type=int, nargs="?", const=1, default=0, metavar="N",
+                        help="N workers that both prefill and decode, instead of the two pools (the baseline)")
+    parser.add_argument("--policy", default="least_loaded", choices=POLICIES, help="how workers are picked")
+    parser.add_argument("--host", default="127.0.0.1", help="the router's address (default: loopback only)")
+    parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory-gib", type=float, default=0.5, help="KV pool per worker")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+
+
+def worker_args(args: argparse.Namespace) -> dict:
+    worker = dict(model=args.model, dtype=args.dtype, block_size=args.block_size,
+                  kv_cache_memory_gib=args.kv_cache_memory_gib, max_model_len=args.max_model_len,
+                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    if args.num_threads is not None:
+        worker["num_threads"] = args.num_threads
+    return worker
+
+
+def run(args: argparse.Namespace) -> int:
+    return asyncio.run(_serve(args))
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    import ray
+
+    from tandem.router.cluster import ClusterConfig, start_cluster, stop_cluster
+    from tandem.router.server import bound_port, drain, serve
+
+    cfg = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, colocated=args.colocated,
+                        policy=args.policy, address=args.address, worker_args=worker_args(args))
+    mode = f"{cfg.colocated} colocated" if cfg.colocated else f"{cfg.num_prefill} prefill + {cfg.num_decode} decode"
+    print(f"tandem: starting {mode} worker(s); each loads the model...", file=sys.stderr, flush=True)
+    backend = await start_cluster(cfg)
+    backend.start_polling()
+    server = await serve(backend, args.host, args.port)
+    where = f"{args.host}:{bound_port(server)}"
+    print(f"tandem: serving {backend.tokenizer_spec.model_name} on {where} (gRPC tandem.v1.Generation)\n"
+          f"  try:  tandem generate --server {where} \"What is the capital of France?\" --chat\n"
+          f"  or:   grpcurl -plaintext -d '{{\"prompt\": \"Hello\"}}' {where} tandem.v1.Generation/Generate\n"
+          "  Ctrl-C stops", file=sys.stderr, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    print("tandem: draining...", file=sys.stderr, flush=True)
+    await drain(server, grace=5.0)
+    stop_cluster(backend)
+    ray.shutdown()
+    print("tandem: stopped", file=sys.stderr, flush=True)
+    return 0
