@@ -2,7 +2,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# What `make serve` passes to `tandem serve`, e.g. ARGS='--prompt "Hello"'
+# What `make serve` passes to `tandem serve`, e.g. ARGS='--decode 2' or ARGS='--colocated'
 ARGS ?=
 
 .PHONY: install serve test bench clean

@@ -1,1 +1,4 @@
-"""The public gRPC API (``tandem.v1``) and its generated code: arrives with the cluster."""
+"""The public gRPC API (``tandem.v1``, source ``generation.proto``) and its generated code.
+
+``python -m tandem.proto.generate`` regenerates ``generation_pb2*.py``; never edit those by hand.
+"""

@@ -4,7 +4,7 @@ an engine in this process."""
 
 from __future__ import annotations
 
-from typing import AsyncIterator, Protocol
+from typing import AsyncGenerator, Protocol
 
 from tandem.sampling_params import SamplingParams
 from tandem.worker_api import StreamDelta, TokenizerSpec, WorkerLoad
@@ -21,12 +21,14 @@ class NoHealthyWorker(RuntimeError):
 class Backend(Protocol):
     tokenizer_spec: TokenizerSpec
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[StreamDelta]:
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncGenerator[StreamDelta, None]:
         """Stream a request's deltas, the last one with finish_reason set.
 
-        Raises Overloaded or NoHealthyWorker before the first delta; ValueError for a
-        request the workers refuse. Closing the iterator early (client cancel, deadline)
-        aborts the request on every worker that holds it.
+        Raises Overloaded or NoHealthyWorker (a worker failed the request: deltas never
+        carry `error` out of a backend); ValueError for a request the workers refuse.
+        `aclose()` before the end (client cancel, deadline) aborts the request on every
+        worker that holds it.
         """
         ...
 

@@ -1,4 +1,5 @@
-"""The ``tandem`` command: ``tandem serve`` (a prompt or a chat loop) and ``tandem bench``."""
+"""The ``tandem`` command: ``serve`` (the cluster), ``generate`` (a gRPC client), ``chat``
+(one engine in this process) and ``bench``."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     )
 
 
-def serve(args: argparse.Namespace) -> int:
-    """Answer --prompt and exit, or chat on stdin until EOF (the engine alone, for now)."""
+def chat(args: argparse.Namespace) -> int:
+    """Answer --prompt and exit, or chat on stdin until EOF (one engine, no cluster)."""
     from tandem.llm import LLM
 
     llm = LLM(**engine_kwargs(args))
@@ -58,18 +59,71 @@ def serve(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
+def generate(args: argparse.Namespace) -> int:
+    """Stream one completion from a running router to stdout; usage to stderr at the end."""
+    import grpc
+
+    from tandem.router.client import FINISH_REASON_NAMES, GenerationClient, build_request, describe_error
+
+    request = build_request(
+        args.prompt, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature,
+        top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+    )
+    with GenerationClient(args.server) as client:
+        call = client.generate(request, timeout=args.timeout)
+        last = None
+        try:
+            for response in call:
+                sys.stdout.write(response.text)
+                sys.stdout.flush()
+                last = response
+        except grpc.RpcError as e:
+            print(file=sys.stdout)
+            print(f"tandem: error: {describe_error(e)}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            call.cancel()  # the server aborts the request on the workers
+            print(file=sys.stdout)
+            return 130
+    print()
+    if last is not None and last.HasField("usage"):
+        reason = FINISH_REASON_NAMES.get(last.finish_reason, "unknown")
+        print(f"[{last.request_id}] finish_reason={reason} prompt_tokens={last.usage.prompt_tokens} "
+              f"completion_tokens={last.usage.completion_tokens}", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    p = commands.add_parser("serve", help="run the engine on the model: answer --prompt, or chat on stdin")
+    from tandem.router import serve_command
+
+    p = commands.add_parser("serve", help="start the cluster (Ray workers + gRPC router) on the model",
+                            description=serve_command.__doc__)
+    serve_command.add_args(p)
+    p.set_defaults(func=serve_command.run)
+
+    p = commands.add_parser("chat", help="one engine in this process: answer --prompt, or chat on stdin")
     add_engine_args(p)
     p.add_argument("--prompt", default=None, help="answer this one message and exit")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
-    p.set_defaults(func=serve)
+    p.set_defaults(func=chat)
+
+    p = commands.add_parser("generate", help="stream a completion from a running router (gRPC)")
+    p.add_argument("prompt", help="the prompt (with --chat: one user message)")
+    p.add_argument("--server", default="127.0.0.1:50051", help="the router's host:port")
+    p.add_argument("--max-tokens", type=int, default=None, help="default: the server's")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
+    p.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
+    p.set_defaults(func=generate)
 
     bench = commands.add_parser("bench", help="benchmarks (ratios measured side by side)")
     bench_commands = bench.add_subparsers(dest="bench", required=True)

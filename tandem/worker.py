@@ -14,6 +14,7 @@ from tandem.engine_loop import EngineLoop
 from tandem.model.llama import LlamaModel
 from tandem.model.loader import LoadedModel, load_model
 from tandem.model.source import resolve_model_source
+from tandem.router.tokenizer import tokenizer_spec_from
 from tandem.worker_api import Role, TokenizerSpec, WorkerLoad
 
 logger = logging.getLogger(__name__)
@@ -47,13 +48,8 @@ class Worker:
         return True
 
     def tokenizer_spec(self) -> TokenizerSpec:
-        tok = self.loaded.tokenizer
-        return TokenizerSpec(
-            tokenizer_json=tok.backend_tokenizer.to_str(), chat_template=tok.chat_template,
-            bos_token=tok.bos_token, eos_token=tok.eos_token, add_bos_token=bool(getattr(tok, "add_bos_token", False)),
-            model_name=self.loaded.config.name, vocab_size=self.loaded.config.vocab_size,
-            max_model_len=self.engine.config.max_model_len,
-        )
+        return tokenizer_spec_from(self.loaded.tokenizer, self.loaded.config.name, self.loaded.config.vocab_size,
+                                   self.engine.config.max_model_len)
 
     async def load(self) -> WorkerLoad:
         return await self.loop.call(self._load)

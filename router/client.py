@@ -1,0 +1,73 @@
+"""A small blocking client of ``tandem.v1.Generation`` (what ``tandem generate`` uses)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+
+from tandem.proto import generation_pb2 as pb
+from tandem.proto import generation_pb2_grpc as pb_grpc
+
+DEFAULT_SERVER = "127.0.0.1:50051"
+
+
+def build_request(prompt: str, *, chat: bool = False, request_id: str = "", max_tokens: int | None = None,
+                  temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                  seed: int | None = None, stop: list[str] | None = None, logprobs: bool = False) -> pb.GenerateRequest:
+    """A GenerateRequest for one prompt: plain text, or (``chat``) one user message rendered
+    with the model's chat template. None leaves a sampling field unset (the server's default)."""
+    sampling = pb.SamplingParams(stop=stop or [])
+    for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
+                        ("top_k", top_k), ("seed", seed)):
+        if value is not None:
+            setattr(sampling, name, value)
+    if logprobs:
+        sampling.logprobs = True
+    request = pb.GenerateRequest(request_id=request_id, sampling=sampling)
+    if chat:
+        request.messages.messages.add(role="user", content=prompt)
+    else:
+        request.prompt = prompt
+    return request
+
+
+class GenerationClient:
+    """A channel to one router. Use as a context manager (closes the channel)."""
+
+    def __init__(self, target: str = DEFAULT_SERVER) -> None:
+        self._channel = grpc.insecure_channel(target)
+        self._stub = pb_grpc.GenerationStub(self._channel)
+
+    def generate(self, request: pb.GenerateRequest, timeout: float | None = None) -> Iterator[pb.GenerateResponse]:
+        """Stream the responses as they arrive. Raises grpc.RpcError (see ``describe_error``).
+        Stopping the iteration early does not cancel the call: use ``cancel`` on the iterator."""
+        return self._stub.Generate(request, timeout=timeout)
+
+    def abort(self, request_ids: list[str], timeout: float | None = None) -> list[str]:
+        """-> the ids that were running and are now aborted."""
+        return list(self._stub.Abort(pb.AbortRequest(request_ids=request_ids), timeout=timeout).aborted_request_ids)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> GenerationClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def describe_error(error: grpc.RpcError) -> str:
+    """``"INVALID_ARGUMENT: prompt: must not be empty"``: the status code's name and the details."""
+    code = error.code() if hasattr(error, "code") else None
+    details = error.details() if hasattr(error, "details") else str(error)
+    return f"{code.name if code is not None else 'UNKNOWN'}: {details}"
+
+
+FINISH_REASON_NAMES = {
+    pb.FINISH_REASON_STOP: "stop",
+    pb.FINISH_REASON_LENGTH: "length",
+    pb.FINISH_REASON_ABORT: "abort",
+}
+"""The proto's FinishReason -> the words the workers and OpenAI use."""

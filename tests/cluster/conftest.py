@@ -1,0 +1,78 @@
+"""One Ray for the whole session, with two real clusters on it (each worker loads the model
+once, in its own process): disaggregated (1 prefill + 2 decode workers) and colocated
+(1 worker), each behind its own gRPC router on a free loopback port."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import pytest
+import ray
+
+from tandem.proto import generation_pb2 as pb
+from tandem.proto import generation_pb2_grpc as pb_grpc
+from tandem.router.cluster import ClusterConfig, start_cluster, stop_cluster
+from tandem.router.ray_backend import RayBackend
+from tandem.router.server import bound_port, drain, serve
+
+WORKER_ARGS = dict(kv_cache_memory_gib=0.1, max_num_batched_tokens=256, num_threads=1)
+
+
+@dataclass
+class RunningCluster:
+    backend: RayBackend
+    port: int
+    loop: asyncio.AbstractEventLoop
+
+    def run(self, coro) -> Any:
+        """Run a coroutine on the router's event loop (its own thread) and wait."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=120)
+
+    def stub(self) -> pb_grpc.GenerationStub:
+        return pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{self.port}"))
+
+    def all_blocks_free(self) -> bool:
+        loads = self.run(self.backend.loads())
+        return all(l.num_free_blocks == l.num_blocks and l.num_running == 0 and l.num_waiting == 0 for l in loads)
+
+
+@pytest.fixture(scope="session")
+def clusters():
+    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start(cfg: ClusterConfig):
+        backend = await start_cluster(cfg)
+        backend.start_polling()
+        server = await serve(backend, "127.0.0.1", 0)
+        return backend, server
+
+    configs = {
+        "disaggregated": ClusterConfig(num_prefill=1, num_decode=2, worker_args=WORKER_ARGS, name_prefix="d-"),
+        "colocated": ClusterConfig(colocated=1, worker_args=WORKER_ARGS, name_prefix="c-"),
+    }
+    started = {name: asyncio.run_coroutine_threadsafe(start(cfg), loop) for name, cfg in configs.items()}
+    running = {}
+    try:
+        for name, future in started.items():
+            backend, server = future.result(timeout=600)
+            running[name] = (RunningCluster(backend, bound_port(server), loop), server)
+        yield {name: c for name, (c, _) in running.items()}
+    finally:
+        for c, server in running.values():
+            asyncio.run_coroutine_threadsafe(drain(server, grace=1.0), loop).result(timeout=30)
+            stop_cluster(c.backend)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        ray.shutdown()
+
+
+def greedy_request(token_ids: list[int], max_tokens: int, request_id: str = "") -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=token_ids),
+                              sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens))
