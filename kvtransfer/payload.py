@@ -55,6 +55,7 @@ class DistPayload:
             else torch.device("cpu")
 
     def send(self, peer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Blocks until both tensors are handed over (unlike the ZMQ path's send_layer)."""
         for t in (k, v):
             dist.send(t.to(self.device).contiguous(), dst=peer, group=self.group)
 
