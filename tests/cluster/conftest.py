@@ -13,7 +13,6 @@ import grpc
 import pytest
 import ray
 
-from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc
 from tandem.router.cluster import ClusterConfig, start_cluster, stop_cluster
 from tandem.router.ray_backend import RayBackend
@@ -71,8 +70,3 @@ def clusters():
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         ray.shutdown()
-
-
-def greedy_request(token_ids: list[int], max_tokens: int, request_id: str = "") -> pb.GenerateRequest:
-    return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=token_ids),
-                              sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens))

@@ -9,12 +9,16 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from conftest import greedy_request
 from reference import english_token_ids
 from tandem import SamplingParams
 from tandem.proto import generation_pb2 as pb
 
 pytestmark = pytest.mark.slow
+
+
+def greedy_request(token_ids: list[int], max_tokens: int, request_id: str = "") -> pb.GenerateRequest:
+    return pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=token_ids),
+                              sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens))
 
 MODES = ["disaggregated", "colocated"]
 

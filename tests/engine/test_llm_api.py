@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from conftest import assert_all_blocks_free
+from engine_checks import assert_all_blocks_free
 from reference import english_token_ids
 from tandem import FinishReason, SamplingParams
 
