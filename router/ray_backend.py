@@ -59,6 +59,12 @@ class RayBackend:
                 await asyncio.sleep(LOAD_POLL_S)
         self._poller = asyncio.get_running_loop().create_task(poll())
 
+    async def stop_polling(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+            self._poller = None
+
     async def _refresh_loads(self) -> None:
         async def one(w: WorkerState) -> None:
             try:

@@ -129,9 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     bench_commands = bench.add_subparsers(dest="bench", required=True)
     from tandem.bench import engine as bench_engine
     from tandem.bench import kernels as bench_kernels
+    from tandem.bench import serve as bench_serve
     from tandem.bench import transfer as bench_transfer
 
-    for name, module in (("engine", bench_engine), ("kernels", bench_kernels), ("transfer", bench_transfer)):
+    for name, module in (("engine", bench_engine), ("kernels", bench_kernels), ("transfer", bench_transfer),
+                         ("serve", bench_serve)):
         p = bench_commands.add_parser(name, help=module.__doc__.split("\n\n")[0], description=module.__doc__)
         module.add_args(p)
         p.set_defaults(func=module.run)
