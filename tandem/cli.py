@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib
 import logging
 import sys
 
@@ -93,6 +95,21 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCH_HELP = {
+    "engine": "tandem vs transformers generate: throughput and single-stream TPOT",
+    "kernels": "attention kernels vs scaled_dot_product_attention",
+    "transfer": "KV transfer between processes vs a memory copy",
+    "serve": "a load generator against disaggregated and colocated clusters",
+}
+
+
+def run_bench(name: str, args: argparse.Namespace) -> int:
+    module = importlib.import_module(f"tandem.bench.{name}")
+    parser = argparse.ArgumentParser(prog=f"tandem bench {name}", description=module.__doc__)
+    module.add_args(parser)
+    return module.run(parser.parse_args(args.bench_args))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -127,18 +144,16 @@ def main(argv: list[str] | None = None) -> int:
 
     bench = commands.add_parser("bench", help="benchmarks (ratios measured side by side)")
     bench_commands = bench.add_subparsers(dest="bench", required=True)
-    from tandem.bench import engine as bench_engine
-    from tandem.bench import kernels as bench_kernels
-    from tandem.bench import serve as bench_serve
-    from tandem.bench import transfer as bench_transfer
+    # The bench modules import torch: load only the one asked for.
+    for name in ("engine", "kernels", "transfer", "serve"):
+        p = bench_commands.add_parser(name, help=BENCH_HELP[name], add_help=False)
+        p.set_defaults(func=functools.partial(run_bench, name))
 
-    for name, module in (("engine", bench_engine), ("kernels", bench_kernels), ("transfer", bench_transfer),
-                         ("serve", bench_serve)):
-        p = bench_commands.add_parser(name, help=module.__doc__.split("\n\n")[0], description=module.__doc__)
-        module.add_args(p)
-        p.set_defaults(func=module.run)
-
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        args.bench_args = rest  # the bench's own parser reads them
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

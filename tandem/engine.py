@@ -53,7 +53,7 @@ class LLMEngine:
         """Hold blocks for a prompt whose KV another worker computes. -> their ids, or None
         when the pool cannot hold it now. The request waits outside the scheduler until
         :meth:`start_prefilled`."""
-        self.check_prompt(prompt_token_ids)
+        self.check_prompt(prompt_token_ids)  # before the room check: a prompt that never fits is a ValueError
         # Room for the prompt and the first decode step, beyond what running sequences hold.
         if self.block_manager.num_free_blocks < self.block_manager.num_blocks_for(len(prompt_token_ids) + 1):
             return None
