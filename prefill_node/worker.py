@@ -64,9 +64,9 @@ class PrefillWorker(Worker):
                              f"the prompt has {len(request.prompt_token_ids)}")
         # One token: the first; the decode worker samples the rest with the request's own params.
         params = dataclasses.replace(request.params, max_tokens=1, stop=())
+        self.sender.begin(destination)  # first: a refused handshake must leave no sequence behind
         seq = engine.add_request(request.request_id, request.prompt_token_ids, params)
         seq.keep_blocks = True  # freed once the decode worker has the KV (see _tick)
-        self.sender.begin(destination)
         self._prefills[request.request_id] = _Prefill(seq, result, result.get_loop())
 
     def _send_layer(self, batch: ScheduledBatch, layer: int) -> None:
