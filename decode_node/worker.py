@@ -36,6 +36,8 @@ class DecodeWorker(Worker):
 
     def _start_loop(self) -> EngineLoop:
         self.receiver = KVReceiver(self.engine.runner.kv_cache, self._transfer_address, self._transfer_timeout_s)
+        self.metrics.kv_bytes["received"] = lambda: self.receiver.num_bytes_received
+        self.metrics.num_transferring = lambda: self.receiver.num_pending
         return EngineLoop(self.engine, tick=self._tick)
 
     async def reserve(self, request: WorkerRequest) -> Destination:
@@ -94,8 +96,10 @@ class DecodeWorker(Worker):
     def _tick(self) -> None:
         while (event := self.receiver.get_event(0)) is not None:
             rid = event.request_id
-            if rid not in self.engine.sequences:
+            seq = self.engine.sequences.get(rid)
+            if seq is None:
                 continue
+            self.metrics.transfer_ended(seq.arrival_time, None if event.status is TransferStatus.DONE else event.reason)
             if event.status is TransferStatus.DONE:
                 self._arrived.add(rid)
                 self._start_if_ready(self.engine, rid)

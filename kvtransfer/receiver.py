@@ -56,6 +56,8 @@ class KVReceiver:
         self.dist_payload = dist_payload
         self.dropped: collections.Counter[str] = collections.Counter()
         """Messages dropped, by reason (malformed, unknown_request, wrong_dtype, ...)."""
+        self.num_bytes_received = 0
+        """KV payload bytes written into the pool (K and V), for the metrics."""
         self._expected: dict[str, _Expected] = {}
         self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._lock = threading.Lock()
@@ -184,6 +186,7 @@ class KVReceiver:
             for kv, parts in ((0, k_parts), (1, v_parts)):
                 write_rows(layer_rows(self.kv_cache, h.layer, kv), slots, parts)
             exp.received[h.layer] += h.num_tokens
+            self.num_bytes_received += 2 * h.num_tokens * self.layout.row_bytes
             complete = all(n == exp.destination.num_tokens for n in exp.received)
             if complete:
                 del self._expected[h.request_id]

@@ -60,6 +60,8 @@ class KVSender:
         self._peers: dict[str, _Peer] = {}
         self._outgoing: dict[str, _Outgoing] = {}
         self._events: list[TransferEvent] = []
+        self.num_bytes_sent = 0
+        """KV payload bytes handed to the transport (K and V), for the metrics."""
 
     def connect(self, address: str, timeout_s: float = 10.0) -> KVLayout:
         """Handshake with a receiver (once per address). -> its layout.
@@ -127,12 +129,14 @@ class KVSender:
                       block_ids=covering_blocks(dest.block_ids, peer.layout.block_size, token_start, end),
                       dtype=self.layout.dtype, row_shape=[self.layout.num_kv_heads, self.layout.head_dim])
         k_rows, v_rows = layer_rows(self.kv_cache, layer, 0), layer_rows(self.kv_cache, layer, 1)
+        num_bytes = 2 * (end - token_start) * self.layout.row_bytes
         if self.dist_payload is not None:
             header.update(frame_tokens=[], dist_rank=self.dist_payload.rank)
             if not self._send(request_id, peer, [encode(MessageKind.LAYER, request_id, **header)]):
                 return False
             index = torch.from_numpy(src_slots).to(self.kv_cache.device)
             self.dist_payload.send(peer.dist_rank, k_rows.index_select(0, index), v_rows.index_select(0, index))
+            self.num_bytes_sent += num_bytes
             return True
         runs = contiguous_runs(src_slots)
         if len(runs) <= MAX_VIEW_FRAMES:  # a few long runs: frames are views of the pool itself
@@ -142,7 +146,9 @@ class KVSender:
             index = torch.from_numpy(src_slots).to(self.kv_cache.device)
             header["frame_tokens"] = [len(src_slots)]
             frames = [frame_of(rows.index_select(0, index)) for rows in (k_rows, v_rows)]
-        return self._send(request_id, peer, [encode(MessageKind.LAYER, request_id, **header), *frames])
+        sent = self._send(request_id, peer, [encode(MessageKind.LAYER, request_id, **header), *frames])
+        self.num_bytes_sent += num_bytes if sent else 0
+        return sent
 
     def _send(self, request_id: str, peer: _Peer, frames: list) -> bool:
         """Never blocks: a receiver that cannot take the message fails the request."""

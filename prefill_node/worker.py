@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,8 @@ class _Prefill:
     seq: Sequence
     result: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    started: float = dataclasses.field(default_factory=time.monotonic)
+    """When the transfer began (for the transfer time metric)."""
     num_sent_tokens: int = 0
     """Prompt tokens whose KV went out in every layer."""
 
@@ -41,6 +44,8 @@ class PrefillWorker(Worker):
 
     def _start_loop(self) -> EngineLoop:
         self.sender = KVSender(self.engine.runner.kv_cache, timeout_s=self._transfer_timeout_s)
+        self.metrics.kv_bytes["sent"] = lambda: self.sender.num_bytes_sent
+        self.metrics.num_transferring = lambda: self.sender.num_pending
         return EngineLoop(self.engine, tick=self._tick, layer_hook=self._send_layer, on_delta=self._on_delta)
 
     async def prefill(self, request: WorkerRequest, destination: Destination) -> PrefillResult:
@@ -99,6 +104,7 @@ class PrefillWorker(Worker):
                 self.engine.abort_request(event.request_id)
             # The KV has arrived, or never will; ZMQ has let go of the blocks either way.
             self.engine.block_manager.free(p.seq)
+            self.metrics.transfer_ended(p.started, None if event.status is TransferStatus.DONE else event.reason)
             if event.status is not TransferStatus.DONE:
                 error = RuntimeError(f"KV transfer of {event.request_id} failed: {event.reason}")
                 p.loop.call_soon_threadsafe(_resolve, p.result, None, error)

@@ -4,10 +4,14 @@ an engine in this process."""
 
 from __future__ import annotations
 
-from typing import AsyncGenerator, Protocol
+from typing import TYPE_CHECKING, AsyncGenerator, Protocol
 
+from tandem.router.worker_metrics import WorkerMetricsReport
 from tandem.sampling_params import SamplingParams
 from tandem.worker_api import StreamDelta, TokenizerSpec, WorkerLoad
+
+if TYPE_CHECKING:
+    from tandem.router.metrics import RouterMetrics
 
 
 class Overloaded(RuntimeError):
@@ -20,6 +24,10 @@ class NoHealthyWorker(RuntimeError):
 
 class Backend(Protocol):
     tokenizer_spec: TokenizerSpec
+    metrics: RouterMetrics | None
+    """Set by the router (serve): where the backend records admission queue times."""
+    num_admitting: int
+    """Requests waiting in the backend's admission queue now."""
 
     def generate(self, request_id: str, prompt_token_ids: list[int],
                  params: SamplingParams) -> AsyncGenerator[StreamDelta, None]:
@@ -38,6 +46,10 @@ class Backend(Protocol):
 
     async def loads(self) -> list[WorkerLoad]:
         """Every worker's current load (also how health is judged)."""
+        ...
+
+    async def worker_metrics(self) -> list[WorkerMetricsReport]:
+        """Every worker's metrics in Prometheus' text format (None for one that did not answer)."""
         ...
 
     def is_ready(self) -> bool:

@@ -8,6 +8,7 @@ import grpc
 
 from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc
+from tandem.router.auth import auth_token_from_env
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 
@@ -35,18 +36,22 @@ def build_request(prompt: str, *, chat: bool = False, request_id: str = "", max_
 class GenerationClient:
     """A channel to one router. Use as a context manager (closes the channel)."""
 
-    def __init__(self, target: str = DEFAULT_SERVER) -> None:
+    def __init__(self, target: str = DEFAULT_SERVER, auth_token: str | None = None) -> None:
+        """auth_token: sent as `authorization: Bearer <token>` (default: $TANDEM_AUTH_TOKEN, if set)."""
         self._channel = grpc.insecure_channel(target)
         self._stub = pb_grpc.GenerationStub(self._channel)
+        token = auth_token if auth_token is not None else auth_token_from_env()
+        self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
     def generate(self, request: pb.GenerateRequest, timeout: float | None = None) -> Iterator[pb.GenerateResponse]:
         """Stream the responses as they arrive. Raises grpc.RpcError (see ``describe_error``).
         Stopping the iteration early does not cancel the call: use ``cancel`` on the iterator."""
-        return self._stub.Generate(request, timeout=timeout)
+        return self._stub.Generate(request, timeout=timeout, metadata=self._metadata)
 
     def abort(self, request_ids: list[str], timeout: float | None = None) -> list[str]:
         """-> the ids that were running and are now aborted."""
-        return list(self._stub.Abort(pb.AbortRequest(request_ids=request_ids), timeout=timeout).aborted_request_ids)
+        return list(self._stub.Abort(pb.AbortRequest(request_ids=request_ids), timeout=timeout,
+                                   metadata=self._metadata).aborted_request_ids)
 
     def close(self) -> None:
         self._channel.close()

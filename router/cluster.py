@@ -31,6 +31,9 @@ class ClusterConfig:
     """Model and engine arguments of every worker (model, dtype, kv_cache_memory_gib, ...)."""
     name_prefix: str = ""
     """Prefixed to actor names, so that two clusters can share one Ray."""
+    pool_resources: bool = False
+    """Each worker asks Ray for its pool's custom resource (worker_host.pool_resource), so
+    that it lands on a node started for that pool."""
 
     @property
     def num_workers(self) -> int:
@@ -54,7 +57,8 @@ async def start_cluster(cfg: ClusterConfig) -> RayBackend:
     for role, count in roles:
         for i in range(count):
             instance = f"{cfg.name_prefix}{role.value}-{i}"
-            handle = start_worker(role, instance, num_cpus=1, num_gpus=1 if has_gpu else 0, **args)
+            handle = start_worker(role, instance, num_cpus=1, num_gpus=1 if has_gpu else 0,
+                                  pool_resources=cfg.pool_resources, **args)
             states[role].append(WorkerState(instance, handle))
     everyone = [w for ws in states.values() for w in ws]
     logger.info("starting %d workers (each loads the model)...", len(everyone))

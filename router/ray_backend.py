@@ -5,20 +5,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator
+from typing import TYPE_CHECKING, AsyncIterator
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
 from tandem.router.backend import NoHealthyWorker, Overloaded
 from tandem.router.policy import Router, WorkerState
+from tandem.router.worker_metrics import WorkerMetricsReport
 from tandem.sampling_params import SamplingParams
-from tandem.worker_api import PoolFull, StreamDelta, TokenizerSpec, WorkerLoad, WorkerRequest
+from tandem.worker_api import PoolFull, Role, StreamDelta, TokenizerSpec, WorkerLoad, WorkerRequest
+
+if TYPE_CHECKING:
+    from tandem.router.metrics import RouterMetrics
 
 logger = logging.getLogger(__name__)
 
 LOAD_POLL_S = 0.1
 ADMISSION_RETRY_S = 0.02
+WORKER_METRICS_TIMEOUT_S = 1.0
 
 
 class RayBackend:
@@ -38,11 +43,23 @@ class RayBackend:
         self._poller: asyncio.Task | None = None
         self.max_queued_requests = max_queued_requests
         self.admission_timeout_s = admission_timeout_s
-        self._num_admitting = 0
+        self.num_admitting = 0
+        self.metrics: RouterMetrics | None = None
 
     @property
     def workers(self) -> list[WorkerState]:
         return self.prefill + self.decode + self.colocated
+
+    async def worker_metrics(self) -> list[WorkerMetricsReport]:
+        async def one(role: Role, w: WorkerState) -> WorkerMetricsReport:
+            try:
+                text = await asyncio.wait_for(w.handle.metrics_text.remote(), WORKER_METRICS_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - dead, restarting or busy: left out of this scrape
+                logger.warning("worker %s did not report its metrics: %s", w.instance, e)
+                text = None
+            return WorkerMetricsReport(role.value, w.instance, text, w.healthy)
+        pools = ((Role.PREFILL, self.prefill), (Role.DECODE, self.decode), (Role.COLOCATED, self.colocated))
+        return list(await asyncio.gather(*(one(role, w) for role, ws in pools for w in ws)))
 
     def is_ready(self) -> bool:
         return all(w.healthy for w in self.workers)
@@ -122,28 +139,33 @@ class RayBackend:
     async def _reserve(self, request: WorkerRequest):
         """A decode worker with room for the prompt: wait in the admission queue for one
         while it is not too long, then give up (RESOURCE_EXHAUSTED)."""
-        if self._num_admitting >= self.max_queued_requests:
-            raise Overloaded(f"{self._num_admitting} requests already wait for KV room")
-        self._num_admitting += 1
+        if self.num_admitting >= self.max_queued_requests:
+            raise Overloaded(f"{self.num_admitting} requests already wait for KV room")
+        self.num_admitting += 1
         try:
-            deadline = asyncio.get_running_loop().time() + self.admission_timeout_s
+            start = asyncio.get_running_loop().time()
+            deadline = start + self.admission_timeout_s
             while True:
                 candidates = self.decode_router.order(self.decode, request.prompt_token_ids)
                 if not candidates:
                     raise NoHealthyWorker("no decode worker is healthy")
                 for worker in candidates:
                     try:
-                        return worker, await worker.handle.reserve.remote(request)
+                        destination = await worker.handle.reserve.remote(request)
                     except PoolFull:
                         continue
                     except RayActorError:
                         worker.healthy = False
+                    else:
+                        if self.metrics is not None:
+                            self.metrics.queue_time.observe(asyncio.get_running_loop().time() - start)
+                        return worker, destination
                 if asyncio.get_running_loop().time() >= deadline:
                     raise Overloaded(f"no decode worker had room for {len(request.prompt_token_ids)} prompt "
                                      f"tokens within {self.admission_timeout_s} s")
                 await asyncio.sleep(ADMISSION_RETRY_S)
         finally:
-            self._num_admitting -= 1
+            self.num_admitting -= 1
 
     async def _prefill(self, prefill: WorkerState, decode: WorkerState, request: WorkerRequest, destination) -> None:
         """Prefill on one worker, then hand the first token to the decode worker."""

@@ -9,6 +9,8 @@ import logging
 import signal
 import sys
 
+from tandem.router.auth import AUTH_TOKEN_ENV, auth_token_from_env
+from tandem.router.metrics_endpoint import DEFAULT_METRICS_PORT
 from tandem.router.policy import POLICIES
 
 logger = logging.getLogger(__name__)
@@ -23,7 +25,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default="least_loaded", choices=POLICIES, help="how workers are picked")
     parser.add_argument("--host", default="127.0.0.1", help="the router's address (default: loopback only)")
     parser.add_argument("--port", type=int, default=50051)
+    parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
+                        help=f"Prometheus /metrics on --host (default {DEFAULT_METRICS_PORT}): the router's and every worker's")
     parser.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
+    parser.add_argument("--pool-resources", action="store_true",
+                        help="each worker asks Ray for the custom resource tandem_prefill/tandem_decode/tandem_colocated, "
+                             "so it runs on a node started for its pool")
+    parser.add_argument("--kv-transfer-host", default=None, metavar="HOST",
+                        help="address decode workers receive KV on (default loopback; 'node-ip': the Ray node's "
+                             "address, for pools on several hosts)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
     parser.add_argument("--block-size", type=int, default=16)
@@ -39,6 +49,8 @@ def worker_args(args: argparse.Namespace) -> dict:
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
     if args.num_threads is not None:
         worker["num_threads"] = args.num_threads
+    if args.kv_transfer_host is not None:
+        worker["kv_transfer_host"] = args.kv_transfer_host
     return worker
 
 
@@ -50,17 +62,21 @@ async def _serve(args: argparse.Namespace) -> int:
     import ray
 
     from tandem.router.cluster import ClusterConfig, start_cluster, stop_cluster
-    from tandem.router.server import bound_port, drain, serve
+    from tandem.router.server import bound_port, drain, metrics_port, serve
 
     cfg = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, colocated=args.colocated,
-                        policy=args.policy, address=args.address, worker_args=worker_args(args))
+                        policy=args.policy, address=args.address, worker_args=worker_args(args),
+                        pool_resources=args.pool_resources)
     mode = f"{cfg.colocated} colocated" if cfg.colocated else f"{cfg.num_prefill} prefill + {cfg.num_decode} decode"
     print(f"tandem: starting {mode} worker(s); each loads the model...", file=sys.stderr, flush=True)
     backend = await start_cluster(cfg)
     backend.start_polling()
-    server = await serve(backend, args.host, args.port)
+    token = auth_token_from_env()
+    server = await serve(backend, args.host, args.port, metrics_port=args.metrics_port, auth_token=token)
     where = f"{args.host}:{bound_port(server)}"
-    print(f"tandem: serving {backend.tokenizer_spec.model_name} on {where} (gRPC tandem.v1.Generation)\n"
+    print(f"tandem: serving {backend.tokenizer_spec.model_name} on {where} (gRPC tandem.v1.Generation)"
+          f"{f', token from ${AUTH_TOKEN_ENV} required' if token else ''}\n"
+          f"  metrics: http://{args.host}:{metrics_port(server)}/metrics\n"
           f"  try:  tandem generate --server {where} \"What is the capital of France?\" --chat\n"
           f"  or:   grpcurl -plaintext -d '{{\"prompt\": \"Hello\"}}' {where} tandem.v1.Generation/Generate\n"
           "  Ctrl-C stops", file=sys.stderr, flush=True)

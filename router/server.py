@@ -23,9 +23,13 @@ from grpc_reflection.v1alpha import reflection
 
 from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc
+from tandem.router.auth import TokenAuthInterceptor
 from tandem.router.backend import Backend, NoHealthyWorker, Overloaded
+from tandem.router.metrics import RouterMetrics
+from tandem.router.metrics_endpoint import MetricsEndpoint, start_metrics_endpoint
 from tandem.router.tokenizer import RouterTokenizer
 from tandem.router.validation import check_request_id, validate_request
+from tandem.router.worker_metrics import WorkerMetricsCollector, WorkerMetricsReport
 from tandem.worker_api import PoolFull, StreamDelta
 
 logger = logging.getLogger(__name__)
@@ -34,6 +38,8 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "tandem
 HEALTH_POLL_S = 0.5
 """How often health follows backend.is_ready()."""
 MAX_ABORT_IDS = 1024
+WORKER_METRICS_WAIT_S = 3.0
+"""How long a scrape waits for the workers' metrics (each worker has less; see RayBackend)."""
 
 # Order matters: the first matching class wins (Overloaded and PoolFull are RuntimeErrors).
 _STATUS_OF: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
@@ -52,19 +58,31 @@ _FINISH_REASONS = {
 class GenerationServicer(pb_grpc.GenerationServicer):
     """``tandem.v1.Generation`` over a Backend."""
 
-    def __init__(self, backend: Backend, tokenizer: RouterTokenizer) -> None:
+    def __init__(self, backend: Backend, tokenizer: RouterTokenizer, metrics: RouterMetrics) -> None:
         self._backend = backend
         self._tokenizer = tokenizer
+        self._metrics = metrics
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        self._metrics.num_running += 1
+        responses = self._generate(request, context)
+        try:
+            async for response in responses:
+                yield response
+        finally:
+            await responses.aclose()  # at once: closing it is what aborts the request on the workers
+            self._metrics.num_running -= 1
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        timer = self._metrics.start_request()
         try:
             # Off the event loop: a long prompt or conversation takes milliseconds to
             # tokenize, and every other stream waits on this loop.
             request_id, prompt_token_ids, params = await asyncio.to_thread(validate_request, request, self._tokenizer)
         except ValueError as e:
             logger.info("rejected request %r: %s", request.request_id, e)
+            self._metrics.ended(grpc.StatusCode.INVALID_ARGUMENT, rejected=True)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        start = time.perf_counter()
         logger.debug("request %s: %d prompt tokens, %s", request_id, len(prompt_token_ids), params)
         error: tuple[grpc.StatusCode, str] | None = None
         finished: StreamDelta | None = None
@@ -76,6 +94,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     # Backends should raise instead; a failed request must not look finished.
                     raise NoHealthyWorker(f"request {request_id} failed on the workers: {delta.error}")
                 yield _response(request_id, delta)
+                timer.tokens_sent(len(delta.token_ids))
                 if delta.finish_reason is not None:
                     finished = delta
                     break
@@ -91,14 +110,21 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             # what aborts the request on the workers and frees its blocks.
             if finished is None and error is None:
                 remaining = context.time_remaining()
-                why = "deadline exceeded" if remaining is not None and remaining <= 0 else "cancelled"
-                logger.info("request %s: %s after %.3f s", request_id, why, time.perf_counter() - start)
+                expired = remaining is not None and remaining <= 0
+                logger.info("request %s: %s after %.3f s", request_id, "deadline exceeded" if expired else "cancelled",
+                            time.perf_counter() - timer.arrival)
+                self._metrics.ended(grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED,
+                                    rejected=False)
             if stream is not None:
                 await _close(stream)
         if error is not None:
+            self._metrics.ended(error[0], rejected=timer.first_token is None)
             await context.abort(*error)
+        self._metrics.ended(grpc.StatusCode.OK, rejected=False)
+        self._metrics.finished(finished.finish_reason, finished.num_prompt_tokens, finished.num_output_tokens)
+        timer.finished(finished.num_output_tokens)
         logger.info("request %s: %s, %d prompt + %d output tokens in %.3f s", request_id, finished.finish_reason,
-                    finished.num_prompt_tokens, finished.num_output_tokens, time.perf_counter() - start)
+                    finished.num_prompt_tokens, finished.num_output_tokens, time.perf_counter() - timer.arrival)
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         if len(request.request_ids) > MAX_ABORT_IDS:
@@ -161,24 +187,31 @@ class _Router:
     health: HealthServicer
     health_task: asyncio.Task[None]
     port: int
+    metrics: RouterMetrics
+    metrics_endpoint: MetricsEndpoint | None
 
 
 _ROUTERS: weakref.WeakKeyDictionary[grpc.aio.Server, _Router] = weakref.WeakKeyDictionary()
 
 
 async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
-                tokenizer: RouterTokenizer | None = None,
-                health_poll_s: float = HEALTH_POLL_S) -> grpc.aio.Server:
+                tokenizer: RouterTokenizer | None = None, metrics_port: int | None = None,
+                auth_token: str | None = None, health_poll_s: float = HEALTH_POLL_S) -> grpc.aio.Server:
     """Start the router on ``host:port`` (loopback unless told otherwise; port 0 picks a free
     one, see ``bound_port``) -> the started server. Health says NOT_SERVING until
     ``backend.is_ready()``, then follows it; ``drain(server)`` is the way to stop.
 
     The tokenizer defaults to the one the backend describes (``backend.tokenizer_spec``).
+    metrics_port: also serve ``/metrics`` on ``host:metrics_port`` (None: not over HTTP;
+    ``router_metrics(server)`` has them either way). auth_token: calls must carry
+    ``authorization: Bearer <auth_token>`` (health checks excepted).
     """
     tokenizer = tokenizer or RouterTokenizer.from_spec(backend.tokenizer_spec)
+    metrics = _router_metrics(backend, tokenizer)
+    interceptors = [TokenAuthInterceptor(auth_token)] if auth_token else []
     # so_reuseport=0: a second router on a busy port must fail, not share the port.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(backend, tokenizer), server)
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(backend, tokenizer, metrics), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
@@ -192,16 +225,49 @@ async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
         raise OSError(f"cannot listen on {host}:{port}")
     for service in ("", SERVICE_NAME):
         await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await server.start()
+    endpoint = None if metrics_port is None else start_metrics_endpoint(metrics.registry, host, metrics_port)
+    try:
+        await server.start()
+    except BaseException:
+        if endpoint is not None:
+            endpoint.stop()
+        raise
     task = asyncio.create_task(_follow_readiness(backend, health, health_poll_s), name="tandem-router-health")
-    _ROUTERS[server] = _Router(health, task, bound)
-    logger.info("router serving %s on %s:%d (model %s)", SERVICE_NAME, host, bound, tokenizer.spec.model_name)
+    _ROUTERS[server] = _Router(health, task, bound, metrics, endpoint)
+    logger.info("router serving %s on %s:%d (model %s%s)", SERVICE_NAME, host, bound, tokenizer.spec.model_name,
+                ", token required" if auth_token else "")
     return server
+
+
+def _router_metrics(backend: Backend, tokenizer: RouterTokenizer) -> RouterMetrics:
+    """The router's metrics and, gathered at each scrape, its workers'."""
+    spec = tokenizer.spec
+    metrics = RouterMetrics(spec.model_name, spec.max_model_len, num_waiting=lambda: backend.num_admitting)
+    loop = asyncio.get_running_loop()
+
+    def fetch() -> list[WorkerMetricsReport]:
+        # NOTE: runs on the scraping thread, never on this loop (it would wait on itself).
+        return asyncio.run_coroutine_threadsafe(backend.worker_metrics(), loop).result(timeout=WORKER_METRICS_WAIT_S)
+
+    metrics.registry.register(WorkerMetricsCollector(spec.model_name, fetch))
+    backend.metrics = metrics
+    return metrics
 
 
 def bound_port(server: grpc.aio.Server) -> int:
     """The port a server from serve() listens on (what port 0 became)."""
     return _ROUTERS[server].port
+
+
+def router_metrics(server: grpc.aio.Server) -> RouterMetrics:
+    """The metrics of a server from serve() (its registry also gathers the workers')."""
+    return _ROUTERS[server].metrics
+
+
+def metrics_port(server: grpc.aio.Server) -> int | None:
+    """The port a server from serve() serves /metrics on (None: not over HTTP)."""
+    endpoint = _ROUTERS[server].metrics_endpoint
+    return None if endpoint is None else endpoint.port
 
 
 async def drain(server: grpc.aio.Server, grace: float | None = 5.0) -> None:
@@ -215,6 +281,8 @@ async def drain(server: grpc.aio.Server, grace: float | None = 5.0) -> None:
         await router.health.enter_graceful_shutdown()
     logger.info("router draining (grace %s s)", grace)
     await server.stop(grace)
+    if router is not None and router.metrics_endpoint is not None:
+        router.metrics_endpoint.stop()
 
 
 async def _follow_readiness(backend: Backend, health: HealthServicer, interval: float) -> None:

@@ -21,7 +21,13 @@ WORKER_CLASSES = {
 class WorkerHost:
     """Every worker method, delegated; each role uses its own subset."""
 
-    def __init__(self, role: Role, **worker_args: Any) -> None:
+    def __init__(self, role: Role, kv_transfer_host: str | None = None, **worker_args: Any) -> None:
+        """kv_transfer_host: where a decode worker's KV receiver listens ("node-ip": this
+        Ray node's address, so that prefill workers on other hosts reach it)."""
+        if kv_transfer_host is not None and role is Role.DECODE:
+            if kv_transfer_host == "node-ip":
+                kv_transfer_host = ray.util.get_node_ip_address()
+            worker_args["transfer_address"] = f"tcp://{kv_transfer_host}:0"
         module, name = WORKER_CLASSES[role].split(":")
         self.worker = getattr(importlib.import_module(module), name)(**worker_args)
 
@@ -33,6 +39,9 @@ class WorkerHost:
 
     async def load(self) -> WorkerLoad:
         return await self.worker.load()
+
+    async def metrics_text(self) -> str:
+        return await self.worker.metrics_text()
 
     async def abort(self, request_id: str) -> bool:
         return await self.worker.abort(request_id)
@@ -55,9 +64,18 @@ class WorkerHost:
             yield delta
 
 
-def start_worker(role: Role, instance: str, *, num_cpus: float, num_gpus: float, **worker_args: Any):
-    """-> the actor handle of a new worker (Ray restarts it if its process dies)."""
+def pool_resource(role: Role) -> str:
+    """The custom Ray resource a worker of `role` asks for with pool resources on: start a
+    node with `ray start --resources '{"tandem_decode": 1}'` to host one decode worker."""
+    return f"tandem_{role.value}"
+
+
+def start_worker(role: Role, instance: str, *, num_cpus: float, num_gpus: float, pool_resources: bool = False,
+                 **worker_args: Any):
+    """-> the actor handle of a new worker (Ray restarts it if its process dies).
+    pool_resources: the worker runs only on nodes that offer its pool's resource."""
     actor = ray.remote(WorkerHost).options(
         name=instance, num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=-1, max_concurrency=1000,
+        resources={pool_resource(role): 1} if pool_resources else None,
     )
     return actor.remote(role, instance=instance, **worker_args)

@@ -12,6 +12,7 @@ import torch
 from tandem.block_manager import BlockManager
 from tandem.config import EngineConfig
 from tandem.detokenizer import IncrementalDetokenizer
+from tandem.engine_observer import EngineObserver
 from tandem.model.llama import LlamaModel
 from tandem.model_runner import ModelRunner
 from tandem.outputs import RequestDelta
@@ -28,9 +29,11 @@ class LLMEngine:
     ``step()`` schedules, runs the model and moves every scheduled request forward.
     """
 
-    def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer=None) -> None:
+    def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer=None,
+                 observer: EngineObserver | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
+        self.observer = observer
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = ModelRunner(config, model)
@@ -72,8 +75,10 @@ class LLMEngine:
             seq.generator.set_state(generator_state)
         self.scheduler.add_running(seq)
         u = self.scheduler.append_token(seq, first_token_id, first_logprob)
+        if self.observer is not None:
+            self.observer.on_first_token(seq)
         if seq.status.is_finished:
-            del self.sequences[request_id]
+            self._remove(seq)
         return self._delta(seq, u.new_token_ids, u.new_text, u.new_logprobs)
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
@@ -119,7 +124,7 @@ class LLMEngine:
             # Reserved for a prefill elsewhere, not yet started.
             self.block_manager.free(seq)
             seq.status = SequenceStatus.FINISHED_ABORTED
-        del self.sequences[request_id]
+        self._remove(seq)
         return self._delta(seq, [], "", [])
 
     @property
@@ -131,13 +136,23 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        if self.observer is not None:
+            self.observer.on_step(batch)
         sampled = self.runner.run(batch, None if layer_hook is None else functools.partial(layer_hook, batch))
         deltas = []
         for u in self.scheduler.update(batch, sampled):
             deltas.append(self._delta(u.seq, u.new_token_ids, u.new_text, u.new_logprobs))
+            if self.observer is not None and u.seq.num_output_tokens == 1:
+                self.observer.on_first_token(u.seq)
             if u.seq.status.is_finished:
-                del self.sequences[u.seq.request_id]
+                self._remove(u.seq)
         return deltas
+
+    def _remove(self, seq: Sequence) -> None:
+        """A finished sequence leaves the engine (its blocks are already freed, or kept)."""
+        del self.sequences[seq.request_id]
+        if self.observer is not None:
+            self.observer.on_finished(seq)
 
     def _delta(self, seq: Sequence, token_ids: list[int], text: str, logprobs: list[float]) -> RequestDelta:
         return RequestDelta(

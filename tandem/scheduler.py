@@ -7,6 +7,7 @@ books. :meth:`Scheduler.update` is the one place where a sequence's state moves 
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -104,6 +105,7 @@ class Scheduler:
             bm.allocate(seq, n, cached_block_ids)
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt_tokens = seq.num_computed_tokens
+                seq.first_scheduled_time = time.monotonic()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             entries.append((seq, n))
@@ -133,6 +135,8 @@ class Scheduler:
         """Add a sampled token to a sequence whose KV is computed up to it; stop if it ends."""
         seq.token_ids.append(token_id)
         seq.output_logprobs.append(logprob)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
         new_text = ""
         status = self._stop_status(seq, token_id)
         if seq.detokenizer is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from enum import Enum, IntEnum
 
 import torch
@@ -67,6 +68,10 @@ class Sequence:
         self.num_cached_prompt_tokens = 0
         """Prompt tokens found in the prefix cache at first admission."""
         self.num_preemptions = 0
+        # Timestamps (time.monotonic) for the metrics: set once each, by the scheduler.
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
         self.block_ids: list[int] = []
         """The block table: block i holds tokens [i * block_size, (i + 1) * block_size)."""
         self.block_hashes: list[bytes] = []

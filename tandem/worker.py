@@ -16,6 +16,7 @@ from tandem.model.loader import LoadedModel, load_model
 from tandem.model.source import resolve_model_source
 from tandem.router.tokenizer import tokenizer_spec_from
 from tandem.worker_api import Role, TokenizerSpec, WorkerLoad
+from tandem.worker_metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ class Worker:
         config = EngineConfig.build(loaded.config, dtype=dtype, **engine_args)
         tokenizer = loaded.tokenizer if self.role is not Role.PREFILL else None  # prefill emits no text
         self.engine = LLMEngine(config, LlamaModel(loaded.config, loaded.weights, config.max_model_len), tokenizer)
+        self.metrics = WorkerMetrics(self.role, instance, loaded.config.name, self.engine)
+        self.engine.observer = self.metrics
         self.loop = self._start_loop()
         logger.info("%s worker %s ready (pid %d, %d torch threads)", self.role.value, instance, os.getpid(),
                     torch.get_num_threads())
@@ -53,6 +56,10 @@ class Worker:
 
     async def load(self) -> WorkerLoad:
         return await self.loop.call(self._load)
+
+    async def metrics_text(self) -> str:
+        """This worker's metrics in Prometheus' text format (read between engine steps)."""
+        return await self.loop.call(lambda engine: self.metrics.render())
 
     def _load(self, engine: LLMEngine) -> WorkerLoad:
         sched = engine.scheduler

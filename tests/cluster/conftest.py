@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +17,7 @@ import ray
 from tandem.proto import generation_pb2_grpc as pb_grpc
 from tandem.router.cluster import ClusterConfig, start_cluster, stop_cluster
 from tandem.router.ray_backend import RayBackend
-from tandem.router.server import bound_port, drain, serve
+from tandem.router.server import bound_port, drain, metrics_port, serve
 
 WORKER_ARGS = dict(kv_cache_memory_gib=0.1, max_num_batched_tokens=256, num_threads=1)
 
@@ -25,6 +26,8 @@ WORKER_ARGS = dict(kv_cache_memory_gib=0.1, max_num_batched_tokens=256, num_thre
 class RunningCluster:
     backend: RayBackend
     port: int
+    metrics_port: int
+    """Where the router serves /metrics."""
     loop: asyncio.AbstractEventLoop
 
     def run(self, coro) -> Any:
@@ -33,6 +36,11 @@ class RunningCluster:
 
     def stub(self) -> pb_grpc.GenerationStub:
         return pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{self.port}"))
+
+    def scrape(self) -> str:
+        """The router's /metrics, as Prometheus would read it."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=30) as response:
+            return response.read().decode()
 
     def all_blocks_free(self) -> bool:
         loads = self.run(self.backend.loads())
@@ -49,7 +57,7 @@ def clusters():
     async def start(cfg: ClusterConfig):
         backend = await start_cluster(cfg)
         backend.start_polling()
-        server = await serve(backend, "127.0.0.1", 0)
+        server = await serve(backend, "127.0.0.1", 0, metrics_port=0)
         return backend, server
 
     configs = {
@@ -61,7 +69,7 @@ def clusters():
     try:
         for name, future in started.items():
             backend, server = future.result(timeout=600)
-            running[name] = (RunningCluster(backend, bound_port(server), loop), server)
+            running[name] = (RunningCluster(backend, bound_port(server), metrics_port(server), loop), server)
         yield {name: c for name, (c, _) in running.items()}
     finally:
         for c, server in running.values():

@@ -12,7 +12,9 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from tandem.router.metrics import RouterMetrics
 from tandem.router.tokenizer import RouterTokenizer
+from tandem.router.worker_metrics import WorkerMetricsReport
 from tandem.sampling_params import SamplingParams
 from tandem.worker_api import StreamDelta, TokenizerSpec, WorkerLoad
 
@@ -46,6 +48,10 @@ class FakeBackend:
     running: dict[str, asyncio.Event] = field(default_factory=dict)
     closed_event: asyncio.Event | None = None
     """Set when a stream closes early (created lazily in the server's event loop)."""
+    metrics: RouterMetrics | None = None
+    num_admitting: int = 0
+    worker_reports: list[WorkerMetricsReport] = field(default_factory=list)
+    """What worker_metrics() answers."""
 
     @property
     def tokenizer_spec(self) -> TokenizerSpec:
@@ -56,6 +62,9 @@ class FakeBackend:
 
     async def loads(self) -> list[WorkerLoad]:
         return []
+
+    async def worker_metrics(self) -> list[WorkerMetricsReport]:
+        return list(self.worker_reports)
 
     async def abort(self, request_id: str) -> bool:
         event = self.running.get(request_id)

@@ -1,0 +1,122 @@
+"""The router's own Prometheus metrics (docs/metrics.md): what clients see of each request.
+
+One registry per router (no module-global state), which `serve_metrics` exposes together
+with the workers' metrics (`WorkerMetricsCollector`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tandem.metric_buckets import REQUEST_SECONDS, TOKEN_LATENCY_SECONDS, TTFT_SECONDS, token_count_buckets
+
+# Refusals before any worker ran the request, by status: tandem_request_rejected_total's reasons.
+REJECTION_REASONS = {
+    grpc.StatusCode.INVALID_ARGUMENT: "invalid_argument",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded",
+    grpc.StatusCode.UNAVAILABLE: "unavailable",
+}
+
+
+class RouterMetrics:
+    def __init__(self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None,
+                 num_waiting: Callable[[], int] = lambda: 0) -> None:
+        """num_waiting: requests in the backend's admission queue now."""
+        self.registry = registry or CollectorRegistry()
+        self.model_name = model_name
+        self.num_running = 0
+        self.num_waiting = num_waiting
+        labels = ("model_name",)
+
+        def histogram(name: str, documentation: str, buckets):
+            return Histogram(name, documentation, labels, registry=self.registry, buckets=buckets).labels(model_name)
+
+        def counter(name: str, documentation: str, *extra: str):
+            c = Counter(name, documentation, (*labels, *extra), registry=self.registry)
+            return c.labels(model_name) if not extra else c
+
+        self.ttft = histogram("tandem_time_to_first_token_seconds", "Arrival at the router to the first token sent.",
+                              TTFT_SECONDS)
+        self.itl = histogram("tandem_inter_token_latency_seconds", "Gap between consecutive streamed responses.",
+                             TOKEN_LATENCY_SECONDS)
+        self.tpot = histogram("tandem_request_time_per_output_token_seconds",
+                              "Per request: (e2e - TTFT) / (output tokens - 1).", TOKEN_LATENCY_SECONDS)
+        self.e2e = histogram("tandem_e2e_request_latency_seconds", "Arrival to the last response.", REQUEST_SECONDS)
+        self.queue_time = histogram("tandem_router_queue_time_seconds",
+                                    "Time in the router's admission queue (waiting for KV room).", REQUEST_SECONDS)
+        tokens = token_count_buckets(max_model_len)
+        self.prompt_tokens = histogram("tandem_request_prompt_tokens", "Prompt tokens of finished requests.", tokens)
+        self.generation_tokens = histogram("tandem_request_generation_tokens", "Output tokens of finished requests.",
+                                           tokens)
+        self.prompt_tokens_total = counter("tandem_prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens_total = counter("tandem_generation_tokens", "Tokens streamed to clients.")
+        self._success = counter("tandem_request_success", "Finished requests by finish reason.", "finished_reason")
+        self._status = counter("tandem_request_status", "Generate calls by gRPC status code.", "code")
+        self._rejected = counter("tandem_request_rejected", "Requests refused before any worker ran them.", "reason")
+        self.registry.register(_RouterGauges(self))
+
+    def start_request(self) -> RequestTimer:
+        return RequestTimer(self)
+
+    def ended(self, code: grpc.StatusCode, rejected: bool) -> None:
+        """A Generate call ended with `code`; `rejected`: before any worker ran it."""
+        self._status.labels(self.model_name, code.name).inc()
+        if rejected and code in REJECTION_REASONS:
+            self._rejected.labels(self.model_name, REJECTION_REASONS[code]).inc()
+
+    def finished(self, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
+        self._success.labels(self.model_name, finish_reason).inc()
+        self.prompt_tokens.observe(num_prompt_tokens)
+        self.generation_tokens.observe(num_output_tokens)
+        self.prompt_tokens_total.inc(num_prompt_tokens)
+
+
+@dataclass
+class RequestTimer:
+    """One request's clock at the router: feeds TTFT, inter-token latency, TPOT and e2e."""
+
+    metrics: RouterMetrics
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    last_token: float | None = None
+
+    def tokens_sent(self, num_tokens: int) -> None:
+        """A response with `num_tokens` new tokens went to the client."""
+        if num_tokens == 0:
+            return
+        now = time.perf_counter()
+        if self.first_token is None:
+            self.first_token = now
+            self.metrics.ttft.observe(now - self.arrival)
+        else:
+            self.metrics.itl.observe(now - self.last_token)
+        self.last_token = now
+        self.metrics.generation_tokens_total.inc(num_tokens)
+
+    def finished(self, num_output_tokens: int) -> None:
+        now = time.perf_counter()
+        self.metrics.e2e.observe(now - self.arrival)
+        if self.first_token is not None and num_output_tokens > 1:
+            self.metrics.tpot.observe((now - self.first_token) / (num_output_tokens - 1))
+
+
+class _RouterGauges(Collector):
+    def __init__(self, metrics: RouterMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m = self.metrics
+        for name, documentation, value in (
+            ("tandem_router_num_requests_running", "Generate calls in progress.", m.num_running),
+            ("tandem_router_num_requests_waiting", "Requests in the admission queue.", m.num_waiting()),
+        ):
+            gauge = GaugeMetricFamily(name, documentation, labels=("model_name",))
+            gauge.add_metric((m.model_name,), value)
+            yield gauge
