@@ -24,6 +24,10 @@ REJECTION_REASONS = {
     grpc.StatusCode.UNAVAILABLE: "unavailable",
 }
 
+# The codes a Generate call can end with (the series start at 0).
+STATUS_CODES = (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.INTERNAL, *REJECTION_REASONS)
+
 
 class RouterMetrics:
     def __init__(self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None,
@@ -61,6 +65,13 @@ class RouterMetrics:
         self._status = counter("tandem_request_status", "Generate calls by gRPC status code.", "code")
         self._rejected = counter("tandem_request_rejected", "Requests refused before any worker ran them.", "reason")
         self.registry.register(_RouterGauges(self))
+        # Every series from the start at 0, so that rate() and dashboards see them before the first event.
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name, reason)
+        for code in STATUS_CODES:
+            self._status.labels(model_name, code.name)
+        for reason in REJECTION_REASONS.values():
+            self._rejected.labels(model_name, reason)
 
     def start_request(self) -> RequestTimer:
         return RequestTimer(self)

@@ -52,6 +52,9 @@ class WorkerMetrics:
             "Per request. Prefill: transfer start to the receiver's acknowledgement; decode: reservation to the last layer.")
         self._transfer_failures = Counter("tandem_kv_transfer_failures", "KV transfers that did not complete.",
                                           (*LABELS, "reason"), registry=self.registry)
+        if role is not Role.COLOCATED:  # every series from the start at 0
+            for kind in (*(kind for _, kind in _FAILURE_KINDS), "error"):
+                self._transfer_failures.labels(*self.label_values, kind)
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
         self.last_batch_size = 0

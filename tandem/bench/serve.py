@@ -254,7 +254,7 @@ async def run_server(bench: Bench) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tandem.bench import serve_plots
+    from tandem.bench import serve_plots, serve_report
 
     settings = settings_from_args(args)
     bench = Bench(args, settings)
@@ -288,7 +288,8 @@ def run(args: argparse.Namespace) -> int:
     results = bench.results(config)
     json_path = out_dir / "results.json"
     json_path.write_text(json.dumps(results, indent=2))
-    paths = [json_path, *serve_plots.write_plots(results, out_dir)]
+    plots = [serve_report.write_distributions(results, out_dir), *serve_plots.write_plots(results, out_dir)]
+    paths = [json_path, *plots, serve_report.write_html(results, out_dir, plots)]
     serve_plots.print_report(results)
     print("\nwrote " + ", ".join(str(p) for p in paths))
     return 0 if all(r["metrics"]["failed"] == 0 for r in results["runs"]) else 1

@@ -141,5 +141,8 @@ def test_quick_run_end_to_end(tmp_path: Path):
     d, c = (r["metrics"] for r in results["runs"])
     assert row["p99_tpot_ratio"] == pytest.approx(d["tpot_ms"]["p99"] / c["tpot_ms"]["p99"])
     assert isinstance(row["goal_met"], bool)
-    for name in ("latency_cdf.png", "goodput.png"):
+    for name in ("distributions.png", "latency_cdf.png", "goodput.png"):
         assert (out_dir / name).read_bytes().startswith(PNG_SIGNATURE)
+    report = (out_dir / "report.html").read_text()
+    assert report.count("<tr><td>") == 2 and '<img src="distributions.png"' in report
+    assert f"<td>{d['ttft_ms']['p99']:.1f}</td>" in report and f"<td>{c['tpot_ms']['p50']:.1f}</td>" in report

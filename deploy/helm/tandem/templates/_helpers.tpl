@@ -1,0 +1,157 @@
+{{/* Chart name, truncated to a DNS label. */}}
+{{- define "tandem.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* <release>-<chart>, or the release name alone when it already contains the chart name. */}}
+{{- define "tandem.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* Name of one component's objects: (dict "root" $ "component" "router"). */}}
+{{- define "tandem.componentName" -}}
+{{- $full := include "tandem.fullname" .root }}
+{{- printf "%s-%s" ($full | trunc (int (sub 62 (len .component))) | trimSuffix "-") .component }}
+{{- end }}
+
+{{- define "tandem.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "tandem.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{- define "tandem.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "tandem.selectorLabels" . }}
+app.kubernetes.io/version: {{ .root.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: tandem
+{{- end }}
+
+{{- define "tandem.image" -}}
+{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- end }}
+
+{{/* The Ray head's GCS address, as every other Ray node and the router join it. */}}
+{{- define "tandem.rayAddress" -}}
+{{- printf "%s:%d" (include "tandem.componentName" (dict "root" . "component" "ray-head")) (int .Values.ray.port) }}
+{{- end }}
+
+{{/* CPUs Ray is told a worker pod has: limits.cpu, else requests.cpu ("500m" -> 1, "2.5" -> 2). */}}
+{{- define "tandem.rayCpus" -}}
+{{- $res := .resources | default dict }}
+{{- $cpu := toString ((($res.limits | default dict).cpu) | default (($res.requests | default dict).cpu) | default "1") }}
+{{- if hasSuffix "m" $cpu }}
+{{- max 1 (div (trimSuffix "m" $cpu | atoi) 1000) }}
+{{- else }}
+{{- max 1 (int (float64 $cpu)) }}
+{{- end }}
+{{- end }}
+
+{{/* GPUs of a worker pod: limits["nvidia.com/gpu"], else 0. */}}
+{{- define "tandem.rayGpus" -}}
+{{- int (index ((.resources | default dict).limits | default dict) "nvidia.com/gpu" | default 0) }}
+{{- end }}
+
+{{/* The worker pools of the chosen mode: a list of (dict "role" "pool"). */}}
+{{- define "tandem.activePools" -}}
+{{- if eq .Values.mode "colocated" }}
+{{- list (dict "role" "colocated" "pool" .Values.colocated) | toJson }}
+{{- else if eq .Values.mode "disaggregated" }}
+{{- list (dict "role" "prefill" "pool" .Values.pools.prefill) (dict "role" "decode" "pool" .Values.pools.decode) | toJson }}
+{{- else }}
+{{- fail (printf "mode must be disaggregated or colocated, not %q" .Values.mode) }}
+{{- end }}
+{{- end }}
+
+{{/* torch threads per worker: engine.numThreads, else the smallest active pool's CPU count. */}}
+{{- define "tandem.numThreads" -}}
+{{- if .Values.engine.numThreads }}
+{{- int .Values.engine.numThreads }}
+{{- else }}
+{{- $cpus := list }}
+{{- range include "tandem.activePools" . | fromJsonArray }}
+{{- $cpus = append $cpus (include "tandem.rayCpus" .pool | atoi) }}
+{{- end }}
+{{- min (first $cpus) (last $cpus) }}
+{{- end }}
+{{- end }}
+
+{{/* Name of the Secret holding the auth token, empty when auth is off. */}}
+{{- define "tandem.authSecretName" -}}
+{{- if .Values.auth.existingSecret }}
+{{- .Values.auth.existingSecret }}
+{{- else if .Values.auth.token }}
+{{- include "tandem.componentName" (dict "root" . "component" "auth") }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.authSecretKey" -}}
+{{- if .Values.auth.existingSecret }}{{ .Values.auth.existingSecretKey | default "token" }}{{ else }}token{{ end }}
+{{- end }}
+
+{{/* Pod-level settings shared by every pod: (dict "root" $ "pool" <values with nodeSelector...>). */}}
+{{- define "tandem.podCommon" -}}
+automountServiceAccountToken: false
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .root.Values.podSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .pool.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .pool.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .pool.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+
+{{/* Env of every Ray container: its pod IP (the Ray node's address) and no usage stats. */}}
+{{- define "tandem.rayEnv" -}}
+- name: MY_POD_IP
+  valueFrom:
+    fieldRef:
+      fieldPath: status.podIP
+- name: RAY_USAGE_STATS_ENABLED
+  value: "0"
+{{- end }}
+
+{{/* Init container of every Ray node but the head: wait until the head's GCS answers. */}}
+{{- define "tandem.waitForHead" -}}
+- name: wait-for-ray-head
+  image: {{ include "tandem.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command: ["sh", "-c", "until ray health-check --address={{ include "tandem.rayAddress" . }} >/dev/null 2>&1; do echo waiting for the Ray head; sleep 2; done"]
+  env:
+    - name: RAY_USAGE_STATS_ENABLED
+      value: "0"
+  resources:
+    requests: {cpu: 100m, memory: 256Mi}
+    limits: {memory: 512Mi}
+{{- end }}
+
+{{/* /dev/shm for Ray's object store. */}}
+{{- define "tandem.shmVolume" -}}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .Values.ray.shmSize }}
+{{- end }}
