@@ -1,9 +1,9 @@
-"""The Grafana dashboard, its provisioning, and the Prometheus config.
+"""The Grafana dashboard and its provisioning.
 
-The dashboard is generated (deploy/grafana/build_dashboard.py) and reads only metrics that
-docs/metrics.md declares, each filtered by the selected model. With promtool on PATH (Debian
-package `prometheus`) every query must parse and prometheus.yml must load; without it those
-two tests skip.
+The dashboard is generated (deploy/grafana/build_dashboard.py, with deploy/grafana/panels.py)
+and reads only metrics that docs/metrics.md declares, each filtered by the selected model.
+The Prometheus config and promtool's checks are in test_prometheus_config.py; the PromQL
+reader these tests use (tests/dashboards.py) is tested in test_promql_names.py.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import pytest
 import yaml
 
 from dashboards import dashboard_queries, iter_panels, metric_names_in, vector_selectors
+from metrics_doc import documented_metrics, exposed_series, metric_tables
 
 ROOT = Path(__file__).resolve().parents[2]
 GENERATOR = ROOT / "deploy/grafana/build_dashboard.py"
@@ -27,7 +27,6 @@ DASHBOARD = ROOT / "deploy/grafana/dashboards/tandem.json"
 DATASOURCES = ROOT / "deploy/grafana/provisioning/datasources/prometheus.yaml"
 DASHBOARD_PROVIDERS = ROOT / "deploy/grafana/provisioning/dashboards/tandem.yaml"
 PROMETHEUS_CONFIG = ROOT / "deploy/prometheus/prometheus.yml"
-METRICS_DOC = ROOT / "docs/metrics.md"
 
 DATASOURCE_REF = {"type": "prometheus", "uid": "${DS_PROMETHEUS}"}
 MODEL_FILTER = ("model_name", "=", "$model_name")
@@ -59,41 +58,6 @@ ROW_METRICS = {
 }
 
 
-def metric_tables() -> list[tuple[str, str, str]]:
-    """(section, name, type) from every `| name | type | what |` table of docs/metrics.md."""
-    found = []
-    section, columns = "", None
-    for line in METRICS_DOC.read_text().splitlines():
-        if line.startswith("#"):
-            section = line.lstrip("#").strip()
-        if not line.startswith("|"):
-            columns = None
-            continue
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if columns is None:
-            columns = [c.lower() for c in cells]
-        elif not set("".join(cells)) <= set("-: ") and {"name", "type"} <= set(columns):
-            row = dict(zip(columns, cells))
-            found.append((section, row["name"].strip("`"), row["type"].lower()))
-    return found
-
-
-def documented_metrics() -> dict[str, str]:
-    return {name: kind for _, name, kind in metric_tables()}
-
-
-def exposed_series() -> dict[str, str]:
-    """The series names a scrape can return, each with its kind (counter or gauge):
-    a histogram X exposes X_bucket, X_sum and X_count, which are counters."""
-    series = {}
-    for name, kind in documented_metrics().items():
-        if kind == "histogram":
-            series.update({f"{name}_{suffix}": "counter" for suffix in ("bucket", "sum", "count")})
-        else:
-            series[name] = kind
-    return series
-
-
 def load_dashboard() -> dict:
     return json.loads(DASHBOARD.read_text())
 
@@ -113,10 +77,6 @@ def rows() -> dict[str, list[dict]]:
 
 def row_queries(title: str) -> list[str]:
     return [t["expr"] for p in rows()[title] for t in p.get("targets", [])]
-
-
-def queries_with_variables_filled() -> list[str]:
-    return [q.replace("$__rate_interval", "1m") for q in dashboard_queries(DASHBOARD)]
 
 
 # ---- the dashboard is generated --------------------------------------------------------
@@ -315,87 +275,6 @@ def test_dashboard_provider_reads_the_dashboards_folder():
     assert provider["options"]["path"] == "/var/lib/grafana/dashboards"
 
 
-# ---- Prometheus ------------------------------------------------------------------------
-
 def tandem_job() -> dict:
     jobs = {job["job_name"]: job for job in yaml.safe_load(PROMETHEUS_CONFIG.read_text())["scrape_configs"]}
     return jobs["tandem"]
-
-
-def test_prometheus_scrapes_the_router_and_itself():
-    jobs = {job["job_name"]: job for job in yaml.safe_load(PROMETHEUS_CONFIG.read_text())["scrape_configs"]}
-    assert set(jobs) == {"tandem", "prometheus"}
-    tandem = jobs["tandem"]
-    assert tandem["static_configs"] == [{"targets": ["router:9464"]}]
-    assert tandem["scrape_interval"] == "5s"
-    assert tandem.get("metrics_path", "/metrics") == "/metrics"
-    # Worker series carry their own `instance`; without honor_labels Prometheus renames it.
-    assert tandem["honor_labels"] is True
-    assert jobs["prometheus"]["static_configs"] == [{"targets": ["localhost:9090"]}]
-
-
-def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        pytest.skip("promtool not on PATH (Debian package `prometheus`; CI installs it)")
-    return path
-
-
-def test_promtool_parses_every_query(tmp_path):
-    rules = {"groups": [{"name": "dashboard", "rules": [
-        {"record": f"dashboard:query_{i}", "expr": q} for i, q in enumerate(queries_with_variables_filled())]}]}
-    path = tmp_path / "rules.yml"
-    path.write_text(json.dumps(rules, indent=1))  # JSON is YAML
-    done = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stdout + done.stderr
-
-
-def test_promtool_accepts_the_prometheus_config():
-    done = subprocess.run([promtool(), "check", "config", str(PROMETHEUS_CONFIG)],
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stdout + done.stderr
-
-
-# ---- the PromQL reader (tests/deploy/dashboards.py) ------------------------------------
-
-@pytest.mark.parametrize("expr, names", [
-    ('histogram_quantile(0.99, sum by (le) (rate(tandem_time_to_first_token_seconds_bucket'
-     '{model_name="$model_name"}[$__rate_interval])))', {"tandem_time_to_first_token_seconds_bucket"}),
-    ("sum(rate(a_sum[5m])) / sum(rate(a_count[5m]))", {"a_sum", "a_count"}),
-    ("up", {"up"}),
-    ("sum without (instance, le) (foo) and on (role) group_left (instance) bar offset 5m", {"foo", "bar"}),
-    ('foo{code!="rate", reason=~"by|sum(x)", q="{bar}"}', {"foo"}),
-    ("max_over_time(foo[1h30m:5m]) > bool 0.5e3", {"foo"}),
-    ('{__name__="baz", job="x"}', {"baz"}),
-    ('{__name__=~"baz.*"}', set()),
-    ("foo @ start() - foo offset -1d", {"foo"}),
-    ("rate(foo[$__rate_interval]) * ${scale} + $offset - [[legacy]]", {"foo"}),
-    ("job:foo:rate5m / ignoring(code) group_right sum(bar) by (le)", {"job:foo:rate5m", "bar"}),
-    ('count_values("le", foo) or topk(5, baz) unless vector(1)', {"foo", "baz"}),
-    ("time() - process_start_time_seconds > Inf or NaN", {"process_start_time_seconds"}),
-    ("rate (foo [5m])", {"foo"}),
-    ("sum(x) # a comment naming not_a_metric", {"x"}),
-    ("0x1F * 1.5e-3", set()),
-    ("sum by (instance) (label_replace(foo, 'dst', '$1', 'src', '(.*)'))", {"foo"}),
-])
-def test_metric_names_in(expr, names):
-    assert metric_names_in(expr) == names
-
-
-def test_vector_selectors_give_matchers():
-    assert vector_selectors('foo{a="1", b!~"x\\"y"} / bar') == [
-        ("foo", [("a", "=", "1"), ("b", "!~", 'x"y')]), ("bar", [])]
-
-
-def test_dashboard_queries_include_collapsed_rows(tmp_path):
-    board = {"panels": [
-        {"type": "timeseries", "targets": [{"expr": "a"}, {"expr": ""}]},
-        {"type": "row", "collapsed": True, "panels": [{"type": "stat", "targets": [{"expr": "b"}]}]},
-        {"type": "row", "collapsed": False, "panels": []},
-        {"type": "timeseries", "targets": [{"expr": "c", "refId": "A"}]},
-    ]}
-    path = tmp_path / "board.json"
-    path.write_text(json.dumps(board))
-    assert dashboard_queries(path) == ["a", "b", "c"]
-    real = dashboard_queries(DASHBOARD)
-    assert any('role="colocated"' in q for q in real)  # the Colocated row is collapsed

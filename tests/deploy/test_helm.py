@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import copy
 import json
 import re
 from pathlib import Path
@@ -17,71 +16,26 @@ from pathlib import Path
 import helm_python
 import kubernetes_validate
 import pytest
-import yaml
 from packaging.version import Version
 
 from tandem.router import serve_command
 from tandem.router.policy import POLICIES
 
-ROOT = Path(__file__).resolve().parents[2]
-CHART = ROOT / "deploy" / "helm" / "tandem"
-DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "tandem.json"
+from helm_render import (
+    CHART, HEAD, NAMESPACE, components, container, find, flag, gpu_values, manifests, merged, render,
+)
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dashboards" / "tandem.json"
 KUBE_VERSION = "1.28"  # the oldest Kubernetes the chart targets (gRPC probes are GA since 1.27)
 # The oldest schemas kubernetes-validate ships that are not older than that.
 SCHEMA_VERSION = min((v for v in kubernetes_validate.utils.all_versions() if Version(v) >= Version(KUBE_VERSION)),
                      key=Version)
-RELEASE, NAMESPACE = "demo", "serving"
-HEAD = f"{RELEASE}-tandem-ray-head:6379"
 
 DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 DNS1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 STANDARD_LABELS = ("app.kubernetes.io/name", "app.kubernetes.io/instance", "app.kubernetes.io/component",
                    "app.kubernetes.io/version", "app.kubernetes.io/managed-by")
 GPU = "nvidia.com/gpu"
-
-
-def merged(base: dict, override: dict) -> dict:
-    out = copy.deepcopy(base)
-    for key, value in override.items():
-        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
-
-
-def gpu_values() -> dict:
-    return yaml.safe_load((CHART / "values-gpu.yaml").read_text())
-
-
-def manifests(values: dict | None = None, release: str = RELEASE) -> dict[str, str]:
-    """`helm template`: template path -> rendered text, with these values on top of values.yaml."""
-    with helm_python.Chart.load(CHART) as chart:
-        return chart.render(values or {}, name=release, namespace=NAMESPACE)
-
-
-def render(values: dict | None = None, release: str = RELEASE) -> list[dict]:
-    """Every object the chart renders."""
-    docs = []
-    for path, text in sorted(manifests(values, release).items()):
-        if path.endswith(".yaml"):
-            docs += [d for d in yaml.safe_load_all(text) if d is not None]
-    return docs
-
-
-def find(docs: list[dict], kind: str, component: str) -> dict:
-    [doc] = [d for d in docs if d["kind"] == kind
-             and d["metadata"]["labels"]["app.kubernetes.io/component"] == component]
-    return doc
-
-
-def container(deployment: dict) -> dict:
-    return deployment["spec"]["template"]["spec"]["containers"][0]
-
-
-def flag(args: list[str], name: str) -> str:
-    return args[args.index(name) + 1]
-
-
-def components(docs: list[dict], kind: str = "Deployment") -> set[str]:
-    return {d["metadata"]["labels"]["app.kubernetes.io/component"] for d in docs if d["kind"] == kind}
 
 
 SCENARIOS = {

@@ -131,6 +131,7 @@ def test_receiver_abort_stops_the_sender_and_late_layers_write_nothing(receiver)
     after_abort = receiver.kv_cache.clone()
     raw.send(raw.header(layer=1), raw.frames(1))  # a layer already in flight
     assert raw.next_kind() is MessageKind.ABORT
+    wait_dropped(receiver, "ended_request")  # counted just after the ABORT reply goes out
     assert receiver.dropped["ended_request"] == 1
     assert torch.equal(receiver.kv_cache, after_abort)
     assert receiver.get_event(0.2) is None and receiver.num_pending == 0

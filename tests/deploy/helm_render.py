@@ -1,0 +1,63 @@
+"""Rendering the Helm chart (deploy/helm/tandem) in tests, and finding things in what it renders.
+
+`manifests(values)` is `helm template` through helm-python-sdk (Helm's Go SDK bound through
+ctypes, no helm binary): template path -> text. `render(values)` parses those into objects;
+`find`, `container`, `flag` and `components` pick out Deployments, Services and arguments.
+Used by test_helm.py.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import helm_python
+import yaml
+
+CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "tandem"
+RELEASE, NAMESPACE = "demo", "serving"
+HEAD = f"{RELEASE}-tandem-ray-head:6379"
+
+
+def merged(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def gpu_values() -> dict:
+    return yaml.safe_load((CHART / "values-gpu.yaml").read_text())
+
+
+def manifests(values: dict | None = None, release: str = RELEASE) -> dict[str, str]:
+    """`helm template`: template path -> rendered text, with these values on top of values.yaml."""
+    with helm_python.Chart.load(CHART) as chart:
+        return chart.render(values or {}, name=release, namespace=NAMESPACE)
+
+
+def render(values: dict | None = None, release: str = RELEASE) -> list[dict]:
+    """Every object the chart renders."""
+    docs = []
+    for path, text in sorted(manifests(values, release).items()):
+        if path.endswith(".yaml"):
+            docs += [d for d in yaml.safe_load_all(text) if d is not None]
+    return docs
+
+
+def find(docs: list[dict], kind: str, component: str) -> dict:
+    [doc] = [d for d in docs if d["kind"] == kind
+             and d["metadata"]["labels"]["app.kubernetes.io/component"] == component]
+    return doc
+
+
+def container(deployment: dict) -> dict:
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def components(docs: list[dict], kind: str = "Deployment") -> set[str]:
+    return {d["metadata"]["labels"]["app.kubernetes.io/component"] for d in docs if d["kind"] == kind}
