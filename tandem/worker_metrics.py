@@ -38,16 +38,18 @@ class WorkerMetrics:
     """Implements EngineObserver for its worker's engine."""
 
     def __init__(self, role: Role, instance: str, model_name: str, engine: LLMEngine) -> None:
-        self.role = role
         self.engine = engine
         self.label_values = (model_name, role.value, instance)
         self.registry = CollectorRegistry()
         self.queue_time = self._histogram(
             "tandem_request_queue_time_seconds",
             "Prefill, colocated: arrival to first scheduled. Decode: reservation to the start of decoding.")
-        self.prefill_time = self._histogram("tandem_request_prefill_time_seconds", "First scheduled to first token.")
-        self.decode_time = self._histogram("tandem_request_decode_time_seconds", "First token to finish.")
-        self.kv_transfer_time = self._histogram(
+        # Only the spans this role has: a decode worker runs no prefill, a prefill worker no decode.
+        self.prefill_time = None if role is Role.DECODE else self._histogram(
+            "tandem_request_prefill_time_seconds", "First scheduled to first token.")
+        self.decode_time = None if role is Role.PREFILL else self._histogram(
+            "tandem_request_decode_time_seconds", "First token to finish.")
+        self.kv_transfer_time = None if role is Role.COLOCATED else self._histogram(
             "tandem_kv_transfer_time_seconds",
             "Per request. Prefill: transfer start to the receiver's acknowledgement; decode: reservation to the last layer.")
         self._transfer_failures = Counter("tandem_kv_transfer_failures", "KV transfers that did not complete.",
@@ -76,21 +78,23 @@ class WorkerMetrics:
 
     def on_first_token(self, seq: Sequence) -> None:
         assert seq.first_token_time is not None
-        if seq.first_scheduled_time is None:  # a decode worker: the prompt was prefilled elsewhere
+        if self.prefill_time is None:  # a decode worker: the prompt was prefilled elsewhere
             self.queue_time.observe(seq.first_token_time - seq.arrival_time)
             return
+        assert seq.first_scheduled_time is not None
         self.queue_time.observe(seq.first_scheduled_time - seq.arrival_time)
         self.prefill_time.observe(seq.first_token_time - seq.first_scheduled_time)
         self.num_prefix_queries += seq.num_prompt_tokens
         self.num_prefix_hits += seq.num_cached_prompt_tokens
 
     def on_finished(self, seq: Sequence) -> None:
-        if self.role is not Role.PREFILL and seq.first_token_time is not None:
+        if self.decode_time is not None and seq.first_token_time is not None:
             self.decode_time.observe(time.monotonic() - seq.first_token_time)
 
     # -- transfers ----------------------------------------------------------------------
     def transfer_ended(self, started: float, failure: str | None) -> None:
         """A request's KV transfer ended: well (failure None, its time observed) or not."""
+        assert self.kv_transfer_time is not None, "a colocated worker transfers no KV"
         if failure is None:
             self.kv_transfer_time.observe(time.monotonic() - started)
         else:
