@@ -187,7 +187,6 @@ class _Router:
     health: HealthServicer
     health_task: asyncio.Task[None]
     port: int
-    metrics: RouterMetrics
     metrics_endpoint: MetricsEndpoint | None
 
 
@@ -202,8 +201,8 @@ async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
     ``backend.is_ready()``, then follows it; ``drain(server)`` is the way to stop.
 
     The tokenizer defaults to the one the backend describes (``backend.tokenizer_spec``).
-    metrics_port: also serve ``/metrics`` on ``host:metrics_port`` (None: not over HTTP;
-    ``router_metrics(server)`` has them either way). auth_token: calls must carry
+    metrics_port: also serve ``/metrics`` (the router's and its workers' metrics) on
+    ``host:metrics_port`` (None: not over HTTP). auth_token: calls must carry
     ``authorization: Bearer <auth_token>`` (health checks excepted).
     """
     tokenizer = tokenizer or RouterTokenizer.from_spec(backend.tokenizer_spec)
@@ -233,7 +232,7 @@ async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
             endpoint.stop()
         raise
     task = asyncio.create_task(_follow_readiness(backend, health, health_poll_s), name="tandem-router-health")
-    _ROUTERS[server] = _Router(health, task, bound, metrics, endpoint)
+    _ROUTERS[server] = _Router(health, task, bound, endpoint)
     logger.info("router serving %s on %s:%d (model %s%s)", SERVICE_NAME, host, bound, tokenizer.spec.model_name,
                 ", token required" if auth_token else "")
     return server
@@ -257,11 +256,6 @@ def _router_metrics(backend: Backend, tokenizer: RouterTokenizer) -> RouterMetri
 def bound_port(server: grpc.aio.Server) -> int:
     """The port a server from serve() listens on (what port 0 became)."""
     return _ROUTERS[server].port
-
-
-def router_metrics(server: grpc.aio.Server) -> RouterMetrics:
-    """The metrics of a server from serve() (its registry also gathers the workers')."""
-    return _ROUTERS[server].metrics
 
 
 def metrics_port(server: grpc.aio.Server) -> int | None:
