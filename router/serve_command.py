@@ -10,6 +10,7 @@ import signal
 import sys
 
 from tandem.router.auth import AUTH_TOKEN_ENV, auth_token_from_env
+from tandem.router.limits import add_limit_args, limits_from_args
 from tandem.router.metrics_endpoint import DEFAULT_METRICS_PORT
 from tandem.router.policy import POLICIES
 
@@ -41,6 +42,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    add_limit_args(parser)
 
 
 def worker_args(args: argparse.Namespace) -> dict:
@@ -64,6 +66,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from tandem.router.cluster import ClusterConfig, start_cluster, stop_cluster
     from tandem.router.server import bound_port, drain, metrics_port, serve
 
+    limits = limits_from_args(args)  # refuse bad limits before any worker starts
     cfg = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, colocated=args.colocated,
                         policy=args.policy, address=args.address, worker_args=worker_args(args),
                         pool_resources=args.pool_resources)
@@ -72,7 +75,8 @@ async def _serve(args: argparse.Namespace) -> int:
     backend = await start_cluster(cfg)
     backend.start_polling()
     token = auth_token_from_env()
-    server = await serve(backend, args.host, args.port, metrics_port=args.metrics_port, auth_token=token)
+    server = await serve(backend, args.host, args.port, metrics_port=args.metrics_port, auth_token=token,
+                        limits=limits)
     where = f"{args.host}:{bound_port(server)}"
     print(f"tandem: serving {backend.tokenizer_spec.model_name} on {where} (gRPC tandem.v1.Generation)"
           f"{f', token from ${AUTH_TOKEN_ENV} required' if token else ''}\n"

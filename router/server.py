@@ -25,10 +25,11 @@ from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc
 from tandem.router.auth import TokenAuthInterceptor
 from tandem.router.backend import Backend, NoHealthyWorker, Overloaded
+from tandem.router.limits import RequestLimits
 from tandem.router.metrics import RouterMetrics
 from tandem.router.metrics_endpoint import MetricsEndpoint, start_metrics_endpoint
 from tandem.router.tokenizer import RouterTokenizer
-from tandem.router.validation import check_request_id, validate_request
+from tandem.router.validation import check_request_id, shown, validate_request
 from tandem.router.worker_metrics import WorkerMetricsCollector, WorkerMetricsReport
 from tandem.worker_api import PoolFull, StreamDelta
 
@@ -58,10 +59,12 @@ _FINISH_REASONS = {
 class GenerationServicer(pb_grpc.GenerationServicer):
     """``tandem.v1.Generation`` over a Backend."""
 
-    def __init__(self, backend: Backend, tokenizer: RouterTokenizer, metrics: RouterMetrics) -> None:
+    def __init__(self, backend: Backend, tokenizer: RouterTokenizer, metrics: RouterMetrics,
+                 limits: RequestLimits = RequestLimits()) -> None:
         self._backend = backend
         self._tokenizer = tokenizer
         self._metrics = metrics
+        self._limits = limits
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         self._metrics.num_running += 1
@@ -78,9 +81,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         try:
             # Off the event loop: a long prompt or conversation takes milliseconds to
             # tokenize, and every other stream waits on this loop.
-            request_id, prompt_token_ids, params = await asyncio.to_thread(validate_request, request, self._tokenizer)
+            request_id, prompt_token_ids, params = await asyncio.to_thread(
+                validate_request, request, self._tokenizer, self._limits)
         except ValueError as e:
-            logger.info("rejected request %r: %s", request.request_id, e)
+            logger.info("rejected request %s: %s", shown(request.request_id), e)
             self._metrics.ended(grpc.StatusCode.INVALID_ARGUMENT, rejected=True)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         logger.debug("request %s: %d prompt tokens, %s", request_id, len(prompt_token_ids), params)
@@ -195,7 +199,8 @@ _ROUTERS: weakref.WeakKeyDictionary[grpc.aio.Server, _Router] = weakref.WeakKeyD
 
 async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
                 tokenizer: RouterTokenizer | None = None, metrics_port: int | None = None,
-                auth_token: str | None = None, health_poll_s: float = HEALTH_POLL_S) -> grpc.aio.Server:
+                auth_token: str | None = None, health_poll_s: float = HEALTH_POLL_S,
+                limits: RequestLimits | None = None) -> grpc.aio.Server:
     """Start the router on ``host:port`` (loopback unless told otherwise; port 0 picks a free
     one, see ``bound_port``) -> the started server. Health says NOT_SERVING until
     ``backend.is_ready()``, then follows it; ``drain(server)`` is the way to stop.
@@ -203,14 +208,15 @@ async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
     The tokenizer defaults to the one the backend describes (``backend.tokenizer_spec``).
     metrics_port: also serve ``/metrics`` (the router's and its workers' metrics) on
     ``host:metrics_port`` (None: not over HTTP). auth_token: calls must carry
-    ``authorization: Bearer <auth_token>`` (health checks excepted).
+    ``authorization: Bearer <auth_token>`` (health checks excepted). limits: what one
+    request may cost (default ``RequestLimits()``; past them, INVALID_ARGUMENT naming the limit).
     """
     tokenizer = tokenizer or RouterTokenizer.from_spec(backend.tokenizer_spec)
     metrics = _router_metrics(backend, tokenizer)
     interceptors = [TokenAuthInterceptor(auth_token)] if auth_token else []
     # so_reuseport=0: a second router on a busy port must fail, not share the port.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(backend, tokenizer, metrics), server)
+    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(backend, tokenizer, metrics, limits or RequestLimits()), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(

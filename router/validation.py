@@ -2,16 +2,22 @@
 
 Every error is a ``ValueError`` whose message starts with the field's path in the request
 (``"sampling.temperature: ..."``, ``"messages[1].role: ..."``): the servicer sends it as
-the INVALID_ARGUMENT details, so a client can tell what to fix.
+the INVALID_ARGUMENT details, so a client can tell what to fix. A request past one of the
+``RequestLimits`` is refused the same way, its message naming the limit
+(``"sampling.stop: 20 stop strings, more than the limit max_stop_strings=16"``). Sizes are
+checked before the costly work they bound (counting before tokenizing, ...), and an error
+never echoes more than a few characters of what the client sent.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import uuid
 from typing import NamedTuple
 
 from tandem.proto import generation_pb2 as pb
+from tandem.router.limits import RequestLimits
 from tandem.router.tokenizer import ChatTemplateError, RouterTokenizer
 from tandem.sampling_params import SamplingParams
 
@@ -41,30 +47,61 @@ def check_request_id(request_id: str, field: str = "request_id") -> str:
     if len(request_id) > MAX_REQUEST_ID_LENGTH:
         raise invalid(field, f"must be at most {MAX_REQUEST_ID_LENGTH} characters, got {len(request_id)}")
     if not _REQUEST_ID_RE.fullmatch(request_id):
-        raise invalid(field, f"may hold only letters, digits and . _ : -, got {request_id!r}")
+        raise invalid(field, f"may hold only letters, digits and . _ : -, got {shown(request_id)}")
     return request_id
 
 
-def validate_request(request: pb.GenerateRequest, tokenizer: RouterTokenizer) -> ValidRequest:
+def validate_request(request: pb.GenerateRequest, tokenizer: RouterTokenizer,
+                     limits: RequestLimits = RequestLimits()) -> ValidRequest:
     """-> (request_id, prompt_token_ids, params); a ValueError naming the field otherwise.
 
     An empty request_id gets a random one (uuid4). Unset sampling fields take
-    SamplingParams' defaults.
+    SamplingParams' defaults, except that an unset max_tokens is clamped to the room the
+    prompt leaves in the context; a max_tokens that was set and does not fit is refused.
     """
     request_id = check_request_id(request.request_id) if request.request_id else uuid.uuid4().hex
-    params = sampling_params_from(request.sampling, tokenizer.vocab_size)
-    field, prompt_token_ids = _prompt_token_ids(request, tokenizer)
-    limit = tokenizer.max_model_len - 1
-    if len(prompt_token_ids) > limit:
+    params = sampling_params_from(request.sampling, tokenizer.vocab_size, limits)
+    max_model_len = tokenizer.max_model_len
+    prompt_limit = limits.prompt_token_limit(max_model_len)
+    field, prompt_token_ids = _prompt_token_ids(request, tokenizer, limits, prompt_limit)
+    num_prompt = len(prompt_token_ids)
+    if num_prompt > prompt_limit:
         # One position must stay free for the first output token (the engine refuses
         # num_tokens >= max_model_len too).
-        raise invalid(field, f"the prompt is {len(prompt_token_ids)} tokens, more than the limit of {limit} "
-                             f"(max_model_len {tokenizer.max_model_len} minus one for the output)")
+        raise invalid(field, f"the prompt is {num_prompt} tokens, more than the limit {_prompt_limit_text(limits, max_model_len)}")
+    room = max_model_len - num_prompt
+    if not request.sampling.HasField("max_tokens"):
+        if params.max_tokens > room:
+            params = dataclasses.replace(params, max_tokens=room)
+    elif params.max_tokens > room:
+        # As vLLM's "maximum context length" error: both numbers, and what would fit.
+        raise invalid("sampling.max_tokens",
+                      f"the prompt's {num_prompt} tokens plus max_tokens {params.max_tokens} make "
+                      f"{num_prompt + params.max_tokens} tokens, more than the model's maximum context length "
+                      f"(max_model_len={max_model_len}): ask for at most {room} tokens, or shorten the prompt")
     return ValidRequest(request_id, prompt_token_ids, params)
 
 
-def sampling_params_from(sampling: pb.SamplingParams, vocab_size: int) -> SamplingParams:
+def _prompt_limit_text(limits: RequestLimits, max_model_len: int) -> str:
+    limit = limits.prompt_token_limit(max_model_len)
+    if limits.max_prompt_tokens is not None and limits.max_prompt_tokens < max_model_len - 1:
+        return f"max_prompt_tokens={limit}"
+    return f"max_prompt_tokens={limit} (max_model_len {max_model_len} minus one for the output)"
+
+
+def sampling_params_from(sampling: pb.SamplingParams, vocab_size: int,
+                         limits: RequestLimits = RequestLimits()) -> SamplingParams:
     """The proto's sampling fields -> SamplingParams, whose own checks name the field."""
+    if len(sampling.stop) > limits.max_stop_strings:
+        raise invalid("sampling.stop", f"{len(sampling.stop)} stop strings, more than the limit "
+                                       f"max_stop_strings={limits.max_stop_strings}")
+    for i, stop in enumerate(sampling.stop):
+        if len(stop) > limits.max_stop_string_length:
+            raise invalid(f"sampling.stop[{i}]", f"{len(stop)} characters, more than the limit "
+                                                 f"max_stop_string_length={limits.max_stop_string_length}")
+    if len(sampling.stop_token_ids) > limits.max_stop_token_ids:
+        raise invalid("sampling.stop_token_ids", f"{len(sampling.stop_token_ids)} ids, more than the limit "
+                                                 f"max_stop_token_ids={limits.max_stop_token_ids}")
     kwargs: dict[str, object] = {
         name: getattr(sampling, name) for name in _OPTIONAL_SAMPLING_FIELDS if sampling.HasField(name)
     }
@@ -84,14 +121,23 @@ def sampling_params_from(sampling: pb.SamplingParams, vocab_size: int) -> Sampli
     return params
 
 
-def _prompt_token_ids(request: pb.GenerateRequest, tokenizer: RouterTokenizer) -> tuple[str, list[int]]:
-    """-> (the input field's name, prompt ids)."""
+def shown(text: str, most: int = 40) -> str:
+    """A client's string, quoted and cut short for an error message (details travel in trailers)."""
+    return repr(text) if len(text) <= most else f"{text[:most]!r}... ({len(text)} characters)"
+
+
+def _prompt_token_ids(request: pb.GenerateRequest, tokenizer: RouterTokenizer, limits: RequestLimits,
+                      prompt_limit: int) -> tuple[str, list[int]]:
+    """-> (the input field's name, prompt ids); sizes are checked before tokenizing."""
     kind = request.WhichOneof("input")
     if kind is None:
         raise invalid("input", "one of prompt, token_ids or messages must be set")
     if kind == "prompt":
         if not request.prompt:
             raise invalid("prompt", "must not be empty")
+        if len(request.prompt) > limits.max_prompt_chars:
+            raise invalid("prompt", f"{len(request.prompt)} characters, more than the limit "
+                                    f"max_prompt_chars={limits.max_prompt_chars}")
         ids = tokenizer.encode(request.prompt)
         if not ids:
             raise invalid("prompt", "tokenizes to no tokens")
@@ -100,6 +146,9 @@ def _prompt_token_ids(request: pb.GenerateRequest, tokenizer: RouterTokenizer) -
         ids = list(request.token_ids.ids)
         if not ids:
             raise invalid("token_ids", "must hold at least one token id")
+        if len(ids) > prompt_limit:
+            raise invalid("token_ids", f"the prompt is {len(ids)} tokens, more than the limit "
+                                       f"{_prompt_limit_text(limits, tokenizer.max_model_len)}")
         for i, token_id in enumerate(ids):
             if not 0 <= token_id < tokenizer.vocab_size:
                 raise invalid(f"token_ids[{i}]", f"{token_id} is outside the vocabulary [0, {tokenizer.vocab_size})")
@@ -107,9 +156,15 @@ def _prompt_token_ids(request: pb.GenerateRequest, tokenizer: RouterTokenizer) -
     messages = request.messages.messages
     if not messages:
         raise invalid("messages", "must hold at least one message")
+    if len(messages) > limits.max_messages:
+        raise invalid("messages", f"{len(messages)} messages, more than the limit max_messages={limits.max_messages}")
+    num_chars = sum(len(m.content) for m in messages)
+    if num_chars > limits.max_prompt_chars:
+        raise invalid("messages", f"{num_chars} characters of content, more than the limit "
+                                  f"max_prompt_chars={limits.max_prompt_chars}")
     for i, message in enumerate(messages):
         if message.role not in CHAT_ROLES:
-            raise invalid(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}, got {message.role!r}")
+            raise invalid(f"messages[{i}].role", f"must be one of {', '.join(CHAT_ROLES)}, got {shown(message.role)}")
     if not tokenizer.has_chat_template:
         raise invalid("messages", f"model {tokenizer.spec.model_name} has no chat template: send prompt or token_ids")
     try:

@@ -4,6 +4,7 @@ workers): client cancel, deadline; and the Abort rpc ends a running stream."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
@@ -12,8 +13,9 @@ from fake_backend import FakeBackend
 from router_harness import running_router
 from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc
+from tandem.router.tokenizer import RouterTokenizer
 
-LONG = pb.SamplingParams(max_tokens=1000, ignore_eos=True)
+LONG = pb.SamplingParams(max_tokens=200, ignore_eos=True)  # more than the reply: it ends on its own
 
 
 async def wait_closed(backend: FakeBackend, timeout: float = 5.0) -> None:
@@ -41,7 +43,9 @@ def test_client_cancel_mid_stream_closes_the_backend_stream(router_tokenizer):
 
 def test_client_cancel_while_the_server_waits_to_write_closes_the_backend_stream(router_tokenizer):
     # A fast backend and a slow reader: the server blocks in flow control, not in the backend.
-    backend = FakeBackend(router_tokenizer, reply=FakeBackend(router_tokenizer).reply * 400)
+    # A context long enough for 100_000 tokens (max_tokens must fit in it).
+    long_context = RouterTokenizer.from_spec(dataclasses.replace(router_tokenizer.spec, max_model_len=200_000))
+    backend = FakeBackend(long_context, reply=FakeBackend(router_tokenizer).reply * 400)
 
     async def body():
         async with running_router(backend) as (channel, _):
