@@ -9,6 +9,8 @@ torch.distributed data path, by nothing: the tensors follow on the process group
 from __future__ import annotations
 
 import enum
+import zlib
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -33,7 +35,7 @@ class TransferRefused(RuntimeError):
 
 
 class MessageKind(enum.IntEnum):
-    HELLO = 1  # sender -> receiver: the sender's layout
+    HELLO = 1  # sender -> receiver: the sender's layout (and model, when it names one)
     HELLO_OK = 2  # receiver -> sender: the receiver's layout
     REFUSED = 3  # receiver -> sender: the handshake failed, with the reason
     LAYER = 4  # sender -> receiver: one layer's K and V for a token range of a request
@@ -100,6 +102,16 @@ class LayerHeader:
     frame_tokens: tuple[int, ...]
     """Token rows in each K frame (the V frames split the same way); empty when the payload
     travels on torch.distributed instead of in the message."""
+    crc32: int | None = None
+    """CRC-32 of the payload frames in order (K frames, then V), when the sender checksums."""
+
+
+def payload_crc32(frames: Iterable[memoryview | bytes]) -> int:
+    """The CRC-32 of a LAYER message's payload frames, in order."""
+    crc = 0
+    for frame in frames:
+        crc = zlib.crc32(frame, crc)
+    return crc
 
 
 def encode(kind: MessageKind, request_id: str = "", **fields: Any) -> bytes:
@@ -140,8 +152,11 @@ def layer_header(request_id: str, msg: dict[str, Any]) -> LayerHeader:
         raise ProtocolError("malformed", "row_shape must be (num_kv_heads, head_dim)")
     if not isinstance(msg.get("dtype"), str):
         raise ProtocolError("malformed", "dtype must be a string")
+    crc = msg.get("crc32")
+    if crc is not None and not (isinstance(crc, int) and 0 <= crc < 2**32):
+        raise ProtocolError("malformed", "crc32 must be an unsigned 32-bit integer")
     return LayerHeader(request_id, msg["layer"], msg["token_start"], msg["num_tokens"], tuple(msg["block_ids"]),
-                       msg["dtype"], tuple(msg["row_shape"]), tuple(msg["frame_tokens"]))
+                       msg["dtype"], tuple(msg["row_shape"]), tuple(msg["frame_tokens"]), crc)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import zmq
 from tandem.kvtransfer.payload import TORCH_DTYPES, DistPayload, layer_rows, layout_of, rows_of
 from tandem.kvtransfer.protocol import (
     Destination, KVLayout, LayerHeader, MessageKind, ProtocolError, TransferEvent, TransferStatus, decode, encode,
-    layer_header,
+    layer_header, payload_crc32,
 )
 from tandem.kvtransfer.slots import contiguous_runs, covering_blocks, token_slots
 
@@ -46,10 +46,12 @@ class _Expected:
 
 class KVReceiver:
     def __init__(self, kv_cache: torch.Tensor, address: str = DEFAULT_ADDRESS, timeout_s: float = 30.0,
-                 dist_payload: DistPayload | None = None) -> None:
+                 dist_payload: DistPayload | None = None, model: str | None = None) -> None:
         """kv_cache: the pool written into, [layers, 2, blocks, block_size, kv_heads, head_dim].
         timeout_s: a request fails when its KV has not all arrived this long after `expect`.
+        model: the weights' identity (model_fingerprint): senders must name the same one.
         """
+        self.model = model
         self.kv_cache = kv_cache
         self.layout: KVLayout = layout_of(kv_cache)
         self.timeout_s = timeout_s
@@ -161,6 +163,8 @@ class KVReceiver:
             self._socket.send_multipart([sender, encode(MessageKind.REFUSED, reason=str(e))])
             raise
         why = self.layout.incompatibility(theirs)
+        if why is None and self.model is not None and msg.get("model") != self.model:
+            why = f"model differs: receiver serves {self.model!r}, sender {msg.get('model')!r}"
         if why is None and ("dist_rank" in msg) != (self.dist_payload is not None):
             why = "one side sends KV on torch.distributed, the other expects it in ZMQ frames"
         if why is not None:
@@ -223,6 +227,10 @@ class KVReceiver:
             if len(frame.buffer) != n * self.layout.row_bytes:
                 raise ProtocolError("truncated", f"{h.request_id}: {len(frame.buffer)} bytes for {n} rows")
             parts[i // len(h.frame_tokens)].append(rows_of(frame.buffer, h.dtype, h.row_shape))
+        if h.crc32 is not None and payload_crc32(f.buffer for f in frames) != h.crc32:
+            # Corrupted on the way: this request's KV can never be whole, the others are unharmed.
+            self._fail_request(sender, h.request_id, "checksum mismatch: the KV was corrupted in transit")
+            raise ProtocolError("checksum", f"{h.request_id}: layer {h.layer}")
         return parts
 
     def _check(self, h: LayerHeader, exp: _Expected) -> np.ndarray:
@@ -242,6 +250,15 @@ class KVReceiver:
         if list(h.block_ids) != covering_blocks(dest.block_ids, layout.block_size, h.token_start, end):
             raise ProtocolError("foreign_block", f"{h.request_id}: blocks {h.block_ids} are not its own")
         return token_slots(h.block_ids, layout.block_size, h.token_start, end, h.token_start // layout.block_size)
+
+    def _fail_request(self, sender: bytes, request_id: str, reason: str) -> None:
+        """Fail one request that is expected (nothing when it is not) and tell its sender."""
+        with self._lock:
+            if self._expected.pop(request_id, None) is None:
+                return
+            self._remember_ended(request_id)
+        self._socket.send_multipart([sender, encode(MessageKind.FAILED, request_id, reason=reason)])
+        self._events.put(TransferEvent(request_id, TransferStatus.FAILED, reason))
 
     def _fail_sender(self, sender: bytes, request_id: str, reason: str) -> None:
         """Fail `request_id` and every pending request of a sender whose data path broke

@@ -20,6 +20,7 @@ import zmq
 from tandem.kvtransfer.payload import DistPayload, frame_of, layer_rows, layout_of
 from tandem.kvtransfer.protocol import (
     Destination, KVLayout, MessageKind, ProtocolError, TransferEvent, TransferRefused, TransferStatus, decode, encode,
+    payload_crc32,
 )
 from tandem.kvtransfer.slots import contiguous_runs, covering_blocks, token_slots
 
@@ -49,10 +50,15 @@ class _Outgoing:
 
 
 class KVSender:
-    def __init__(self, kv_cache: torch.Tensor, timeout_s: float = 30.0, dist_payload: DistPayload | None = None) -> None:
+    def __init__(self, kv_cache: torch.Tensor, timeout_s: float = 30.0, dist_payload: DistPayload | None = None,
+                 model: str | None = None, checksum: bool = False) -> None:
         """kv_cache: the pool read from, [layers, 2, blocks, block_size, kv_heads, head_dim].
         timeout_s: a request fails when its receiver has not acked it this long after `begin`.
+        model: the weights' identity (model_fingerprint), which a receiver that names one
+        must share. checksum: a CRC-32 of every layer's payload goes with it (ZMQ frames only).
         """
+        self.model = model
+        self.checksum = checksum
         self.kv_cache = kv_cache
         self.layout = layout_of(kv_cache)
         self.timeout_s = timeout_s
@@ -81,6 +87,8 @@ class KVSender:
         sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
         sock.connect(address)
         hello = {"layout": self.layout.as_dict()}
+        if self.model is not None:
+            hello["model"] = self.model
         if self.dist_payload is not None:
             hello["dist_rank"] = self.dist_payload.rank
         try:
@@ -146,6 +154,8 @@ class KVSender:
             index = torch.from_numpy(src_slots).to(self.kv_cache.device)
             header["frame_tokens"] = [len(src_slots)]
             frames = [frame_of(rows.index_select(0, index)) for rows in (k_rows, v_rows)]
+        if self.checksum:
+            header["crc32"] = payload_crc32(frames)
         sent = self._send(request_id, peer, [encode(MessageKind.LAYER, request_id, **header), *frames])
         self.num_bytes_sent += num_bytes if sent else 0
         return sent

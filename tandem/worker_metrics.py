@@ -25,7 +25,7 @@ LABELS = ("model_name", "role", "instance")
 
 # (what a reason says, its label), first match wins; anything else is "error".
 _FAILURE_KINDS = (("timed out", "timeout"), ("abort", "aborted"), ("refused", "refused"),
-                  ("not accepting", "unreachable"))
+                  ("not accepting", "unreachable"), ("checksum", "checksum"))
 
 
 def failure_kind(reason: str) -> str:

@@ -1,0 +1,23 @@
+"""A model's identity for KV transfer handshakes: KV computed by one set of weights is
+garbage to another, even when the shapes agree."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from tandem.model.loader import LoadedModel
+
+SAMPLE_ELEMENTS = 4096
+
+
+def model_fingerprint(loaded: LoadedModel) -> str:
+    """-> "name:hash" over the config and samples of the weights that shape every layer's
+    KV (embeddings, each layer's QKV projection, the final norm); cheap at start-up."""
+    digest = hashlib.blake2b(repr(loaded.config).encode(), digest_size=8)
+    w = loaded.weights
+    for tensor in (w.embed_tokens, *(layer.qkv_proj for layer in w.layers), w.norm):
+        sample = tensor.detach().flatten()[:SAMPLE_ELEMENTS].to(torch.float32).contiguous()
+        digest.update(sample.numpy().tobytes())
+    return f"{loaded.config.name}:{digest.hexdigest()}"
