@@ -67,6 +67,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self._limits = limits
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        limit = self._limits.max_concurrent_requests
+        if self._metrics.num_running >= limit:
+            self._metrics.ended(grpc.StatusCode.RESOURCE_EXHAUSTED, rejected=True)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                f"{limit} requests are in progress, the limit max_concurrent_requests={limit}: retry later")
         self._metrics.num_running += 1
         responses = self._generate(request, context)
         try:
