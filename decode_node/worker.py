@@ -32,6 +32,8 @@ class DecodeWorker(Worker):
         """Requests whose KV is in their blocks, waiting for their first token."""
         self._first_tokens: dict[str, PrefillResult] = {}
         """First tokens that came before their KV."""
+        self._readers: set[str] = set()
+        """Requests whose stream is being read (on the actor's event loop)."""
         super().__init__(instance, **kwargs)
 
     def _start_loop(self) -> EngineLoop:
@@ -39,6 +41,11 @@ class DecodeWorker(Worker):
         self.metrics.kv_bytes["received"] = lambda: self.receiver.num_bytes_received
         self.metrics.num_transferring = lambda: self.receiver.num_pending
         return EngineLoop(self.engine, tick=self._tick)
+
+    def _held(self, engine: LLMEngine) -> dict[str, int]:
+        scheduled = len(engine.scheduler.waiting) + len(engine.scheduler.running)
+        return dict(num_reserved=len(engine.sequences) - scheduled, num_first_tokens=len(self._first_tokens),
+                    num_arrived=len(self._arrived), num_pending_transfers=self.receiver.num_pending)
 
     async def reserve(self, request: WorkerRequest) -> Destination:
         """Hold blocks for the request's prompt and wait for its KV. Raises PoolFull when the
@@ -56,7 +63,12 @@ class DecodeWorker(Worker):
 
     async def stream(self, request_id: str) -> AsyncIterator[StreamDelta]:
         """The request's deltas until its last; leaving early aborts it."""
-        q = self.loop.stream_queue(request_id)
+        try:
+            q = self.loop.stream_queue(request_id)
+        except KeyError:  # aborted before its reader came
+            yield StreamDelta(request_id, [], "", "abort", 0, 0)
+            return
+        self._readers.add(request_id)
         finished = False
         try:
             while not finished:
@@ -64,12 +76,16 @@ class DecodeWorker(Worker):
                 finished = delta.finish_reason is not None or delta.error is not None
                 yield delta
         finally:
+            self._readers.discard(request_id)
             self.loop.close_stream(request_id)
             if not finished:
                 await self.abort(request_id)
 
     async def abort(self, request_id: str) -> bool:
-        return await self.loop.call(lambda engine: self._abort(engine, request_id))
+        aborted = await self.loop.call(lambda engine: self._abort(engine, request_id))
+        if request_id not in self._readers:  # reserved, but nobody came (or will come) to read it
+            self.loop.close_stream(request_id)
+        return aborted
 
     # -- on the loop thread -------------------------------------------------------------
     def _reserve(self, engine: LLMEngine, request: WorkerRequest) -> Destination:

@@ -48,14 +48,17 @@ class PrefillWorker(Worker):
         self.metrics.num_transferring = lambda: self.sender.num_pending
         return EngineLoop(self.engine, tick=self._tick, layer_hook=self._send_layer, on_delta=self._on_delta)
 
+    def _held(self, engine: LLMEngine) -> dict[str, int]:
+        return dict(num_pending_transfers=self.sender.num_pending, num_kept=len(self._prefills))
+
     async def prefill(self, request: WorkerRequest, destination: Destination) -> PrefillResult:
         """Prefill `request` into `destination`; -> its first token once sampled (the KV is
         then on its way; the decode worker learns of its arrival from the transfer)."""
         result = asyncio.get_running_loop().create_future()
-        await self.loop.call(lambda engine: self._admit(engine, request, destination, result))
         try:
+            await self.loop.call(lambda engine: self._admit(engine, request, destination, result))
             return await result
-        except asyncio.CancelledError:
+        except asyncio.CancelledError:  # the admission may have run all the same: undo it
             await self.abort(request.request_id)
             raise
 

@@ -4,7 +4,9 @@ or colocated. Picks workers by policy, runs a request's phases, aborts on every 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import uuid
 from typing import TYPE_CHECKING, AsyncIterator
 
 import ray
@@ -24,6 +26,14 @@ logger = logging.getLogger(__name__)
 LOAD_POLL_S = 0.1
 ADMISSION_RETRY_S = 0.02
 WORKER_METRICS_TIMEOUT_S = 1.0
+RESERVE_UNDO_TIMEOUT_S = 60.0
+"""How long a cancelled request's reservation is waited for, to abort it once made."""
+LOAD_TIMEOUT_S = 2.0
+"""A worker's load call that takes longer is left for the next poll (a restarting worker's
+calls wait for it), so that one worker never holds up the others' loads."""
+ABORT_TIMEOUT_S = 5.0
+"""An abort a worker has not answered by then is given up (it may be dead or restarting: a
+restarted worker holds nothing of the request anyway)."""
 
 
 class RayBackend:
@@ -44,6 +54,9 @@ class RayBackend:
         self.max_queued_requests = max_queued_requests
         self.admission_timeout_s = admission_timeout_s
         self.num_admitting = 0
+        self._undoing: set[asyncio.Task] = set()
+        self._worker_ids: dict[str, set[str]] = {}
+        """The client's request id -> the ids its calls have on the workers."""
         self.metrics: RouterMetrics | None = None
 
     @property
@@ -83,32 +96,58 @@ class RayBackend:
             self._poller = None
 
     async def _refresh_loads(self) -> None:
+        """Each worker's load; one that answers is healthy again (e.g. restarted by Ray),
+        one that is dead is not; one that is slow keeps its state until it answers."""
         async def one(w: WorkerState) -> None:
             try:
-                w.load = await w.handle.load.remote()
-                w.healthy = True
+                w.load = await asyncio.wait_for(w.handle.load.remote(), LOAD_TIMEOUT_S)
             except RayActorError:
-                w.healthy = False
+                self.mark_unhealthy(w)
+            except asyncio.TimeoutError:
+                pass
+            else:
+                if not w.healthy:
+                    logger.warning("worker %s is serving again", w.instance)
+                w.healthy = True
         await asyncio.gather(*(one(w) for w in self.workers))
 
+    def mark_unhealthy(self, w: WorkerState) -> None:
+        """Route nothing more to `w` until it answers a load poll again."""
+        if w.healthy:
+            logger.warning("worker %s is down: routing around it", w.instance)
+        w.healthy = False
+        w.load = None
+
     async def abort(self, request_id: str) -> bool:
-        results = await asyncio.gather(*(w.handle.abort.remote(request_id) for w in self.workers if w.healthy),
-                                       return_exceptions=True)
-        return any(r is True for r in results)
+        """Abort the client's request(s) with this id on every worker."""
+        ids = list(self._worker_ids.get(request_id, ()))
+        results = await asyncio.gather(*(_abort_on(self.workers, i) for i in ids))
+        return any(r is True for rs in results for r in rs)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams) -> AsyncIterator[StreamDelta]:
-        request = WorkerRequest(request_id, prompt_token_ids, params)
+        # The workers know the call by an id of the router's own, never the client's: a
+        # client reusing an id (e.g. right after its deadline, while the workers still clean
+        # up the earlier call) must not meet the earlier call's state.
+        worker_id = uuid.uuid4().hex
+        self._worker_ids.setdefault(request_id, set()).add(worker_id)
+        request = WorkerRequest(worker_id, prompt_token_ids, params)
         stream = self._colocated(request) if self.colocated else self._disaggregated(request)
         try:
             async for delta in stream:
-                yield delta
+                yield dataclasses.replace(delta, request_id=request_id)
         except RayActorError as e:
             raise NoHealthyWorker(f"a worker serving {request_id} died: {e}") from None
         except RayTaskError as e:
             if isinstance(e, ValueError):  # the worker refused the request's input
                 raise ValueError(str(e.cause if hasattr(e, "cause") else e)) from None
             raise
+        finally:
+            ids = self._worker_ids.get(request_id)
+            if ids is not None:
+                ids.discard(worker_id)
+                if not ids:
+                    del self._worker_ids[request_id]
 
     async def _colocated(self, request: WorkerRequest) -> AsyncIterator[StreamDelta]:
         order = self.prefill_router.order(self.colocated, request.prompt_token_ids)
@@ -124,7 +163,7 @@ class RayBackend:
         decode, destination = await self._reserve(request)
         prefills = self.prefill_router.order(self.prefill, request.prompt_token_ids)
         if not prefills:
-            await decode.handle.abort.remote(request.request_id)
+            await _abort_on([decode], request.request_id)
             raise NoHealthyWorker("no prefill worker is healthy")
         prefill = prefills[0]
         self.prefill_router.record(prefill, request.prompt_token_ids)
@@ -150,12 +189,17 @@ class RayBackend:
                 if not candidates:
                     raise NoHealthyWorker("no decode worker is healthy")
                 for worker in candidates:
+                    reservation = worker.handle.reserve.remote(request)
                     try:
-                        destination = await worker.handle.reserve.remote(request)
+                        destination = await reservation
+                    except asyncio.CancelledError:
+                        # The worker may still reserve (or have reserved) blocks for it.
+                        self._undo_later(worker, reservation, request.request_id)
+                        raise
                     except PoolFull:
                         continue
                     except RayActorError:
-                        worker.healthy = False
+                        self.mark_unhealthy(worker)
                     else:
                         if self.metrics is not None:
                             self.metrics.queue_time.observe(asyncio.get_running_loop().time() - start)
@@ -166,6 +210,18 @@ class RayBackend:
                 await asyncio.sleep(ADMISSION_RETRY_S)
         finally:
             self.num_admitting -= 1
+
+    def _undo_later(self, worker: WorkerState, reservation, request_id: str) -> None:
+        """A reservation its request no longer waits for: once the worker has made it, abort it."""
+        async def undo() -> None:
+            try:
+                await asyncio.wait_for(reservation, RESERVE_UNDO_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - refused, or the worker died: nothing was reserved
+                return
+            await _abort_on([worker], request_id)
+        task = asyncio.get_running_loop().create_task(undo())
+        self._undoing.add(task)
+        task.add_done_callback(self._undoing.discard)
 
     async def _prefill(self, prefill: WorkerState, decode: WorkerState, request: WorkerRequest, destination) -> None:
         """Prefill on one worker, then hand the first token to the decode worker."""
@@ -179,7 +235,9 @@ class RayBackend:
             raise
         except Exception as e:  # the decode stream then ends with this request aborted
             logger.warning("prefill of %s failed: %s", request.request_id, e)
-            await decode.handle.abort.remote(request.request_id)
+            if isinstance(e, RayActorError):
+                self.mark_unhealthy(prefill)
+            await _abort_on([decode], request.request_id)
             raise
         finally:
             prefill.num_in_flight -= 1
@@ -187,7 +245,8 @@ class RayBackend:
 
     async def _follow(self, streamer: WorkerState, stream, request: WorkerRequest, holders: list[WorkerState],
                       phase: asyncio.Task | None = None) -> AsyncIterator[StreamDelta]:
-        """Yield a worker stream's deltas; on any early exit abort the request on every holder."""
+        """Yield a worker stream's deltas; on any early exit abort the request on every holder.
+        A streamer that dies is marked unhealthy (the request then fails with UNAVAILABLE)."""
         finished = False
         try:
             async for ref in stream:
@@ -200,11 +259,21 @@ class RayBackend:
                 yield delta
                 if finished:
                     return
+        except RayActorError:
+            self.mark_unhealthy(streamer)
+            raise
         finally:
             if not finished:
                 try:
                     ray.cancel(stream)
                 except Exception:  # already finished on the worker side
                     pass
-                await asyncio.gather(*(h.handle.abort.remote(request.request_id) for h in holders if h.healthy),
-                                     return_exceptions=True)
+                await _abort_on(holders, request.request_id)
+
+
+async def _abort_on(workers: list[WorkerState], request_id: str) -> list:
+    """Abort a request on every healthy worker of `workers`, each given ABORT_TIMEOUT_S.
+    -> each one's answer or exception."""
+    async def one(w: WorkerState):
+        return await asyncio.wait_for(w.handle.abort.remote(request_id), ABORT_TIMEOUT_S)
+    return list(await asyncio.gather(*(one(w) for w in workers if w.healthy), return_exceptions=True))

@@ -9,7 +9,8 @@ from typing import Any, AsyncIterator
 import ray
 
 from tandem.kvtransfer.protocol import Destination
-from tandem.worker_api import PrefillResult, Role, StreamDelta, TokenizerSpec, WorkerLoad, WorkerRequest
+from tandem.worker_api import (PrefillResult, Role, StreamDelta, TokenizerSpec, WorkerInventory, WorkerLoad,
+                               WorkerRequest)
 
 WORKER_CLASSES = {
     Role.PREFILL: "tandem.prefill_node.worker:PrefillWorker",
@@ -39,6 +40,9 @@ class WorkerHost:
 
     async def load(self) -> WorkerLoad:
         return await self.worker.load()
+
+    async def inventory(self) -> WorkerInventory:
+        return await self.worker.inventory()
 
     async def metrics_text(self) -> str:
         return await self.worker.metrics_text()

@@ -15,7 +15,7 @@ from tandem.model.llama import LlamaModel
 from tandem.model.loader import LoadedModel, load_model
 from tandem.model.source import resolve_model_source
 from tandem.router.tokenizer import tokenizer_spec_from
-from tandem.worker_api import Role, TokenizerSpec, WorkerLoad
+from tandem.worker_api import Role, TokenizerSpec, WorkerInventory, WorkerLoad
 from tandem.worker_metrics import WorkerMetrics
 
 logger = logging.getLogger(__name__)
@@ -60,6 +60,24 @@ class Worker:
     async def metrics_text(self) -> str:
         """This worker's metrics in Prometheus' text format (read between engine steps)."""
         return await self.loop.call(lambda engine: self.metrics.render())
+
+    async def inventory(self) -> WorkerInventory:
+        """What this worker holds for requests (tests: every exit path leaves it empty)."""
+        return await self.loop.call(self._inventory)
+
+    def _inventory(self, engine: LLMEngine) -> WorkerInventory:
+        sched, bm = engine.scheduler, engine.block_manager
+        return WorkerInventory(
+            role=self.role, instance=self.instance, num_waiting=len(sched.waiting), num_running=len(sched.running),
+            num_sequences=len(engine.sequences), num_open_streams=len(self.loop._streams),
+            num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
+            num_referenced_blocks=sum(1 for c in bm.ref_counts if c != 0),
+            **self._held(engine),
+        )
+
+    def _held(self, engine: LLMEngine) -> dict[str, int]:
+        """The role's own WorkerInventory fields (on the loop thread)."""
+        return {}
 
     def _load(self, engine: LLMEngine) -> WorkerLoad:
         sched = engine.scheduler

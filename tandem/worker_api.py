@@ -85,3 +85,46 @@ class TokenizerSpec:
 
 class PoolFull(RuntimeError):
     """The worker cannot take the request now (no free blocks); another may."""
+
+
+@dataclass(frozen=True)
+class WorkerInventory:
+    """Everything a worker holds for requests, read on its engine loop thread between steps:
+    a worker at rest (every request ended) holds nothing (see `leaks`)."""
+
+    role: Role
+    instance: str
+    num_waiting: int
+    num_running: int
+    num_sequences: int
+    """Requests the engine knows (waiting, running, or reserved for a prefill elsewhere)."""
+    num_open_streams: int
+    """Output streams open on the worker (decode, colocated)."""
+    num_blocks: int
+    num_free_blocks: int
+    num_referenced_blocks: int
+    """Blocks with a nonzero reference count."""
+    num_reserved: int = 0
+    """Decode: sequences holding blocks for KV that has not started decoding."""
+    num_first_tokens: int = 0
+    """Decode: first tokens held until their KV arrives."""
+    num_arrived: int = 0
+    """Decode: requests whose KV arrived, waiting for their first token."""
+    num_pending_transfers: int = 0
+    """The KV sender's (prefill) or receiver's (decode) requests not yet ended."""
+    num_kept: int = 0
+    """Prefill: sequences whose blocks are kept until their transfer ends."""
+
+    def leaks(self) -> list[str]:
+        """What this worker still holds, e.g. ["num_running=1", "3 of 40 blocks in use"]; [] at rest."""
+        held = [f"{name}={getattr(self, name)}" for name in (
+            "num_waiting", "num_running", "num_sequences", "num_reserved", "num_first_tokens", "num_arrived",
+            "num_pending_transfers", "num_open_streams", "num_referenced_blocks", "num_kept")
+            if getattr(self, name)]
+        if self.num_free_blocks != self.num_blocks:
+            held.append(f"{self.num_blocks - self.num_free_blocks} of {self.num_blocks} blocks in use")
+        return held
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.leaks()

@@ -42,10 +42,6 @@ class RunningCluster:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=30) as response:
             return response.read().decode()
 
-    def all_blocks_free(self) -> bool:
-        loads = self.run(self.backend.loads())
-        return all(l.num_free_blocks == l.num_blocks and l.num_running == 0 and l.num_waiting == 0 for l in loads)
-
 
 @pytest.fixture(scope="session")
 def clusters():

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import concurrent.futures
-import time
 
 import grpc
 import pytest
@@ -12,6 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from reference import english_token_ids
 from tandem import SamplingParams
 from tandem.proto import generation_pb2 as pb
+from worker_checks import assert_workers_empty
 
 pytestmark = pytest.mark.slow
 
@@ -29,13 +29,6 @@ def collect(stub, request, timeout: float = 120) -> tuple[list[int], str, list[p
     return ids, "".join(r.text for r in responses), responses
 
 
-def wait_all_free(cluster, timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while not cluster.all_blocks_free():
-        assert time.monotonic() < deadline, cluster.run(cluster.backend.loads())
-        time.sleep(0.1)
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_greedy_output_equals_the_single_process_engine(clusters, make_llm, tokenizer, mode):
     """Eight prompts at once (both decode workers busy), token for token the engine's."""
@@ -50,7 +43,7 @@ def test_greedy_output_equals_the_single_process_engine(clusters, make_llm, toke
     assert got == expected
     if mode == "disaggregated":  # both decode workers took requests
         assert all(w.load is not None for w in cluster.backend.decode)
-    wait_all_free(cluster)
+    assert_workers_empty(cluster)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -72,7 +65,7 @@ def test_concurrent_streams_add_up_to_their_text(clusters, tokenizer, mode):
         assert all(r.finish_reason == pb.FINISH_REASON_UNSPECIFIED for r in responses[:-1])
         assert last.usage.completion_tokens == len(ids) and 1 <= len(ids) <= 8
         assert text == tokenizer.decode(ids, skip_special_tokens=True)
-    wait_all_free(cluster)
+    assert_workers_empty(cluster)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -85,7 +78,7 @@ def test_client_cancel_frees_blocks_on_every_worker(clusters, tokenizer, mode):
     with pytest.raises(grpc.RpcError) as e:
         list(call)
     assert e.value.code() == grpc.StatusCode.CANCELLED
-    wait_all_free(cluster)
+    assert_workers_empty(cluster)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -96,7 +89,7 @@ def test_deadline_frees_blocks_on_every_worker(clusters, tokenizer, mode):
     with pytest.raises(grpc.RpcError) as e:
         list(cluster.stub().Generate(request, timeout=1.5))
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_all_free(cluster)
+    assert_workers_empty(cluster)
 
 
 def test_bad_requests_are_invalid_and_the_server_keeps_serving(clusters, tokenizer):
@@ -116,7 +109,7 @@ def test_bad_requests_are_invalid_and_the_server_keeps_serving(clusters, tokeniz
         assert field.split()[0] in e.value.details() or "max_model_len" in e.value.details(), (field, e.value.details())
     ids, _, _ = collect(stub, greedy_request(english_token_ids(tokenizer, 10), 4))
     assert len(ids) == 4
-    wait_all_free(cluster)
+    assert_workers_empty(cluster)
 
 
 @pytest.mark.parametrize("mode", MODES)

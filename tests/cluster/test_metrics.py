@@ -10,7 +10,7 @@ import pytest
 from metrics_text import label_values, parse_samples, promtool_check_metrics, total
 from reference import english_token_ids
 from tandem.proto import generation_pb2 as pb
-from test_cluster import wait_all_free
+from worker_checks import assert_workers_empty
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +20,7 @@ MAX_TOKENS = [4, 9, 6]
 
 def run_workload(cluster, tokenizer) -> tuple[dict, dict]:
     """The samples before and after three greedy requests that ignore EOS (so exactly MAX_TOKENS each)."""
-    wait_all_free(cluster)
+    assert_workers_empty(cluster)
     before = parse_samples(cluster.scrape())
     stub = cluster.stub()
     requests = [pb.GenerateRequest(token_ids=pb.TokenIds(ids=english_token_ids(tokenizer, n, skip=7 * n)),
@@ -28,7 +28,7 @@ def run_workload(cluster, tokenizer) -> tuple[dict, dict]:
                 for n, m in zip(PROMPT_LENGTHS, MAX_TOKENS)]
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
         list(pool.map(lambda r: list(stub.Generate(r, timeout=120)), requests))
-    wait_all_free(cluster)
+    assert_workers_empty(cluster)
     return before, parse_samples(cluster.scrape())
 
 

@@ -1,0 +1,209 @@
+"""Faults against the real disaggregated cluster (1 prefill + 2 decode Ray actors): a storm of
+client cancels at random moments, and a decode worker killed mid-stream. Each prints a
+figure (injected, ended with a clear status, leaked) and ends with every worker empty."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import heapq
+import random
+import threading
+import time
+
+import grpc
+import pytest
+import ray
+
+from metrics_text import parse_samples, total
+from reference import english_token_ids
+from tandem.proto import generation_pb2 as pb
+from worker_checks import assert_workers_empty, inventories
+
+pytestmark = pytest.mark.slow
+
+STORM_REQUESTS = 1000
+STORM_SPREAD_S = 20.0
+"""Cancels and deadlines fall uniformly in [0, STORM_SPREAD_S) after the storm starts."""
+CLEAR = {grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OK}
+
+
+def request(token_ids: list[int], max_tokens: int) -> pb.GenerateRequest:
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=token_ids),
+                              sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+
+
+def assert_serves(cluster, tokenizer, max_tokens: int = 4) -> None:
+    responses = list(cluster.stub().Generate(request(english_token_ids(tokenizer, 12), max_tokens), timeout=120))
+    assert sum(len(r.token_ids) for r in responses) == max_tokens
+    assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+def test_cancel_storm_leaves_every_worker_empty(clusters, tokenizer):
+    """STORM_REQUESTS concurrent requests, each cancelled by the client (call.cancel()) or by
+    its deadline at a random moment: waiting for KV room, queued or running on the prefill
+    worker, in transfer, or decoding. Every call ends with a clear status; nothing leaks."""
+    cluster = clusters["disaggregated"]
+    assert_workers_empty(cluster)
+    rng = random.Random(7)
+    stub = cluster.stub()
+    # Peaks of what the workers held during the storm: where the cancels landed.
+    peaks: collections.Counter[str] = collections.Counter()
+    sampling = threading.Event()
+
+    def sample() -> None:
+        while not sampling.is_set():
+            seen = collections.Counter(admitting=cluster.backend.num_admitting)
+            for i in cluster.run(inventories(cluster.backend)):
+                if i.role.value == "prefill":
+                    seen.update(prefill_queued=i.num_waiting, prefilling=i.num_running,
+                                sending_kv=i.num_pending_transfers)
+                else:
+                    seen.update(awaiting_kv=i.num_reserved, decoding=i.num_running)
+            for k, v in seen.items():
+                peaks[k] = max(peaks[k], v)
+            time.sleep(0.2)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    start = time.monotonic()
+    calls, cancels = [], []
+    for i in range(STORM_REQUESTS):
+        prompt = english_token_ids(tokenizer, rng.randint(4, 120), skip=rng.randint(0, 500))
+        at = rng.uniform(0, STORM_SPREAD_S)
+        if i % 4 == 3:  # a quarter end by their deadline
+            calls.append(stub.Generate(request(prompt, rng.randint(8, 64)), timeout=max(at, 0.01)))
+        else:
+            calls.append(stub.Generate(request(prompt, rng.randint(8, 64)), timeout=120))
+            cancels.append((start + at, i))
+    heapq.heapify(cancels)
+    while cancels:
+        at, i = heapq.heappop(cancels)
+        time.sleep(max(0.0, at - time.monotonic()))
+        calls[i].cancel()
+    codes = collections.Counter(call.code() for call in calls)  # each blocks until its call ended
+    storm_s = time.monotonic() - start
+    sampling.set()
+    sampler.join()
+    assert_workers_empty(cluster, timeout=60)
+    settle_s = time.monotonic() - start - storm_s
+    clear = sum(n for code, n in codes.items() if code in CLEAR)
+    print(f"\ncancel storm: injected {STORM_REQUESTS}, ended with a clear status {clear} "
+          f"({', '.join(f'{c.name} {n}' for c, n in codes.most_common())}), leaked blocks 0, "
+          f"storm {storm_s:.1f} s, workers empty {settle_s:.1f} s later; "
+          f"peaks held during the storm: {dict(peaks)}")
+    assert clear == STORM_REQUESTS, codes
+    assert codes[grpc.StatusCode.CANCELLED] > 0 and codes[grpc.StatusCode.DEADLINE_EXCEEDED] > 0
+    # The cancels landed in every phase.
+    assert all(peaks[k] > 0 for k in ("admitting", "prefill_queued", "awaiting_kv", "decoding")), peaks
+    assert_serves(cluster, tokenizer)
+    assert_workers_empty(cluster)
+
+
+def _read(call, first: threading.Event, out: dict) -> None:
+    """Read a streaming call to its end: out gets its code and when it ended."""
+    try:
+        for _ in call:
+            first.set()
+        out["code"] = grpc.StatusCode.OK
+    except grpc.RpcError as e:
+        out["code"] = e.code()
+        out["details"] = e.details()
+    out["ended"] = time.monotonic()
+    first.set()
+
+
+async def _awaited(ref):
+    return await ref
+
+
+def _wait(predicate, timeout: float, what: str) -> float:
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, f"not within {timeout} s: {what}"
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+def test_decode_worker_killed_mid_stream(clusters, tokenizer):
+    """Kill a decode worker while it streams: its requests end promptly with UNAVAILABLE, the
+    router routes around it, the other decode worker's requests go on, Ray restarts it, the
+    router sees it serve again and sends it a request that succeeds; nothing leaks."""
+    cluster = clusters["disaggregated"]
+    backend = cluster.backend
+    assert_workers_empty(cluster)
+    stub = cluster.stub()
+    streams = []
+    pool = concurrent.futures.ThreadPoolExecutor(8)
+    try:
+        for i in range(6):  # one at a time, so that least_loaded sees each and alternates
+            first, out = threading.Event(), {}
+            call = stub.Generate(request(english_token_ids(tokenizer, 20 + 10 * i, skip=31 * i), 2000), timeout=300)
+            pool.submit(_read, call, first, out)
+            streams.append((call, first, out))
+            assert first.wait(120)  # decoding
+            time.sleep(0.3)  # the router's poller refreshes the loads
+        running = {i.instance: i.num_running for i in cluster.run(inventories(backend)) if i.role.value == "decode"}
+        assert all(running.values()), running  # least_loaded spread them over both decode workers
+        victim = max(backend.decode, key=lambda w: running[w.instance])
+        killed = time.monotonic()
+        ray.kill(victim.handle, no_restart=False)
+
+        # Its requests end promptly with UNAVAILABLE; the survivor's go on decoding.
+        _wait(lambda: sum("code" in out for _, _, out in streams) >= running[victim.instance], 10,
+              "the killed worker's requests end")
+        ended = [out for _, _, out in streams if "code" in out]
+        assert len(ended) == running[victim.instance]
+        assert all(out["code"] == grpc.StatusCode.UNAVAILABLE for out in ended), ended
+        end_s = max(out["ended"] for out in ended) - killed
+        assert not victim.healthy  # no more routing to it
+        # While it restarts, new requests go to the surviving decode worker and succeed.
+        assert_serves(cluster, tokenizer)
+        assert sum("code" in out for _, _, out in streams) == len(ended)
+
+        # Ray restarts it (the model loads again); the router's poller sees it serve again.
+        _wait(lambda: victim.healthy, 180, "the restarted worker is seen healthy")
+        restart_s = time.monotonic() - killed
+        # The survivor still holds its long requests, so least_loaded picks the restarted one.
+        assert_serves(cluster, tokenizer)
+        served = parse_samples(cluster.run(_awaited(victim.handle.metrics_text.remote())))
+        assert total(served, "tandem_kv_transfer_bytes_total") > 0, "the restarted worker served nothing"
+    finally:  # the survivors' long requests (and all of them, should a check fail)
+        for call, _, _ in streams:
+            call.cancel()
+        pool.shutdown()
+    # The survivors' requests were cancelled; the victim's died with its process.
+    assert all(out["code"] in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) for _, _, out in streams)
+    assert_workers_empty(cluster, timeout=30)
+    assert backend.is_ready()
+    print(f"\ndecode worker killed: injected 1 kill with {len(streams)} requests streaming, affected {len(ended)} "
+          f"(all UNAVAILABLE within {end_s:.2f} s), survived {len(streams) - len(ended)}, leaked blocks 0, "
+          f"healthy again and serving {restart_s:.1f} s after the kill")
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+def test_abort_by_client_id_and_reusing_the_id_at_once(clusters, tokenizer, mode):
+    """The workers know each call by the router's own id: Abort(request_ids) still finds the
+    client's call, and the same id can be reused at once (also while the workers still clean
+    up the earlier call, e.g. right after its deadline)."""
+    cluster = clusters[mode]
+    stub = cluster.stub()
+    long = request(english_token_ids(tokenizer, 60), 2000)
+    long.request_id = f"reused-{mode}"
+    call = stub.Generate(long, timeout=120)
+    assert next(call).token_ids  # decoding
+    assert list(stub.Abort(pb.AbortRequest(request_ids=[long.request_id]), timeout=30).aborted_request_ids) == [
+        long.request_id]
+    responses = list(call)
+    assert responses[-1].finish_reason == pb.FINISH_REASON_ABORT
+    for timeout in (0.3, 120):  # a deadline mid-prefill, then the same id again at once
+        again = request(english_token_ids(tokenizer, 200, skip=3), 4)
+        again.request_id = long.request_id
+        try:
+            responses = list(stub.Generate(again, timeout=timeout))
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout < 1, e
+        else:
+            assert {r.request_id for r in responses} == {long.request_id}
+            assert sum(len(r.token_ids) for r in responses) == 4
+    assert_workers_empty(cluster)
