@@ -13,6 +13,7 @@ from tandem.engine import LLMEngine
 from tandem.engine_loop import EngineLoop
 from tandem.kvtransfer.protocol import Destination, TransferStatus
 from tandem.kvtransfer.receiver import DEFAULT_ADDRESS, KVReceiver
+from tandem.model.fingerprint import model_fingerprint
 from tandem.worker import Worker
 from tandem.worker_api import PoolFull, PrefillResult, Role, StreamDelta, WorkerRequest
 
@@ -37,7 +38,8 @@ class DecodeWorker(Worker):
         super().__init__(instance, **kwargs)
 
     def _start_loop(self) -> EngineLoop:
-        self.receiver = KVReceiver(self.engine.runner.kv_cache, self._transfer_address, self._transfer_timeout_s)
+        self.receiver = KVReceiver(self.engine.runner.kv_cache, self._transfer_address, self._transfer_timeout_s,
+                                   model=model_fingerprint(self.loaded))
         self.metrics.kv_bytes["received"] = lambda: self.receiver.num_bytes_received
         self.metrics.num_transferring = lambda: self.receiver.num_pending
         return EngineLoop(self.engine, tick=self._tick)

@@ -14,6 +14,7 @@ from tandem.engine import LLMEngine
 from tandem.engine_loop import EngineLoop
 from tandem.kvtransfer.protocol import Destination, TransferStatus
 from tandem.kvtransfer.sender import KVSender
+from tandem.model.fingerprint import model_fingerprint
 from tandem.outputs import RequestDelta
 from tandem.scheduler import ScheduledBatch
 from tandem.sequence import Sequence
@@ -37,13 +38,17 @@ class _Prefill:
 class PrefillWorker(Worker):
     role = Role.PREFILL
 
-    def __init__(self, instance: str = "prefill-0", transfer_timeout_s: float = 30.0, **kwargs: Any) -> None:
+    def __init__(self, instance: str = "prefill-0", transfer_timeout_s: float = 30.0, kv_checksum: bool = False,
+                 **kwargs: Any) -> None:
+        """kv_checksum: a CRC-32 goes with every layer sent (the receiver checks it)."""
         self._transfer_timeout_s = transfer_timeout_s
+        self._kv_checksum = kv_checksum
         self._prefills: dict[str, _Prefill] = {}
         super().__init__(instance, **kwargs)
 
     def _start_loop(self) -> EngineLoop:
-        self.sender = KVSender(self.engine.runner.kv_cache, timeout_s=self._transfer_timeout_s)
+        self.sender = KVSender(self.engine.runner.kv_cache, timeout_s=self._transfer_timeout_s,
+                               model=model_fingerprint(self.loaded), checksum=self._kv_checksum)
         self.metrics.kv_bytes["sent"] = lambda: self.sender.num_bytes_sent
         self.metrics.num_transferring = lambda: self.sender.num_pending
         return EngineLoop(self.engine, tick=self._tick, layer_hook=self._send_layer, on_delta=self._on_delta)

@@ -75,7 +75,10 @@ class RayBackend:
         return list(await asyncio.gather(*(one(role, w) for role, ws in pools for w in ws)))
 
     def is_ready(self) -> bool:
-        return all(w.healthy for w in self.workers)
+        """Every pool in use has a healthy worker: one restarting worker does not take the
+        router out of service (its requests go to the others meanwhile)."""
+        pools = (self.colocated,) if self.colocated else (self.prefill, self.decode)
+        return all(any(w.healthy for w in pool) for pool in pools)
 
     async def loads(self) -> list[WorkerLoad]:
         await self._refresh_loads()

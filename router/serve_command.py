@@ -35,6 +35,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-transfer-host", default=None, metavar="HOST",
                         help="address decode workers receive KV on (default loopback; 'node-ip': the Ray node's "
                              "address, for pools on several hosts)")
+    parser.add_argument("--kv-checksum", action="store_true",
+                        help="a CRC-32 with every layer of KV sent: corrupted KV fails its request instead of its output")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
     parser.add_argument("--block-size", type=int, default=16)
@@ -53,6 +55,8 @@ def worker_args(args: argparse.Namespace) -> dict:
         worker["num_threads"] = args.num_threads
     if args.kv_transfer_host is not None:
         worker["kv_transfer_host"] = args.kv_transfer_host
+    if args.kv_checksum:
+        worker["kv_checksum"] = True
     return worker
 
 

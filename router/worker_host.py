@@ -22,9 +22,13 @@ WORKER_CLASSES = {
 class WorkerHost:
     """Every worker method, delegated; each role uses its own subset."""
 
-    def __init__(self, role: Role, kv_transfer_host: str | None = None, **worker_args: Any) -> None:
+    def __init__(self, role: Role, kv_transfer_host: str | None = None, kv_checksum: bool = False,
+                 **worker_args: Any) -> None:
         """kv_transfer_host: where a decode worker's KV receiver listens ("node-ip": this
-        Ray node's address, so that prefill workers on other hosts reach it)."""
+        Ray node's address, so that prefill workers on other hosts reach it).
+        kv_checksum: prefill workers send a CRC-32 with every layer."""
+        if role is Role.PREFILL:
+            worker_args["kv_checksum"] = kv_checksum
         if kv_transfer_host is not None and role is Role.DECODE:
             if kv_transfer_host == "node-ip":
                 kv_transfer_host = ray.util.get_node_ip_address()

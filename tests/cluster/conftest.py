@@ -57,7 +57,9 @@ def clusters():
         return backend, server
 
     configs = {
-        "disaggregated": ClusterConfig(num_prefill=1, num_decode=2, worker_args=WORKER_ARGS, name_prefix="d-"),
+        # With checksums on the KV: every disaggregated test also proves them harmless.
+        "disaggregated": ClusterConfig(num_prefill=1, num_decode=2, worker_args={**WORKER_ARGS, "kv_checksum": True},
+                                       name_prefix="d-"),
         "colocated": ClusterConfig(colocated=1, worker_args=WORKER_ARGS, name_prefix="c-"),
     }
     started = {name: asyncio.run_coroutine_threadsafe(start(cfg), loop) for name, cfg in configs.items()}
