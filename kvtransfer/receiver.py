@@ -129,7 +129,9 @@ class KVReceiver:
                     self._handle(frames[0].bytes, frames[1:])
                 except ProtocolError as e:
                     self.dropped[e.reason] += 1
-                    logger.warning("kv receiver dropped a message: %s", e)
+                    # Layers already in flight when a request ended are expected (one per layer): not a warning.
+                    logger.log(logging.DEBUG if e.reason == "ended_request" else logging.WARNING,
+                               "kv receiver dropped a message: %s", e)
                 except Exception:  # NOTE: the thread must outlive any message, or deadlines stop
                     self.dropped["internal_error"] += 1
                     logger.exception("kv receiver failed on a message")

@@ -4,6 +4,7 @@ figure (injected, ended with a clear status, leaked) and ends with every worker 
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import heapq
@@ -207,3 +208,93 @@ def test_abort_by_client_id_and_reusing_the_id_at_once(clusters, tokenizer, mode
             assert {r.request_id for r in responses} == {long.request_id}
             assert sum(len(r.token_ids) for r in responses) == 4
     assert_workers_empty(cluster)
+
+
+def _decode_leaks(cluster) -> dict[str, list[str]]:
+    """What the decode workers (and the router's admission queue) still hold: {} at rest.
+    (The prefill worker, while Ray restarts it, answers no inventory call.)"""
+    async def decode_inventories():
+        return await asyncio.gather(*(asyncio.wait_for(w.handle.inventory.remote(), 10)
+                                      for w in cluster.backend.decode))
+    found = {i.instance: i.leaks() for i in cluster.run(decode_inventories()) if not i.is_empty}
+    if cluster.backend.num_admitting:
+        found["router"] = [f"num_admitting={cluster.backend.num_admitting}"]
+    return found
+
+
+def _greedy(cluster, prompt: list[int], max_tokens: int) -> list[int]:
+    responses = list(cluster.stub().Generate(request(prompt, max_tokens), timeout=120))
+    assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    return [t for r in responses for t in r.token_ids]
+
+
+def test_prefill_worker_killed_with_requests_queued_and_in_prefill(clusters, tokenizer):
+    """Kill the only prefill worker while long prompts are in prefill or queued behind it: each
+    ends promptly with UNAVAILABLE, the decode workers free what they had reserved for them, a
+    request sent while it is down gets UNAVAILABLE at once, Ray restarts it, the router sees it
+    serve again and a request then gets the same greedy output as before the kill."""
+    cluster = clusters["disaggregated"]
+    backend = cluster.backend
+    (victim,) = backend.prefill
+    assert_workers_empty(cluster)
+    stub = cluster.stub()
+    probe = english_token_ids(tokenizer, 700, skip=50)
+    before = _greedy(cluster, probe, 8)
+    calls = []
+    pool = concurrent.futures.ThreadPoolExecutor(8)
+    try:
+        for i in range(6):
+            first, out = threading.Event(), {}
+            call = stub.Generate(request(english_token_ids(tokenizer, 600 + 80 * i, skip=40 * i), 8), timeout=300)
+            pool.submit(_read, call, first, out)
+            calls.append((call, first, out))
+
+        def in_prefill() -> tuple[int, int]:
+            (i,) = [i for i in cluster.run(inventories(backend)) if i.role.value == "prefill"]
+            return i.num_running, i.num_waiting
+        # The first prompt is in prefill and others are queued behind it (on the worker, or in
+        # the actor's mailbox: Ray runs a few of its async calls at once).
+        _wait(lambda: in_prefill()[0] >= 1 and victim.num_in_flight >= 3, 60, "prompts in prefill and queued")
+        running, waiting = in_prefill()
+        pending = [out for _, _, out in calls if "code" not in out]
+        killed = time.monotonic()
+        ray.kill(victim.handle, no_restart=False)
+
+        # Every request it held (or that waited for it) ends promptly with UNAVAILABLE.
+        _wait(lambda: all("code" in out for out in pending), 20, "the killed worker's requests end")
+        assert all(out["code"] == grpc.StatusCode.UNAVAILABLE for out in pending), pending
+        end_s = max(out["ended"] for out in pending) - killed
+        assert not victim.healthy  # no more routing to it
+        assert not backend.is_ready()
+
+        # While it restarts, a new request is refused at once, not left waiting for it.
+        refused = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request(probe, 8), timeout=60))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
+        refused_s = time.monotonic() - refused
+        assert refused_s < 5, refused_s
+        # The decode workers freed the blocks they had reserved for all of them.
+        deadline = time.monotonic() + 15
+        while found := _decode_leaks(cluster):
+            assert time.monotonic() < deadline, f"decode workers not empty after 15 s: {found}"
+            time.sleep(0.1)
+
+        # Ray restarts it (the model loads again); the router's poller sees it serve again.
+        _wait(lambda: victim.healthy, 180, "the restarted prefill worker is seen healthy")
+        assert backend.is_ready()
+        assert_workers_empty(cluster)
+        after = _greedy(cluster, probe, 8)
+        restart_s = time.monotonic() - killed
+        assert after == before, (before, after)
+    finally:
+        for call, _, _ in calls:
+            call.cancel()
+        pool.shutdown()
+    assert_workers_empty(cluster, timeout=30)
+    assert backend.is_ready() and all(w.healthy for w in backend.workers)
+    print(f"\nprefill worker killed: injected 1 kill with {len(pending)} requests in prefill or queued "
+          f"({running} in prefill, {waiting} queued on the worker, {len(pending) - running - waiting} in its "
+          f"mailbox), affected {len(pending)} (all UNAVAILABLE within {end_s:.2f} s), a request sent while it was "
+          f"down refused with UNAVAILABLE in {refused_s:.2f} s, leaked blocks 0, healthy again and serving "
+          f"{restart_s:.1f} s after the kill")
