@@ -171,9 +171,10 @@ class RayBackend:
         prefill = prefills[0]
         self.prefill_router.record(prefill, request.prompt_token_ids)
         stream = decode.handle.stream.options(num_returns="streaming").remote(request.request_id)
-        phase = asyncio.get_running_loop().create_task(self._prefill(prefill, decode, request, destination))
+        died: list[BaseException] = []
+        phase = asyncio.get_running_loop().create_task(self._prefill(prefill, decode, request, destination, died))
         try:
-            async for delta in self._follow(decode, stream, request, [decode, prefill], phase):
+            async for delta in self._follow(decode, stream, request, [decode, prefill], phase, died):
                 yield delta
         finally:
             phase.cancel()
@@ -226,8 +227,11 @@ class RayBackend:
         self._undoing.add(task)
         task.add_done_callback(self._undoing.discard)
 
-    async def _prefill(self, prefill: WorkerState, decode: WorkerState, request: WorkerRequest, destination) -> None:
-        """Prefill on one worker, then hand the first token to the decode worker."""
+    async def _prefill(self, prefill: WorkerState, decode: WorkerState, request: WorkerRequest, destination,
+                       died: list[BaseException]) -> None:
+        """Prefill on one worker, then hand the first token to the decode worker. A worker that
+        dies under it goes into `died` before the decode worker is told to abort (its abort
+        delta may reach the stream before this task has ended)."""
         n = len(request.prompt_token_ids)
         prefill.num_in_flight += 1
         prefill.num_in_flight_tokens += n
@@ -239,6 +243,7 @@ class RayBackend:
         except Exception as e:  # the decode stream then ends with this request aborted
             logger.warning("prefill of %s failed: %s", request.request_id, e)
             if isinstance(e, RayActorError):
+                died.append(e)
                 self.mark_unhealthy(prefill)
             await _abort_on([decode], request.request_id)
             raise
@@ -247,15 +252,19 @@ class RayBackend:
             prefill.num_in_flight_tokens -= n
 
     async def _follow(self, streamer: WorkerState, stream, request: WorkerRequest, holders: list[WorkerState],
-                      phase: asyncio.Task | None = None) -> AsyncIterator[StreamDelta]:
+                      phase: asyncio.Task | None = None, died: list[BaseException] | None = None
+                      ) -> AsyncIterator[StreamDelta]:
         """Yield a worker stream's deltas; on any early exit abort the request on every holder.
-        A streamer that dies is marked unhealthy (the request then fails with UNAVAILABLE)."""
+        A streamer that dies is marked unhealthy (the request then fails with UNAVAILABLE), and
+        so does a request aborted because its prefill worker died (`died`)."""
         finished = False
         try:
             async for ref in stream:
                 delta: StreamDelta = await ref
                 if delta.error is not None:
                     raise NoHealthyWorker(f"{request.request_id}: {delta.error}")
+                if delta.finish_reason == "abort" and died:
+                    raise NoHealthyWorker(f"{request.request_id}: the prefill worker died: {died[0]}")
                 if delta.finish_reason == "abort" and phase is not None and phase.done() and phase.exception():
                     raise NoHealthyWorker(f"{request.request_id}: prefill failed: {phase.exception()}")
                 finished = delta.finish_reason is not None

@@ -1,6 +1,7 @@
 """Faults against the real disaggregated cluster (1 prefill + 2 decode Ray actors): a storm of
-client cancels at random moments, and a decode worker killed mid-stream. Each prints a
-figure (injected, ended with a clear status, leaked) and ends with every worker empty."""
+client cancels at random moments, a decode worker killed mid-stream, and the prefill worker
+killed with prompts in prefill and queued. Each prints a figure (injected, ended with a clear
+status, leaked) and ends with every worker empty."""
 
 from __future__ import annotations
 
@@ -294,7 +295,7 @@ def test_prefill_worker_killed_with_requests_queued_and_in_prefill(clusters, tok
     assert_workers_empty(cluster, timeout=30)
     assert backend.is_ready() and all(w.healthy for w in backend.workers)
     print(f"\nprefill worker killed: injected 1 kill with {len(pending)} requests in prefill or queued "
-          f"({running} in prefill, {waiting} queued on the worker, {len(pending) - running - waiting} in its "
-          f"mailbox), affected {len(pending)} (all UNAVAILABLE within {end_s:.2f} s), a request sent while it was "
+          f"({running} in prefill, {waiting} queued on the worker, {len(pending) - running - waiting} not yet on it"
+          f"), affected {len(pending)} (all UNAVAILABLE within {end_s:.2f} s), a request sent while it was "
           f"down refused with UNAVAILABLE in {refused_s:.2f} s, leaked blocks 0, healthy again and serving "
           f"{restart_s:.1f} s after the kill")
