@@ -22,12 +22,13 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from tandem.proto import generation_pb2 as pb
-from tandem.proto import generation_pb2_grpc as pb_grpc
+from tandem.proto import generation_pb2_grpc as pb_grpc  # the servicer's base class
 from tandem.router.auth import TokenAuthInterceptor
 from tandem.router.backend import Backend, NoHealthyWorker, Overloaded
 from tandem.router.limits import RequestLimits
 from tandem.router.metrics import RouterMetrics
 from tandem.router.metrics_endpoint import MetricsEndpoint, start_metrics_endpoint
+from tandem.router.service import SERVICE_NAME, Unparsable, add_generation_service
 from tandem.router.tokenizer import RouterTokenizer
 from tandem.router.validation import check_request_id, shown, validate_request
 from tandem.router.worker_metrics import WorkerMetricsCollector, WorkerMetricsReport
@@ -35,7 +36,6 @@ from tandem.worker_api import PoolFull, StreamDelta
 
 logger = logging.getLogger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Generation"].full_name  # "tandem.v1.Generation"
 HEALTH_POLL_S = 0.5
 """How often health follows backend.is_ready()."""
 MAX_ABORT_IDS = 1024
@@ -66,7 +66,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         self._metrics = metrics
         self._limits = limits
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+    async def Generate(self, request: pb.GenerateRequest | Unparsable,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        if isinstance(request, Unparsable):
+            self._metrics.ended(grpc.StatusCode.INVALID_ARGUMENT, rejected=True)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
         limit = self._limits.max_concurrent_requests
         if self._metrics.num_running >= limit:
             self._metrics.ended(grpc.StatusCode.RESOURCE_EXHAUSTED, rejected=True)
@@ -135,7 +139,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         logger.info("request %s: %s, %d prompt + %d output tokens in %.3f s", request_id, finished.finish_reason,
                     finished.num_prompt_tokens, finished.num_output_tokens, time.perf_counter() - timer.arrival)
 
-    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+    async def Abort(self, request: pb.AbortRequest | Unparsable, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
+        if isinstance(request, Unparsable):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
         if len(request.request_ids) > MAX_ABORT_IDS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request_ids: at most {MAX_ABORT_IDS} ids per call, got {len(request.request_ids)}")
@@ -221,7 +227,7 @@ async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
     interceptors = [TokenAuthInterceptor(auth_token)] if auth_token else []
     # so_reuseport=0: a second router on a busy port must fail, not share the port.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
-    pb_grpc.add_GenerationServicer_to_server(GenerationServicer(backend, tokenizer, metrics, limits or RequestLimits()), server)
+    add_generation_service(GenerationServicer(backend, tokenizer, metrics, limits or RequestLimits()), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(

@@ -158,10 +158,10 @@ def test_serve_passes_the_limits_to_the_servicer(router_tokenizer):
     assert details.startswith("sampling.stop: ") and "max_stop_strings=1" in details
 
 
-def test_invalid_utf8_is_refused_by_the_proto_layer(router_tokenizer):
-    """A proto string field with bad UTF-8 never reaches validation: protobuf refuses the
-    bytes while parsing, and grpc.aio answers UNKNOWN naming the parse error (the servicer
-    never runs, so it cannot choose INVALID_ARGUMENT). The server keeps serving."""
+def test_invalid_utf8_is_refused_with_invalid_argument(router_tokenizer):
+    """A proto string field with bad UTF-8 never reaches validation or the backend: protobuf
+    refuses the bytes while parsing, and the call ends INVALID_ARGUMENT naming the message
+    (not grpc's UNKNOWN for a failed parse). Abort likewise. The server keeps serving."""
     backend = FakeBackend(router_tokenizer)
     good = pb.GenerateRequest(request_id="utf8-probe", prompt="ab", sampling=pb.SamplingParams(max_tokens=1))
     raw = good.SerializeToString()
@@ -180,13 +180,20 @@ def test_invalid_utf8_is_refused_by_the_proto_layer(router_tokenizer):
                 with pytest.raises(grpc.aio.AioRpcError) as error:
                     [r async for r in generate(data)]
                 statuses.append((error.value.code(), error.value.details()))
+            abort = channel.unary_unary("/tandem.v1.Generation/Abort", request_serializer=lambda b: b,
+                                        response_deserializer=pb.AbortResponse.FromString)
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                await abort(pb.AbortRequest(request_ids=["zz"]).SerializeToString().replace(b"zz", b"\xff\xff"))
+            statuses.append((error.value.code(), error.value.details()))
             ok = [r async for r in generate(raw)]
             health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
             return statuses, ok, health.status
 
     statuses, ok, health = asyncio.run(body())
     for code, details in statuses:
-        assert code == grpc.StatusCode.UNKNOWN and "bad UTF-8" in details, (code, details)
+        assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("request: not a valid tandem.v1."), \
+            (code, details)
+    assert "AbortRequest" in statuses[-1][1]
     assert ok[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert health == health_pb2.HealthCheckResponse.SERVING
     assert [s.request_id for s in backend.seen] == ["utf8-probe"]  # nothing else reached the backend
