@@ -13,6 +13,11 @@ from tandem.worker_api import WorkerLoad
 POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 PREFIX_CHUNK = 16  # tokens per hashed prefix chunk (the default KV block size)
 MAX_PREFIXES = 200_000  # remembered chunk hashes, least recently routed dropped first
+RETRY_BASE_S, RETRY_MAX_S = 1.0, 30.0
+"""A worker that went down is routed to again this long after, once it answers: doubled for
+each further failure within STABLE_S of its last recovery, up to RETRY_MAX_S (a flapping
+worker gets ever less traffic; a transient fault costs about a second)."""
+STABLE_S = 60.0
 
 
 @dataclass
@@ -28,6 +33,30 @@ class WorkerState:
     num_in_flight_tokens: int = 0
     """Prompt tokens the router sent it that have not finished prefill yet."""
     healthy: bool = True
+    """Whether requests are routed to it."""
+    num_failures: int = 0
+    """Times it went down, each within STABLE_S of its last recovery."""
+    retry_at: float = 0.0
+    """When (event-loop seconds) a worker that went down may be routed to again."""
+    up_since: float = 0.0
+
+    def mark_down(self, now: float) -> bool:
+        """Route nothing more to it until may_recover -> whether it was up until now."""
+        if not self.healthy:
+            return False
+        self.num_failures = self.num_failures + 1 if now - self.up_since < STABLE_S else 1
+        self.retry_at = now + min(RETRY_BASE_S * 2 ** (self.num_failures - 1), RETRY_MAX_S)
+        self.healthy = False
+        self.load = None
+        return True
+
+    def may_recover(self, now: float) -> bool:
+        """Down, and its backoff is over (ask only when it has just answered)."""
+        return not self.healthy and now >= self.retry_at
+
+    def recover(self, now: float) -> None:
+        self.healthy = True
+        self.up_since = now
 
     def pressure(self) -> tuple[int, int]:
         """Smaller is less loaded: queued prompt tokens, then fewer free blocks."""

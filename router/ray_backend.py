@@ -99,27 +99,29 @@ class RayBackend:
             self._poller = None
 
     async def _refresh_loads(self) -> None:
-        """Each worker's load; one that answers is healthy again (e.g. restarted by Ray),
-        one that is dead is not; one that is slow keeps its state until it answers."""
+        """Each worker's load; one that answers is healthy again (e.g. restarted by Ray) once
+        its backoff is over, one that is dead is not; one that is slow keeps its state."""
         async def one(w: WorkerState) -> None:
             try:
-                w.load = await asyncio.wait_for(w.handle.load.remote(), LOAD_TIMEOUT_S)
+                load = await asyncio.wait_for(w.handle.load.remote(), LOAD_TIMEOUT_S)
             except RayActorError:
                 self.mark_unhealthy(w)
+                return
             except asyncio.TimeoutError:
-                pass
-            else:
-                if not w.healthy:
-                    logger.warning("worker %s is serving again", w.instance)
-                w.healthy = True
+                return
+            w.load = load
+            now = asyncio.get_running_loop().time()
+            if w.may_recover(now):
+                w.recover(now)
+                logger.warning("worker %s is serving again", w.instance)
         await asyncio.gather(*(one(w) for w in self.workers))
 
     def mark_unhealthy(self, w: WorkerState) -> None:
-        """Route nothing more to `w` until it answers a load poll again."""
-        if w.healthy:
-            logger.warning("worker %s is down: routing around it", w.instance)
-        w.healthy = False
-        w.load = None
+        """Route nothing more to `w` (a dead worker, never a refused request) until it
+        answers a load poll again after its backoff."""
+        if w.mark_down(asyncio.get_running_loop().time()):
+            logger.warning("worker %s is down (failure %d in a row): routing around it for at least %.0f s",
+                           w.instance, w.num_failures, w.retry_at - asyncio.get_running_loop().time())
 
     async def abort(self, request_id: str) -> bool:
         """Abort the client's request(s) with this id on every worker."""

@@ -1,0 +1,106 @@
+"""The router's health tracking: a dead worker is routed around at once and tried again after
+a backoff that doubles while it keeps failing soon after each recovery; a request the worker
+refuses (bad input) is not a worker failure."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from ray.exceptions import RayActorError, RayTaskError
+
+from tandem.router.policy import RETRY_BASE_S, RETRY_MAX_S, STABLE_S, WorkerState
+from tandem.router.ray_backend import RayBackend
+from tandem.sampling_params import SamplingParams
+from tandem.worker_api import Role, WorkerLoad
+
+LOAD = WorkerLoad(role=Role.DECODE, instance="d-0", num_blocks=10, num_free_blocks=10, num_running=0, num_waiting=0,
+                  num_queued_tokens=0)
+
+
+def test_backoff_doubles_while_the_worker_flaps_and_resets_once_it_stays_up():
+    w = WorkerState("d-0", handle=None)
+    now = 1000.0
+    waits = []
+    for _ in range(7):  # down, back as soon as allowed, down again at once
+        assert w.mark_down(now) and not w.healthy and w.load is None
+        assert not w.mark_down(now + 0.1), "already down: not a second failure"
+        assert not w.may_recover(w.retry_at - 0.01)
+        waits.append(w.retry_at - now)
+        now = w.retry_at
+        assert w.may_recover(now)
+        w.recover(now)
+        assert w.healthy and not w.may_recover(now)
+    assert waits == [min(RETRY_BASE_S * 2**i, RETRY_MAX_S) for i in range(7)]
+    assert waits[-1] == RETRY_MAX_S
+    now += STABLE_S  # up long enough: the next failure is a first one again
+    w.mark_down(now)
+    assert w.num_failures == 1 and w.retry_at - now == RETRY_BASE_S
+
+
+class Method:
+    """A Ray actor method's stand-in: .remote(...) -> an awaitable of behaviour(...)."""
+
+    def __init__(self, behaviour) -> None:
+        self.behaviour = behaviour
+        self.num_calls = 0
+
+    def remote(self, *args):
+        self.num_calls += 1
+
+        async def call():
+            return self.behaviour(*args)
+        return call()
+
+
+class Handle:
+    def __init__(self, load, reserve=None) -> None:
+        self.load = Method(load)
+        self.reserve = Method(reserve or (lambda request: None))
+        self.abort = Method(lambda request_id: False)
+
+
+def _raise(error: BaseException):
+    def behaviour(*_):
+        raise error
+    return behaviour
+
+
+def backend(decode: WorkerState, router_tokenizer) -> RayBackend:
+    prefill = WorkerState("p-0", Handle(lambda: LOAD))
+    return RayBackend([prefill], [decode], [], "least_loaded", router_tokenizer.spec)
+
+
+def test_a_dead_worker_is_polled_back_only_after_its_backoff(router_tokenizer):
+    answers = {"dead": True}
+    decode = WorkerState("d-0", Handle(lambda: _raise(RayActorError())() if answers["dead"] else LOAD))
+    b = backend(decode, router_tokenizer)
+
+    async def body():
+        loop = asyncio.get_running_loop()
+        await b._refresh_loads()
+        assert not decode.healthy and decode.num_failures == 1 and not b.is_ready()
+        answers["dead"] = False  # restarted: it answers, but its backoff is not over
+        await b._refresh_loads()
+        assert not decode.healthy and decode.load == LOAD
+        await asyncio.sleep(decode.retry_at - loop.time() + 0.01)
+        await b._refresh_loads()
+        assert decode.healthy and b.is_ready()
+
+    asyncio.run(body())
+
+
+def test_a_refused_request_is_not_a_worker_failure(router_tokenizer):
+    refusal = RayTaskError("reserve", "traceback", ValueError("prompt: too long")).as_instanceof_cause()
+    decode = WorkerState("d-0", Handle(lambda: LOAD, reserve=_raise(refusal)))
+    b = backend(decode, router_tokenizer)
+
+    async def body():
+        for _ in range(3):
+            with pytest.raises(ValueError, match="prompt: too long"):
+                async for _ in b.generate("r-1", [1, 2, 3], SamplingParams(max_tokens=1)):
+                    pass
+        await b._refresh_loads()
+
+    asyncio.run(body())
+    assert decode.healthy and decode.num_failures == 0 and decode.handle.reserve.num_calls == 3
