@@ -39,6 +39,8 @@ class WorkerState:
     retry_at: float = 0.0
     """When (event-loop seconds) a worker that went down may be routed to again."""
     up_since: float = 0.0
+    last_answer: float = 0.0
+    """When it last answered a load poll (event-loop seconds)."""
 
     def mark_down(self, now: float) -> bool:
         """Route nothing more to it until may_recover -> whether it was up until now."""

@@ -14,6 +14,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from tandem.router.backend import NoHealthyWorker, Overloaded
 from tandem.router.policy import Router, WorkerState
+from tandem.router.worker_calls import WORKER_GONE, WorkerCalls
 from tandem.router.worker_metrics import WorkerMetricsReport
 from tandem.sampling_params import SamplingParams
 from tandem.worker_api import PoolFull, Role, StreamDelta, TokenizerSpec, WorkerLoad, WorkerRequest
@@ -26,22 +27,21 @@ logger = logging.getLogger(__name__)
 LOAD_POLL_S = 0.1
 ADMISSION_RETRY_S = 0.02
 WORKER_METRICS_TIMEOUT_S = 1.0
-RESERVE_UNDO_TIMEOUT_S = 60.0
-"""How long a cancelled request's reservation is waited for, to abort it once made."""
 LOAD_TIMEOUT_S = 2.0
 """A worker's load call that takes longer is left for the next poll (a restarting worker's
 calls wait for it), so that one worker never holds up the others' loads."""
-ABORT_TIMEOUT_S = 5.0
-"""An abort a worker has not answered by then is given up (it may be dead or restarting: a
-restarted worker holds nothing of the request anyway)."""
+UNRESPONSIVE_S = 15.0
+"""A worker that has answered no load poll for this long is marked down (hung: stopped, or
+stuck), and the requests waiting on it fail; it comes back once it answers again."""
 
 
 class RayBackend:
     def __init__(self, prefill: list[WorkerState], decode: list[WorkerState], colocated: list[WorkerState],
                  policy: str, tokenizer_spec: TokenizerSpec, max_queued_requests: int = 1024,
-                 admission_timeout_s: float = 60.0) -> None:
+                 admission_timeout_s: float = 60.0, unresponsive_after_s: float = UNRESPONSIVE_S) -> None:
         """max_queued_requests: requests waiting for a decode worker with room before new
-        ones are refused; admission_timeout_s: how long one waits."""
+        ones are refused; admission_timeout_s: how long one waits; unresponsive_after_s:
+        see UNRESPONSIVE_S."""
         if colocated and (prefill or decode):
             raise ValueError("either colocated workers or prefill and decode pools, not both")
         if not colocated and not (prefill and decode):
@@ -53,8 +53,9 @@ class RayBackend:
         self._poller: asyncio.Task | None = None
         self.max_queued_requests = max_queued_requests
         self.admission_timeout_s = admission_timeout_s
+        self.unresponsive_after_s = unresponsive_after_s
         self.num_admitting = 0
-        self._undoing: set[asyncio.Task] = set()
+        self.calls = WorkerCalls()
         self._worker_ids: dict[str, set[str]] = {}
         """The client's request id -> the ids its calls have on the workers."""
         self.metrics: RouterMetrics | None = None
@@ -86,6 +87,10 @@ class RayBackend:
 
     def start_polling(self) -> None:
         """Keep worker loads (and health) fresh in the background."""
+        now = asyncio.get_running_loop().time()
+        for w in self.workers:
+            w.last_answer = now
+
         async def poll() -> None:
             while True:
                 await self._refresh_loads()
@@ -108,25 +113,30 @@ class RayBackend:
                 self.mark_unhealthy(w)
                 return
             except asyncio.TimeoutError:
+                silent_s = asyncio.get_running_loop().time() - w.last_answer
+                if silent_s >= self.unresponsive_after_s:
+                    self.mark_unhealthy(w, f"has answered nothing for {silent_s:.0f} s")
                 return
             w.load = load
-            now = asyncio.get_running_loop().time()
+            now = w.last_answer = asyncio.get_running_loop().time()
             if w.may_recover(now):
                 w.recover(now)
+                self.calls.came_back(w)
                 logger.warning("worker %s is serving again", w.instance)
         await asyncio.gather(*(one(w) for w in self.workers))
 
-    def mark_unhealthy(self, w: WorkerState) -> None:
-        """Route nothing more to `w` (a dead worker, never a refused request) until it
-        answers a load poll again after its backoff."""
+    def mark_unhealthy(self, w: WorkerState, why: str = "died") -> None:
+        """Route nothing more to `w` (dead or hung, never for a refused request) and end the
+        waits on it, until it answers a load poll again after its backoff."""
         if w.mark_down(asyncio.get_running_loop().time()):
-            logger.warning("worker %s is down (failure %d in a row): routing around it for at least %.0f s",
-                           w.instance, w.num_failures, w.retry_at - asyncio.get_running_loop().time())
+            self.calls.went_down(w)
+            logger.warning("worker %s %s (failure %d in a row): routing around it for at least %.0f s",
+                           w.instance, why, w.num_failures, w.retry_at - asyncio.get_running_loop().time())
 
     async def abort(self, request_id: str) -> bool:
         """Abort the client's request(s) with this id on every worker."""
         ids = list(self._worker_ids.get(request_id, ()))
-        results = await asyncio.gather(*(_abort_on(self.workers, i) for i in ids))
+        results = await asyncio.gather(*(self.calls.abort_on(self.workers, i) for i in ids))
         return any(r is True for rs in results for r in rs)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
@@ -141,8 +151,8 @@ class RayBackend:
         try:
             async for delta in stream:
                 yield dataclasses.replace(delta, request_id=request_id)
-        except RayActorError as e:
-            raise NoHealthyWorker(f"a worker serving {request_id} died: {e}") from None
+        except WORKER_GONE as e:
+            raise NoHealthyWorker(f"a worker serving {request_id} is gone: {e}") from None
         except RayTaskError as e:
             if isinstance(e, ValueError):  # the worker refused the request's input
                 raise ValueError(str(e.cause if hasattr(e, "cause") else e)) from None
@@ -168,7 +178,7 @@ class RayBackend:
         decode, destination = await self._reserve(request)
         prefills = self.prefill_router.order(self.prefill, request.prompt_token_ids)
         if not prefills:
-            await _abort_on([decode], request.request_id)
+            await self.calls.abort_on([decode], request.request_id)
             raise NoHealthyWorker("no prefill worker is healthy")
         prefill = prefills[0]
         self.prefill_router.record(prefill, request.prompt_token_ids)
@@ -197,15 +207,15 @@ class RayBackend:
                 for worker in candidates:
                     reservation = worker.handle.reserve.remote(request)
                     try:
-                        destination = await reservation
-                    except asyncio.CancelledError:
+                        destination = await self.calls.unless_down(worker, reservation)
+                    except (asyncio.CancelledError, *WORKER_GONE) as e:
                         # The worker may still reserve (or have reserved) blocks for it.
                         self._undo_later(worker, reservation, request.request_id)
-                        raise
+                        if isinstance(e, asyncio.CancelledError):
+                            raise
+                        self.mark_unhealthy(worker)
                     except PoolFull:
                         continue
-                    except RayActorError:
-                        self.mark_unhealthy(worker)
                     else:
                         if self.metrics is not None:
                             self.metrics.queue_time.observe(asyncio.get_running_loop().time() - start)
@@ -218,16 +228,12 @@ class RayBackend:
             self.num_admitting -= 1
 
     def _undo_later(self, worker: WorkerState, reservation, request_id: str) -> None:
-        """A reservation its request no longer waits for: once the worker has made it, abort it."""
-        async def undo() -> None:
-            try:
-                await asyncio.wait_for(reservation, RESERVE_UNDO_TIMEOUT_S)
-            except Exception:  # noqa: BLE001 - refused, or the worker died: nothing was reserved
-                return
-            await _abort_on([worker], request_id)
-        task = asyncio.get_running_loop().create_task(undo())
-        self._undoing.add(task)
-        task.add_done_callback(self._undoing.discard)
+        """A reservation its request no longer waits for: once the worker has made it, abort
+        it (a refused or failed reservation holds nothing)."""
+        async def undo() -> bool:
+            await reservation
+            return await worker.handle.abort.remote(request_id)
+        self.calls.later(undo(), f"undoing the reservation of {request_id} on {worker.instance}")
 
     async def _prefill(self, prefill: WorkerState, decode: WorkerState, request: WorkerRequest, destination,
                        died: list[BaseException]) -> None:
@@ -238,16 +244,16 @@ class RayBackend:
         prefill.num_in_flight += 1
         prefill.num_in_flight_tokens += n
         try:
-            first = await prefill.handle.prefill.remote(request, destination)
-            await decode.handle.start.remote(first)
+            first = await self.calls.unless_down(prefill, prefill.handle.prefill.remote(request, destination))
+            await self.calls.unless_down(decode, decode.handle.start.remote(first))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the decode stream then ends with this request aborted
             logger.warning("prefill of %s failed: %s", request.request_id, e)
-            if isinstance(e, RayActorError):
+            if isinstance(e, WORKER_GONE):
                 died.append(e)
                 self.mark_unhealthy(prefill)
-            await _abort_on([decode], request.request_id)
+            await self.calls.abort_on([decode], request.request_id)
             raise
         finally:
             prefill.num_in_flight -= 1
@@ -260,8 +266,13 @@ class RayBackend:
         A streamer that dies is marked unhealthy (the request then fails with UNAVAILABLE), and
         so does a request aborted because its prefill worker died (`died`)."""
         finished = False
+        refs = stream.__aiter__()
         try:
-            async for ref in stream:
+            while True:
+                try:
+                    ref = await self.calls.unless_down(streamer, refs.__anext__())
+                except StopAsyncIteration:
+                    break
                 delta: StreamDelta = await ref
                 if delta.error is not None:
                     raise NoHealthyWorker(f"{request.request_id}: {delta.error}")
@@ -273,7 +284,7 @@ class RayBackend:
                 yield delta
                 if finished:
                     return
-        except RayActorError:
+        except WORKER_GONE:
             self.mark_unhealthy(streamer)
             raise
         finally:
@@ -282,12 +293,5 @@ class RayBackend:
                     ray.cancel(stream)
                 except Exception:  # already finished on the worker side
                     pass
-                await _abort_on(holders, request.request_id)
+                await self.calls.abort_on(holders, request.request_id)
 
-
-async def _abort_on(workers: list[WorkerState], request_id: str) -> list:
-    """Abort a request on every healthy worker of `workers`, each given ABORT_TIMEOUT_S.
-    -> each one's answer or exception."""
-    async def one(w: WorkerState):
-        return await asyncio.wait_for(w.handle.abort.remote(request_id), ABORT_TIMEOUT_S)
-    return list(await asyncio.gather(*(one(w) for w in workers if w.healthy), return_exceptions=True))

@@ -4,6 +4,7 @@ never imports torch: the worker class is imported inside the actor's own process
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any, AsyncIterator
 
 import ray
@@ -41,6 +42,10 @@ class WorkerHost:
 
     def tokenizer_spec(self) -> TokenizerSpec:
         return self.worker.tokenizer_spec()
+
+    def pid(self) -> int:
+        """This actor's process id (the overload bench samples its resident memory)."""
+        return os.getpid()
 
     async def load(self) -> WorkerLoad:
         return await self.worker.load()

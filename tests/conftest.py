@@ -12,6 +12,7 @@ if not torch.cuda.is_available():
     # when a kernel module is first imported.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from fault_report import FaultReport
 from tandem import LLM
 from tandem.model.loader import LoadedModel, load_hf_model, loaded_from_hf_model
 from tandem.model.source import resolve_model_source
@@ -49,3 +50,20 @@ def make_llm(loaded):
         return LLM.from_loaded(loaded, **engine_args)
 
     return make
+
+
+_FAULT_REPORT = pytest.StashKey[FaultReport]()
+
+
+@pytest.fixture(scope="session")
+def fault_report(request) -> FaultReport:
+    """Where fault tests add their row; printed as one table at the end of the session."""
+    return request.config.stash.setdefault(_FAULT_REPORT, FaultReport())
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    report = config.stash.get(_FAULT_REPORT, None)
+    if report is not None and report.rows:
+        terminalreporter.section("faults injected (every row: 0 blocks leaked, each request a clear status)")
+        for line in report.table():
+            terminalreporter.write_line(line)

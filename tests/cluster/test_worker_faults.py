@@ -17,6 +17,7 @@ import grpc
 import pytest
 import ray
 
+from fault_calls import CLEAR, assert_serves, awaited, decode_leaks, greedy, read_to_end, request, wait_until
 from metrics_text import parse_samples, total
 from reference import english_token_ids
 from tandem.proto import generation_pb2 as pb
@@ -27,21 +28,9 @@ pytestmark = pytest.mark.slow
 STORM_REQUESTS = 1000
 STORM_SPREAD_S = 20.0
 """Cancels and deadlines fall uniformly in [0, STORM_SPREAD_S) after the storm starts."""
-CLEAR = {grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OK}
 
 
-def request(token_ids: list[int], max_tokens: int) -> pb.GenerateRequest:
-    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=token_ids),
-                              sampling=pb.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-
-
-def assert_serves(cluster, tokenizer, max_tokens: int = 4) -> None:
-    responses = list(cluster.stub().Generate(request(english_token_ids(tokenizer, 12), max_tokens), timeout=120))
-    assert sum(len(r.token_ids) for r in responses) == max_tokens
-    assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
-
-
-def test_cancel_storm_leaves_every_worker_empty(clusters, tokenizer):
+def test_cancel_storm_leaves_every_worker_empty(clusters, tokenizer, fault_report):
     """STORM_REQUESTS concurrent requests, each cancelled by the client (call.cancel()) or by
     its deadline at a random moment: waiting for KV room, queued or running on the prefill
     worker, in transfer, or decoding. Every call ends with a clear status; nothing leaks."""
@@ -94,10 +83,10 @@ def test_cancel_storm_leaves_every_worker_empty(clusters, tokenizer):
     assert_workers_empty(cluster, timeout=60)
     settle_s = time.monotonic() - start - storm_s
     clear = sum(n for code, n in codes.items() if code in CLEAR)
-    print(f"\ncancel storm: injected {STORM_REQUESTS}, ended with a clear status {clear} "
-          f"({', '.join(f'{c.name} {n}' for c, n in codes.most_common())}), leaked blocks 0, "
-          f"storm {storm_s:.1f} s, workers empty {settle_s:.1f} s later; "
-          f"peaks held during the storm: {dict(peaks)}")
+    fault_report.add("cancel storm (client cancels, deadlines)", injected=STORM_REQUESTS, affected=STORM_REQUESTS,
+                     clear=clear, leaked=0, recovery_s=settle_s,
+                     note=f"{', '.join(f'{c.name} {n}' for c, n in codes.most_common())} over {storm_s:.1f} s; "
+                          f"peaks held: {dict(peaks)}; recovery = storm over to every worker empty")
     assert clear == STORM_REQUESTS, codes
     assert codes[grpc.StatusCode.CANCELLED] > 0 and codes[grpc.StatusCode.DEADLINE_EXCEEDED] > 0
     # The cancels landed in every phase.
@@ -106,32 +95,7 @@ def test_cancel_storm_leaves_every_worker_empty(clusters, tokenizer):
     assert_workers_empty(cluster)
 
 
-def _read(call, first: threading.Event, out: dict) -> None:
-    """Read a streaming call to its end: out gets its code and when it ended."""
-    try:
-        for _ in call:
-            first.set()
-        out["code"] = grpc.StatusCode.OK
-    except grpc.RpcError as e:
-        out["code"] = e.code()
-        out["details"] = e.details()
-    out["ended"] = time.monotonic()
-    first.set()
-
-
-async def _awaited(ref):
-    return await ref
-
-
-def _wait(predicate, timeout: float, what: str) -> float:
-    start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout, f"not within {timeout} s: {what}"
-        time.sleep(0.05)
-    return time.monotonic() - start
-
-
-def test_decode_worker_killed_mid_stream(clusters, tokenizer):
+def test_decode_worker_killed_mid_stream(clusters, tokenizer, fault_report):
     """Kill a decode worker while it streams: its requests end promptly with UNAVAILABLE, the
     router routes around it, the other decode worker's requests go on, Ray restarts it, the
     router sees it serve again and sends it a request that succeeds; nothing leaks."""
@@ -145,7 +109,7 @@ def test_decode_worker_killed_mid_stream(clusters, tokenizer):
         for i in range(6):  # one at a time, so that least_loaded sees each and alternates
             first, out = threading.Event(), {}
             call = stub.Generate(request(english_token_ids(tokenizer, 20 + 10 * i, skip=31 * i), 2000), timeout=300)
-            pool.submit(_read, call, first, out)
+            pool.submit(read_to_end, call, first, out)
             streams.append((call, first, out))
             assert first.wait(120)  # decoding
             time.sleep(0.3)  # the router's poller refreshes the loads
@@ -156,7 +120,7 @@ def test_decode_worker_killed_mid_stream(clusters, tokenizer):
         ray.kill(victim.handle, no_restart=False)
 
         # Its requests end promptly with UNAVAILABLE; the survivor's go on decoding.
-        _wait(lambda: sum("code" in out for _, _, out in streams) >= running[victim.instance], 10,
+        wait_until(lambda: sum("code" in out for _, _, out in streams) >= running[victim.instance], 10,
               "the killed worker's requests end")
         ended = [out for _, _, out in streams if "code" in out]
         assert len(ended) == running[victim.instance]
@@ -168,11 +132,11 @@ def test_decode_worker_killed_mid_stream(clusters, tokenizer):
         assert sum("code" in out for _, _, out in streams) == len(ended)
 
         # Ray restarts it (the model loads again); the router's poller sees it serve again.
-        _wait(lambda: victim.healthy, 180, "the restarted worker is seen healthy")
+        wait_until(lambda: victim.healthy, 180, "the restarted worker is seen healthy")
         restart_s = time.monotonic() - killed
         # The survivor still holds its long requests, so least_loaded picks the restarted one.
         assert_serves(cluster, tokenizer)
-        served = parse_samples(cluster.run(_awaited(victim.handle.metrics_text.remote())))
+        served = parse_samples(cluster.run(awaited(victim.handle.metrics_text.remote())))
         assert total(served, "tandem_kv_transfer_bytes_total") > 0, "the restarted worker served nothing"
     finally:  # the survivors' long requests (and all of them, should a check fail)
         for call, _, _ in streams:
@@ -182,9 +146,10 @@ def test_decode_worker_killed_mid_stream(clusters, tokenizer):
     assert all(out["code"] in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) for _, _, out in streams)
     assert_workers_empty(cluster, timeout=30)
     assert backend.is_ready()
-    print(f"\ndecode worker killed: injected 1 kill with {len(streams)} requests streaming, affected {len(ended)} "
-          f"(all UNAVAILABLE within {end_s:.2f} s), survived {len(streams) - len(ended)}, leaked blocks 0, "
-          f"healthy again and serving {restart_s:.1f} s after the kill")
+    fault_report.add("decode worker killed mid-stream", injected=1, affected=len(ended), clear=len(ended), leaked=0,
+                     recovery_s=restart_s,
+                     note=f"{len(streams)} streaming, the victim's {len(ended)} all UNAVAILABLE within {end_s:.2f} s, "
+                          f"the other {len(streams) - len(ended)} went on; recovery = Ray's restart, serving again")
 
 
 @pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
@@ -215,25 +180,7 @@ def test_abort_by_client_id_and_reusing_the_id_at_once(clusters, tokenizer, mode
     assert_workers_empty(cluster)
 
 
-def _decode_leaks(cluster) -> dict[str, list[str]]:
-    """What the decode workers (and the router's admission queue) still hold: {} at rest.
-    (The prefill worker, while Ray restarts it, answers no inventory call.)"""
-    async def decode_inventories():
-        return await asyncio.gather(*(asyncio.wait_for(w.handle.inventory.remote(), 10)
-                                      for w in cluster.backend.decode))
-    found = {i.instance: i.leaks() for i in cluster.run(decode_inventories()) if not i.is_empty}
-    if cluster.backend.num_admitting:
-        found["router"] = [f"num_admitting={cluster.backend.num_admitting}"]
-    return found
-
-
-def _greedy(cluster, prompt: list[int], max_tokens: int) -> list[int]:
-    responses = list(cluster.stub().Generate(request(prompt, max_tokens), timeout=120))
-    assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
-    return [t for r in responses for t in r.token_ids]
-
-
-def test_prefill_worker_killed_with_requests_queued_and_in_prefill(clusters, tokenizer):
+def test_prefill_worker_killed_with_requests_queued_and_in_prefill(clusters, tokenizer, fault_report):
     """Kill the only prefill worker while long prompts are in prefill or queued behind it: each
     ends promptly with UNAVAILABLE, the decode workers free what they had reserved for them, a
     request sent while it is down gets UNAVAILABLE at once, Ray restarts it, the router sees it
@@ -244,14 +191,14 @@ def test_prefill_worker_killed_with_requests_queued_and_in_prefill(clusters, tok
     assert_workers_empty(cluster)
     stub = cluster.stub()
     probe = english_token_ids(tokenizer, 700, skip=50)
-    before = _greedy(cluster, probe, 8)
+    before = greedy(cluster, probe, 8)
     calls = []
     pool = concurrent.futures.ThreadPoolExecutor(8)
     try:
         for i in range(6):
             first, out = threading.Event(), {}
             call = stub.Generate(request(english_token_ids(tokenizer, 600 + 80 * i, skip=40 * i), 8), timeout=300)
-            pool.submit(_read, call, first, out)
+            pool.submit(read_to_end, call, first, out)
             calls.append((call, first, out))
 
         def in_prefill() -> tuple[int, int]:
@@ -259,14 +206,14 @@ def test_prefill_worker_killed_with_requests_queued_and_in_prefill(clusters, tok
             return i.num_running, i.num_waiting
         # The first prompt is in prefill and others are queued behind it (on the worker, or in
         # the actor's mailbox: Ray runs a few of its async calls at once).
-        _wait(lambda: in_prefill()[0] >= 1 and victim.num_in_flight >= 3, 60, "prompts in prefill and queued")
+        wait_until(lambda: in_prefill()[0] >= 1 and victim.num_in_flight >= 3, 60, "prompts in prefill and queued")
         running, waiting = in_prefill()
         pending = [out for _, _, out in calls if "code" not in out]
         killed = time.monotonic()
         ray.kill(victim.handle, no_restart=False)
 
         # Every request it held (or that waited for it) ends promptly with UNAVAILABLE.
-        _wait(lambda: all("code" in out for out in pending), 20, "the killed worker's requests end")
+        wait_until(lambda: all("code" in out for out in pending), 20, "the killed worker's requests end")
         assert all(out["code"] == grpc.StatusCode.UNAVAILABLE for out in pending), pending
         end_s = max(out["ended"] for out in pending) - killed
         assert not victim.healthy  # no more routing to it
@@ -281,15 +228,15 @@ def test_prefill_worker_killed_with_requests_queued_and_in_prefill(clusters, tok
         assert refused_s < 5, refused_s
         # The decode workers freed the blocks they had reserved for all of them.
         deadline = time.monotonic() + 15
-        while found := _decode_leaks(cluster):
+        while found := decode_leaks(cluster):
             assert time.monotonic() < deadline, f"decode workers not empty after 15 s: {found}"
             time.sleep(0.1)
 
         # Ray restarts it (the model loads again); the router's poller sees it serve again.
-        _wait(lambda: victim.healthy, 180, "the restarted prefill worker is seen healthy")
+        wait_until(lambda: victim.healthy, 180, "the restarted prefill worker is seen healthy")
         assert backend.is_ready()
         assert_workers_empty(cluster)
-        after = _greedy(cluster, probe, 8)
+        after = greedy(cluster, probe, 8)
         restart_s = time.monotonic() - killed
         assert after == before, (before, after)
     finally:
@@ -298,8 +245,8 @@ def test_prefill_worker_killed_with_requests_queued_and_in_prefill(clusters, tok
         pool.shutdown()
     assert_workers_empty(cluster, timeout=30)
     assert backend.is_ready() and all(w.healthy for w in backend.workers)
-    print(f"\nprefill worker killed: injected 1 kill with {len(pending)} requests in prefill or queued "
-          f"({running} in prefill, {waiting} queued on the worker, {len(pending) - running - waiting} not yet on it"
-          f"), affected {len(pending)} (all UNAVAILABLE within {end_s:.2f} s), a request sent while it was "
-          f"down refused with UNAVAILABLE in {refused_s:.2f} s, leaked blocks 0, healthy again and serving "
-          f"{restart_s:.1f} s after the kill")
+    fault_report.add("prefill worker killed in prefill", injected=1, affected=len(pending), clear=len(pending),
+                     leaked=0, recovery_s=restart_s,
+                     note=f"{running} in prefill, {waiting} queued on it, {len(pending) - running - waiting} not yet "
+                          f"on it: all UNAVAILABLE within {end_s:.2f} s; a request sent while it was down refused "
+                          f"with UNAVAILABLE in {refused_s:.2f} s")

@@ -1,0 +1,91 @@
+"""A hung worker: SIGSTOP leaves the process alive to Ray (which restarts only the dead) but
+answering nothing, the way a worker stuck in a driver call or a stalled transfer does. The
+router must give up on it by itself, fail what waited on it, free the peers' blocks at once,
+and take it back once it answers again."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+import ray
+
+from fault_calls import decode_leaks, greedy, read_to_end, request, wait_until
+from reference import english_token_ids
+from worker_checks import assert_workers_empty, inventories
+
+pytestmark = pytest.mark.slow
+
+
+def test_prefill_worker_hung_mid_transfer(clusters, tokenizer, fault_report):
+    """Stop the only prefill worker while it prefills and sends KV: within the router's
+    unresponsive_after_s every request on it ends UNAVAILABLE and the decode workers free the
+    blocks they reserved (while it is still stopped); new requests are refused at once. Once it
+    resumes, the KV it goes on sending for the aborted requests is refused by the decode workers
+    (never written into blocks others now own), it frees everything, the router takes it back
+    after its backoff, and greedy output is what it was before."""
+    cluster = clusters["disaggregated"]
+    backend = cluster.backend
+    (victim,) = backend.prefill
+    assert_workers_empty(cluster)
+    pid = ray.get(victim.handle.pid.remote())
+    probe = english_token_ids(tokenizer, 300, skip=70)
+    before = greedy(cluster, probe, 8)
+    stub = cluster.stub()
+    calls = []
+    pool = concurrent.futures.ThreadPoolExecutor(8)
+    try:
+        for i in range(6):
+            first, out = threading.Event(), {}
+            call = stub.Generate(request(english_token_ids(tokenizer, 400 + 60 * i, skip=20 * i), 8), timeout=300)
+            pool.submit(read_to_end, call, first, out)
+            calls.append((call, first, out))
+
+        def held() -> dict[str, int]:
+            (p,) = [i for i in cluster.run(inventories(backend)) if i.role.value == "prefill"]
+            return dict(prefilling=p.num_running, queued=p.num_waiting, sending_kv=p.num_pending_transfers)
+        wait_until(lambda: held()["sending_kv"] >= 1 and victim.num_in_flight >= 3, 120,
+                   "a prompt's KV in transfer and others queued")
+        on_it = held()
+        pending = [out for _, _, out in calls if "code" not in out]
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            wait_until(lambda: all("code" in out for out in pending), backend.unresponsive_after_s + 15,
+                       "the hung worker's requests end")
+            # A request whose KV had all arrived finishes on its decode worker; the others fail.
+            failed = [out for out in pending if out["code"] != grpc.StatusCode.OK]
+            assert all(out["code"] == grpc.StatusCode.UNAVAILABLE for out in failed), failed
+            assert len(failed) >= 3, pending
+            end_s = max(out["ended"] for out in failed) - stopped
+            assert not victim.healthy and not backend.is_ready()
+            refused = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(request(probe, 8), timeout=60))
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
+            refused_s = time.monotonic() - refused
+            # The decode workers hold nothing for the dead requests, the prefill worker still stopped.
+            wait_until(lambda: not decode_leaks(cluster), 15, "the decode workers free their reservations")
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        resumed = time.monotonic()
+        wait_until(lambda: victim.healthy, 120, "the resumed worker is taken back")
+        back_s = time.monotonic() - resumed
+        assert_workers_empty(cluster, timeout=60)
+        assert greedy(cluster, probe, 8) == before
+    finally:
+        for call, _, _ in calls:
+            call.cancel()
+        pool.shutdown()
+    assert_workers_empty(cluster, timeout=30)
+    assert backend.is_ready() and all(w.healthy for w in backend.workers)
+    fault_report.add("prefill worker hung (SIGSTOP) mid-transfer", injected=1, affected=len(failed),
+                     clear=len(failed), leaked=0, recovery_s=back_s,
+                     note=f"held {on_it}; {len(failed)} UNAVAILABLE {end_s:.1f} s after the stop, "
+                          f"{len(pending) - len(failed)} finished (KV already there); new request refused in "
+                          f"{refused_s:.2f} s; taken back {back_s:.1f} s after resuming")
