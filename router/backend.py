@@ -22,6 +22,11 @@ class NoHealthyWorker(RuntimeError):
     """No worker can serve the request: UNAVAILABLE."""
 
 
+class WorkerFailed(NoHealthyWorker):
+    """A worker serving the request died or hung before it ended: UNAVAILABLE, unless the
+    request is buffered (then it runs again elsewhere)."""
+
+
 class Backend(Protocol):
     tokenizer_spec: TokenizerSpec
     metrics: RouterMetrics | None
@@ -33,8 +38,9 @@ class Backend(Protocol):
                  params: SamplingParams) -> AsyncGenerator[StreamDelta, None]:
         """Stream a request's deltas, the last one with finish_reason set.
 
-        Raises Overloaded or NoHealthyWorker (a worker failed the request: deltas never
-        carry `error` out of a backend); ValueError for a request the workers refuse.
+        Raises Overloaded or NoHealthyWorker (WorkerFailed when a worker serving it died or
+        hung: deltas never carry `error` out of a backend); ValueError for a request the
+        workers refuse.
         `aclose()` before the end (client cancel, deadline) aborts the request on every
         worker that holds it.
         """

@@ -64,6 +64,7 @@ class RouterMetrics:
         self._success = counter("tandem_request_success", "Finished requests by finish reason.", "finished_reason")
         self._status = counter("tandem_request_status", "Generate calls by gRPC status code.", "code")
         self._rejected = counter("tandem_request_rejected", "Requests refused before any worker ran them.", "reason")
+        self.reruns = counter("tandem_request_reruns", "Buffered requests run again after a worker failed them.")
         self.registry.register(_RouterGauges(self))
         # Every series from the start at 0, so that rate() and dashboards see them before the first event.
         for reason in ("stop", "length", "abort"):

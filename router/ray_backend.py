@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from tandem.router.backend import NoHealthyWorker, Overloaded
+from tandem.router.backend import NoHealthyWorker, Overloaded, WorkerFailed
 from tandem.router.policy import Router, WorkerState
 from tandem.router.worker_calls import WORKER_GONE, WorkerCalls
 from tandem.router.worker_metrics import WorkerMetricsReport
@@ -152,7 +152,7 @@ class RayBackend:
             async for delta in stream:
                 yield dataclasses.replace(delta, request_id=request_id)
         except WORKER_GONE as e:
-            raise NoHealthyWorker(f"a worker serving {request_id} is gone: {e}") from None
+            raise WorkerFailed(f"a worker serving {request_id} is gone: {e}") from None
         except RayTaskError as e:
             if isinstance(e, ValueError):  # the worker refused the request's input
                 raise ValueError(str(e.cause if hasattr(e, "cause") else e)) from None
@@ -275,9 +275,9 @@ class RayBackend:
                     break
                 delta: StreamDelta = await ref
                 if delta.error is not None:
-                    raise NoHealthyWorker(f"{request.request_id}: {delta.error}")
+                    raise WorkerFailed(f"{request.request_id}: {delta.error}")
                 if delta.finish_reason == "abort" and died:
-                    raise NoHealthyWorker(f"{request.request_id}: the prefill worker died: {died[0]}")
+                    raise WorkerFailed(f"{request.request_id}: the prefill worker is gone: {died[0]}")
                 if delta.finish_reason == "abort" and phase is not None and phase.done() and phase.exception():
                     raise NoHealthyWorker(f"{request.request_id}: prefill failed: {phase.exception()}")
                 finished = delta.finish_reason is not None

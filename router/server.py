@@ -25,6 +25,7 @@ from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc  # the servicer's base class
 from tandem.router.auth import TokenAuthInterceptor
 from tandem.router.backend import Backend, NoHealthyWorker, Overloaded
+from tandem.router.buffered import generate_buffered
 from tandem.router.limits import RequestLimits
 from tandem.router.metrics import RouterMetrics
 from tandem.router.metrics_endpoint import MetricsEndpoint, start_metrics_endpoint
@@ -101,7 +102,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         finished: StreamDelta | None = None
         stream: AsyncIterator[StreamDelta] | None = None
         try:
-            stream = self._backend.generate(request_id, prompt_token_ids, params)
+            stream = (generate_buffered(self._backend, request_id, prompt_token_ids, params, self._metrics.reruns.inc)
+                      if request.buffered else self._backend.generate(request_id, prompt_token_ids, params))
             async for delta in stream:
                 if getattr(delta, "error", None) is not None:
                     # Backends should raise instead; a failed request must not look finished.

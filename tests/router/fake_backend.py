@@ -12,6 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from tandem.router.backend import WorkerFailed
 from tandem.router.metrics import RouterMetrics
 from tandem.router.tokenizer import RouterTokenizer
 from tandem.router.worker_metrics import WorkerMetricsReport
@@ -40,6 +41,8 @@ class FakeBackend:
     """An exception: raised before the first delta, as a real backend raises Overloaded or
     NoHealthyWorker. A string: the first delta carries it as StreamDelta.error."""
     reply: str = REPLY
+    worker_failures: list[int] = field(default_factory=list)
+    """Each entry fails one run (in order): WorkerFailed after that many deltas."""
     seen: list[Seen] = field(default_factory=list)
     closed_early: list[str] = field(default_factory=list)
     """Ids whose stream was closed (or cancelled) before its last delta: what aborts on the workers."""
@@ -88,11 +91,14 @@ class FakeBackend:
         output = reply_ids[: params.max_tokens]
         # As an engine would: reaching max_tokens first is "length", the reply's own end "stop".
         reason = "length" if params.max_tokens <= len(reply_ids) else "stop"
+        fail_at = self.worker_failures.pop(0) if self.worker_failures else None
         abort_event = self.running.setdefault(request_id, asyncio.Event())
         done = False
         try:
             text_so_far = ""
             for i, token_id in enumerate(output):
+                if i == fail_at:
+                    raise WorkerFailed(f"the worker serving {request_id} died")
                 if self.step_delay_s:
                     await asyncio.sleep(self.step_delay_s)
                 if abort_event.is_set():

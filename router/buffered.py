@@ -1,0 +1,51 @@
+"""Buffered requests: the whole output goes to the client in one piece at the end, so a
+request whose worker fails midway can run again from the start on healthy workers without
+the client ever seeing two different beginnings."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import AsyncIterator, Callable
+
+from tandem.router.backend import Backend, WorkerFailed
+from tandem.sampling_params import SamplingParams
+from tandem.worker_api import StreamDelta
+
+logger = logging.getLogger(__name__)
+
+MAX_RERUNS = 2
+"""Runs after the first, each on the workers healthy at that moment."""
+
+
+def merged(deltas: list[StreamDelta]) -> StreamDelta:
+    """One delta holding a run's whole output (its last delta carries the finish)."""
+    last = deltas[-1]
+    logprobs = [p for d in deltas for p in d.logprobs or ()] if any(d.logprobs is not None for d in deltas) else None
+    return dataclasses.replace(last, token_ids=[t for d in deltas for t in d.token_ids],
+                               text="".join(d.text for d in deltas), logprobs=logprobs)
+
+
+async def generate_buffered(backend: Backend, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                            on_rerun: Callable[[], None]) -> AsyncIterator[StreamDelta]:
+    """backend.generate, yielding one merged delta once the request finished. WorkerFailed
+    runs it again (up to MAX_RERUNS times, while the backend is ready); on_rerun counts it."""
+    for run in range(MAX_RERUNS + 1):
+        deltas: list[StreamDelta] = []
+        stream = backend.generate(request_id, prompt_token_ids, params)
+        try:
+            async for delta in stream:
+                deltas.append(delta)
+                if delta.finish_reason is not None:
+                    break
+        except WorkerFailed as e:
+            if run == MAX_RERUNS or not backend.is_ready():
+                raise
+            logger.warning("request %s: %s; running it again (rerun %d of %d)", request_id, e, run + 1, MAX_RERUNS)
+            on_rerun()
+            continue
+        finally:
+            await stream.aclose()  # what aborts the run on the workers, if it ended early
+        if deltas:
+            yield merged(deltas)
+        return
