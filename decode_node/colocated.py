@@ -7,7 +7,7 @@ from typing import AsyncIterator
 
 from tandem.engine import LLMEngine
 from tandem.worker import Worker
-from tandem.worker_api import Role, StreamDelta, WorkerRequest
+from tandem.worker_api import Role, StreamDelta, WorkerRequest, checked
 
 
 class ColocatedWorker(Worker):
@@ -15,6 +15,7 @@ class ColocatedWorker(Worker):
 
     async def generate(self, request: WorkerRequest) -> AsyncIterator[StreamDelta]:
         """The request's deltas until its last; leaving early aborts it."""
+        request = checked(request, WorkerRequest, "request")
         q = self.loop.open_stream(request.request_id)
         finished = False
         try:

@@ -15,7 +15,7 @@ from tandem.kvtransfer.protocol import Destination, TransferStatus
 from tandem.kvtransfer.receiver import DEFAULT_ADDRESS, KVReceiver
 from tandem.model.fingerprint import model_fingerprint
 from tandem.worker import Worker
-from tandem.worker_api import PoolFull, PrefillResult, Role, StreamDelta, WorkerRequest
+from tandem.worker_api import PoolFull, PrefillResult, Role, StreamDelta, WorkerRequest, checked
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ class DecodeWorker(Worker):
     async def reserve(self, request: WorkerRequest) -> Destination:
         """Hold blocks for the request's prompt and wait for its KV. Raises PoolFull when the
         pool cannot hold it now; call `stream` next to read its output."""
+        request = checked(request, WorkerRequest, "request")
         self.loop.open_stream(request.request_id)
         try:
             return await self.loop.call(lambda engine: self._reserve(engine, request))
@@ -61,6 +62,7 @@ class DecodeWorker(Worker):
 
     async def start(self, first: PrefillResult) -> None:
         """The prefill worker's first token: decoding starts once the KV has arrived too."""
+        first = checked(first, PrefillResult, "first")
         await self.loop.call(lambda engine: self._start(engine, first))
 
     async def stream(self, request_id: str) -> AsyncIterator[StreamDelta]:
@@ -97,8 +99,13 @@ class DecodeWorker(Worker):
         return self.receiver.expect(request.request_id, block_ids, len(request.prompt_token_ids))
 
     def _start(self, engine: LLMEngine, first: PrefillResult) -> None:
-        if first.request_id not in engine.sequences:
+        seq = engine.sequences.get(first.request_id)
+        if seq is None:
             return  # aborted or failed meanwhile
+        if seq.num_computed_tokens or first.request_id in self._first_tokens:
+            raise ValueError(f"{first.request_id} has its first token already")
+        if not (isinstance(first.first_token_id, int) and 0 <= first.first_token_id < engine.config.model.vocab_size):
+            raise ValueError(f"{first.request_id}: first_token_id {first.first_token_id!r} is not in the vocabulary")
         self._first_tokens[first.request_id] = first
         self._start_if_ready(engine, first.request_id)
 

@@ -110,6 +110,8 @@ class KVSender:
     def begin(self, destination: Destination, src_block_ids: list[int] = ()) -> None:
         """Start sending a request's KV (held in `src_block_ids` here, or given to each
         `send_layer` as the blocks come) to its destination."""
+        if destination.request_id in self._outgoing:
+            raise ValueError(f"{destination.request_id}: its KV is being sent already")
         self.connect(destination.address)
         self._outgoing[destination.request_id] = _Outgoing(
             destination, list(src_block_ids), time.monotonic() + self.timeout_s)

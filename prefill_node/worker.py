@@ -19,7 +19,7 @@ from tandem.outputs import RequestDelta
 from tandem.scheduler import ScheduledBatch
 from tandem.sequence import Sequence
 from tandem.worker import Worker
-from tandem.worker_api import PrefillResult, Role, WorkerRequest
+from tandem.worker_api import PrefillResult, Role, WorkerRequest, checked
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,10 @@ class PrefillWorker(Worker):
     async def prefill(self, request: WorkerRequest, destination: Destination) -> PrefillResult:
         """Prefill `request` into `destination`; -> its first token once sampled (the KV is
         then on its way; the decode worker learns of its arrival from the transfer)."""
+        request = checked(request, WorkerRequest, "request")
+        destination = checked(destination, Destination, "destination")
+        if destination.request_id != request.request_id:
+            raise ValueError(f"the destination is for {destination.request_id!r}, the request is {request.request_id!r}")
         result = asyncio.get_running_loop().create_future()
         try:
             await self.loop.call(lambda engine: self._admit(engine, request, destination, result))
@@ -77,6 +81,9 @@ class PrefillWorker(Worker):
                              f"the prompt has {len(request.prompt_token_ids)}")
         # One token: the first; the decode worker samples the rest with the request's own params.
         params = dataclasses.replace(request.params, max_tokens=1, stop=())
+        if request.request_id in engine.sequences:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        engine.check_prompt(request.prompt_token_ids)
         self.sender.begin(destination)  # first: a refused handshake must leave no sequence behind
         seq = engine.add_request(request.request_id, request.prompt_token_ids, params)
         seq.keep_blocks = True  # freed once the decode worker has the KV (see _tick)

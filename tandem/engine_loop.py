@@ -57,7 +57,10 @@ class EngineLoop:
         return await asyncio.wrap_future(self.submit(fn))
 
     def open_stream(self, request_id: str) -> asyncio.Queue[StreamDelta]:
-        """Deltas of `request_id` from now on (call from the event loop that reads them)."""
+        """Deltas of `request_id` from now on (call from the event loop that reads them).
+        Raises ValueError when the id has a stream already (it belongs to another call)."""
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
         q: asyncio.Queue[StreamDelta] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), q)
         return q

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from tandem.sampling_params import SamplingParams
+
+T = TypeVar("T")
 
 
 class Role(str, enum.Enum):
@@ -22,6 +25,19 @@ class WorkerRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+
+
+def checked(value: Any, cls: type[T], what: str) -> T:
+    """`value` if it is a `cls` with a non-empty string request_id (a worker's Ray methods
+    check what they are given: a malformed call must fail alone, touching nothing)."""
+    if not isinstance(value, cls):
+        raise TypeError(f"{what} must be a {cls.__name__}, got {type(value).__name__}")
+    if not isinstance(value.request_id, str) or not value.request_id:
+        raise ValueError(f"{what}.request_id must be a non-empty string, got {value.request_id!r}")
+    if isinstance(value, WorkerRequest) and not (isinstance(value.params, SamplingParams)
+                                                 and isinstance(value.prompt_token_ids, list)):
+        raise TypeError(f"{what}: params must be SamplingParams and prompt_token_ids a list")
+    return value
 
 
 @dataclass(frozen=True)
