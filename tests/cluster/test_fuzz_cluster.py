@@ -42,7 +42,7 @@ def test_hostile_requests_on_the_cluster_get_a_clear_status(clusters, data):
                            allowed=(grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED))] += 1
 
 
-def test_cluster_empty_and_healthy_after_the_fuzz(clusters):
+def test_cluster_empty_and_healthy_after_the_fuzz(clusters, fault_report):
     # Runs after the fuzz test (file order), on the same cluster.
     cluster = clusters["colocated"]
     print("cluster fuzz outcomes:", dict(outcomes))
@@ -58,3 +58,6 @@ def test_cluster_empty_and_healthy_after_the_fuzz(clusters):
         max_tokens=3, temperature=0, ignore_eos=True)), timeout=60))
     assert ok[-1].usage.completion_tokens == 3, (ok, time.monotonic() - start)
     assert_workers_empty(cluster)
+    num = sum(outcomes.values())
+    fault_report.add("hostile requests (hypothesis) on a real cluster", injected=num, affected=num, clear=num,
+                     leaked=0, recovery_s=None, note=f"outcomes {dict(outcomes)}; the worker served on")

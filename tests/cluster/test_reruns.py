@@ -60,5 +60,5 @@ def test_buffered_requests_rerun_when_their_decode_worker_dies(clusters, tokeniz
     assert_workers_empty(cluster, timeout=30)
     fault_report.add("decode worker killed under buffered requests", injected=1, affected=int(num_reruns),
                      clear=int(num_reruns), leaked=0, recovery_s=restart_s,
-                     note=f"{int(num_reruns)} of 6 on it ({on_victim[victim.instance]} decoding, the rest awaiting KV) re-run; all 6 OK with the undisturbed "
-                          f"greedy output {done_s:.1f} s after the kill; recovery = Ray's restart, serving again")
+                     note=f"{int(num_reruns)} of 6 on it ({on_victim[victim.instance]} of them decoding) re-run; "
+                          f"all 6 OK with the undisturbed greedy output {done_s:.1f} s after the kill; recovery = Ray's restart, serving again")
