@@ -100,6 +100,7 @@ BENCH_HELP = {
     "kernels": "attention kernels vs scaled_dot_product_attention",
     "transfer": "KV transfer between processes vs a memory copy",
     "serve": "a load generator against disaggregated and colocated clusters",
+    "overload": "10x the sustainable rate against a bounded router: outcomes, memory, recovery",
 }
 
 
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     bench = commands.add_parser("bench", help="benchmarks (ratios measured side by side)")
     bench_commands = bench.add_subparsers(dest="bench", required=True)
     # The bench modules import torch: load only the one asked for.
-    for name in ("engine", "kernels", "transfer", "serve"):
+    for name in BENCH_HELP:
         p = bench_commands.add_parser(name, help=BENCH_HELP[name], add_help=False)
         p.set_defaults(func=functools.partial(run_bench, name))
 

@@ -97,6 +97,8 @@ class RequestResult:
     send_s: float = 0.0
     """When it was sent, from the start of the run."""
     success: bool = False
+    code: str | None = None
+    """The call's gRPC status code by name ("OK", "RESOURCE_EXHAUSTED", ...); None until it ends."""
     error: str | None = None
     output_tokens: int = 0
     usage_completion_tokens: int | None = None
@@ -104,7 +106,7 @@ class RequestResult:
     ttft_ms: float | None = None
     """Send -> first response with non-empty token_ids or text."""
     e2el_ms: float | None = None
-    """Send -> the stream's end."""
+    """Send -> the stream's end (or its error status)."""
     tpot_ms: float | None = None
     """(e2el - ttft) / (output_tokens - 1); None for a single output token."""
     itl_ms: list[float] = field(default_factory=list)
@@ -140,9 +142,11 @@ async def send_one(stub: pb_grpc.GenerationStub, request: Request, index: int, r
             if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 result.finish_reason = _FINISH.get(response.finish_reason, "unknown")
                 result.usage_completion_tokens = response.usage.completion_tokens
-        result.e2el_ms = (time.perf_counter() - start) * 1e3
+        result.code = grpc.StatusCode.OK.name
     except grpc.aio.AioRpcError as e:
-        result.error = f"{e.code().name}: {e.details()}"
+        result.code, result.error = e.code().name, f"{e.code().name}: {e.details()}"
+    result.e2el_ms = (time.perf_counter() - start) * 1e3
+    if result.error is not None:
         return result
     if result.finish_reason in ("stop", "length") and result.ttft_ms is not None:
         result.success = True

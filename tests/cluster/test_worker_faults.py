@@ -1,7 +1,7 @@
 """Faults against the real disaggregated cluster (1 prefill + 2 decode Ray actors): a storm of
 client cancels at random moments, a decode worker killed mid-stream, and the prefill worker
-killed with prompts in prefill and queued. Each prints a figure (injected, ended with a clear
-status, leaked) and ends with every worker empty."""
+killed with prompts in prefill and queued. Each adds its row to the fault table (injected,
+affected, ended with a clear status, leaked, recovery) and ends with every worker empty."""
 
 from __future__ import annotations
 
