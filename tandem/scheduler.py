@@ -72,14 +72,21 @@ class Scheduler:
         entries: list[tuple[Sequence, int]] = []
         preempted = False
 
-        # Running sequences first, oldest first; the newest gives way when blocks run out.
+        # Running sequences first, oldest first; the newest unscheduled one gives way when
+        # blocks run out. NOTE: decodes before prefill chunks, so that a flood of long prompts
+        # never starves a running decode (each needs one token of the budget).
         self.running.sort(key=lambda s: s.arrival_index)
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        decodes_first = sorted(self.running, key=lambda s: s.num_uncomputed_tokens != 1)
+        scheduled: set[int] = set()
+        for seq in decodes_first:
+            if budget <= 0:
+                break
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted for an earlier one
             n = min(seq.num_uncomputed_tokens, budget)
             while not bm.can_allocate(seq, n):
-                victim = self.running.pop()
+                victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted = True
                 if victim is seq:
@@ -88,8 +95,8 @@ class Scheduler:
                 break
             bm.allocate(seq, n)
             entries.append((seq, n))
+            scheduled.add(id(seq))
             budget -= n
-            i += 1
 
         # Then new (or preempted) sequences in arrival order, unless we just preempted.
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:

@@ -321,3 +321,25 @@ def test_random_workloads_leave_the_books_clean(chunk: int) -> None:
     and every block is free."""
     for seed in range(chunk * 200, (chunk + 1) * 200):
         _random_workload(seed)
+
+
+def test_a_flood_of_prompts_never_starves_running_decodes() -> None:
+    """Colocated: three requests decode while a long prompt that arrived before them (a
+    preempted one resumes with its place in line) prefills, and two more long prompts arrive
+    every step. Prefill chunks fill the budget, yet every running decode gets its token in
+    every step (the starvation guard: decodes are scheduled before any prefill chunk)."""
+    sched = _sched(num_kv_blocks=4096, block_size=4, max_num_batched_tokens=64, max_num_seqs=64,
+                   enable_chunked_prefill=True)
+    decoders = [_add(sched, f"d{i}", 3) for i in range(3)]
+    _step(sched)
+    assert all(d.num_output_tokens == 1 for d in decoders)
+    older = _add(sched, "older-long", 400, arrival=-1)  # first in line by arrival
+    for step in range(40):
+        for j in range(2):
+            _add(sched, f"flood-{step}-{j}", 200)
+        before = {d.request_id: d.num_output_tokens for d in decoders}
+        entries = _step(sched)
+        assert sum(n for _, n, _ in entries) == 64, "the budget is full every step"
+        assert [e for e in entries if e[0] in before] == [(rid, 1, True) for rid in before], (step, entries)
+        assert all(d.num_output_tokens == before[d.request_id] + 1 for d in decoders)
+    assert older.num_output_tokens > 1, "the older prompt had the rest of the budget first, and decodes too"
