@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import grpc
 import numpy as np
@@ -59,6 +59,14 @@ def make_requests(num: int, token_ids: np.ndarray, mix: Mix, seed: int | list[in
         out = int(rng.integers(mix.output_len[0], mix.output_len[1] + 1))
         requests.append(Request([int(t) for t in rng.choice(token_ids, size=n)], out, str(kind)))
     return requests
+
+
+def with_fresh_tokens(requests: list[Request], token_ids: np.ndarray, seed: int | list[int]) -> list[Request]:
+    """The same requests (kinds, prompt and output lengths) with newly drawn prompt tokens: a
+    workload to repeat on a server whose prefix cache has seen the first one."""
+    rng = np.random.default_rng(seed)
+    return [replace(r, prompt_token_ids=[int(t) for t in rng.choice(token_ids, size=len(r.prompt_token_ids))])
+            for r in requests]
 
 
 def arrival_offsets(num: int, rate: float, burstiness: float, seed: int | list[int]) -> list[float]:
