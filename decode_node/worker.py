@@ -96,13 +96,16 @@ class DecodeWorker(Worker):
         block_ids = engine.reserve_prefilled(request.request_id, request.prompt_token_ids, request.params)
         if block_ids is None:
             raise PoolFull(f"{self.instance}: no room for {len(request.prompt_token_ids)} prompt tokens now")
-        return self.receiver.expect(request.request_id, block_ids, len(request.prompt_token_ids))
+        # Only the KV after the prefix this pool caches already is sent.
+        num_cached = engine.sequences[request.request_id].num_cached_prompt_tokens
+        return self.receiver.expect(request.request_id, block_ids, len(request.prompt_token_ids),
+                                    num_cached_tokens=num_cached)
 
     def _start(self, engine: LLMEngine, first: PrefillResult) -> None:
         seq = engine.sequences.get(first.request_id)
         if seq is None:
             return  # aborted or failed meanwhile
-        if seq.num_computed_tokens or first.request_id in self._first_tokens:
+        if seq.num_output_tokens or first.request_id in self._first_tokens:
             raise ValueError(f"{first.request_id} has its first token already")
         if not (isinstance(first.first_token_id, int) and 0 <= first.first_token_id < engine.config.model.vocab_size):
             raise ValueError(f"{first.request_id}: first_token_id {first.first_token_id!r} is not in the vocabulary")

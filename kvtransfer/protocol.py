@@ -169,7 +169,11 @@ class Destination:
     block_ids: tuple[int, ...]
     """The blocks the receiver reserved for the request, in token order."""
     num_tokens: int
-    """Tokens whose KV the receiver waits for, in every layer."""
+    """The prompt's tokens: block_ids hold tokens [0, num_tokens)."""
+    num_cached_tokens: int = 0
+    """Leading tokens whose KV the receiver holds already (its prefix cache, whole blocks of
+    its block size, shared with other requests): the sender sends only the tokens from
+    here to num_tokens, in every layer, and must never write into the cached blocks."""
 
 
 class TransferStatus(enum.IntEnum):

@@ -39,7 +39,7 @@ class _Expected:
     destination: Destination
     deadline: float
     received: list[int]
-    """Tokens received so far, per layer (they arrive in order)."""
+    """Tokens in place so far, per layer (they arrive in order after the cached prefix)."""
     sender: bytes | None = None
     """ZMQ identity of the sender, once it has sent a layer."""
 
@@ -75,19 +75,24 @@ class KVReceiver:
 
     # -- the owner's side -------------------------------------------------------------
     def expect(self, request_id: str, block_ids: list[int], num_tokens: int,
-               timeout_s: float | None = None) -> Destination:
-        """Wait for `num_tokens` tokens of KV into `block_ids` (reserved by the caller)."""
+               timeout_s: float | None = None, num_cached_tokens: int = 0) -> Destination:
+        """Wait for the KV of tokens [num_cached_tokens, num_tokens) into `block_ids`
+        (reserved by the caller; their first num_cached_tokens tokens already hold theirs)."""
         if num_tokens < 1 or len(block_ids) != -(-num_tokens // self.layout.block_size):
             raise ValueError(f"{request_id}: {len(block_ids)} blocks cannot hold exactly {num_tokens} tokens")
         if any(not 0 <= b < self.layout.num_blocks for b in block_ids):
             raise ValueError(f"{request_id}: block ids outside the pool of {self.layout.num_blocks}")
-        dest = Destination(request_id, self.address, tuple(block_ids), num_tokens)
+        # Whole blocks only: a block that is part cached, part written would be shared while written.
+        if not 0 <= num_cached_tokens < num_tokens or num_cached_tokens % self.layout.block_size:
+            raise ValueError(f"{request_id}: {num_cached_tokens} cached tokens is not a whole number of "
+                             f"blocks of {self.layout.block_size} below {num_tokens}")
+        dest = Destination(request_id, self.address, tuple(block_ids), num_tokens, num_cached_tokens)
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         with self._lock:
             if request_id in self._expected:
                 raise ValueError(f"{request_id}: already expected")
             self._ended.pop(request_id, None)
-            self._expected[request_id] = _Expected(dest, deadline, [0] * self.layout.num_layers)
+            self._expected[request_id] = _Expected(dest, deadline, [num_cached_tokens] * self.layout.num_layers)
         return dest
 
     def abort(self, request_id: str) -> bool:

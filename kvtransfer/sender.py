@@ -116,10 +116,11 @@ class KVSender:
         self._outgoing[destination.request_id] = _Outgoing(
             destination, list(src_block_ids), time.monotonic() + self.timeout_s)
 
-    def send_layer(self, request_id: str, layer: int, token_start: int = 0, token_end: int | None = None,
+    def send_layer(self, request_id: str, layer: int, token_start: int | None = None, token_end: int | None = None,
                    src_block_ids: list[int] | None = None) -> bool:
-        """Send layer `layer`'s K and V of tokens [token_start, token_end) (default: to the end),
-        read from `src_block_ids` (default: those given before).
+        """Send layer `layer`'s K and V of tokens [token_start, token_end) (default: from the
+        first token the receiver does not hold, to the end), read from `src_block_ids`
+        (default: those given before).
 
         -> False when the request is no longer being sent (aborted or failed): skip it.
         """
@@ -127,19 +128,21 @@ class KVSender:
         if out is None or out.ended is not None:
             return False
         dest = out.destination
+        start = dest.num_cached_tokens if token_start is None else token_start
         end = dest.num_tokens if token_end is None else token_end
         if src_block_ids is not None:
             out.src_block_ids = list(src_block_ids)
-        if not 0 <= token_start < end <= min(dest.num_tokens, len(out.src_block_ids) * self.layout.block_size):
-            raise ValueError(f"{request_id}: token range [{token_start}, {end}) outside [0, {dest.num_tokens}) "
-                             f"or the {len(out.src_block_ids)} source blocks")
+        if not dest.num_cached_tokens <= start < end <= min(dest.num_tokens,
+                                                            len(out.src_block_ids) * self.layout.block_size):
+            raise ValueError(f"{request_id}: token range [{start}, {end}) outside [{dest.num_cached_tokens}, "
+                             f"{dest.num_tokens}) or the {len(out.src_block_ids)} source blocks")
         peer = self._peers[dest.address]
-        src_slots = token_slots(out.src_block_ids, self.layout.block_size, token_start, end)
-        header = dict(layer=layer, token_start=token_start, num_tokens=end - token_start,
-                      block_ids=covering_blocks(dest.block_ids, peer.layout.block_size, token_start, end),
+        src_slots = token_slots(out.src_block_ids, self.layout.block_size, start, end)
+        header = dict(layer=layer, token_start=start, num_tokens=end - start,
+                      block_ids=covering_blocks(dest.block_ids, peer.layout.block_size, start, end),
                       dtype=self.layout.dtype, row_shape=[self.layout.num_kv_heads, self.layout.head_dim])
         k_rows, v_rows = layer_rows(self.kv_cache, layer, 0), layer_rows(self.kv_cache, layer, 1)
-        num_bytes = 2 * (end - token_start) * self.layout.row_bytes
+        num_bytes = 2 * (end - start) * self.layout.row_bytes
         if self.dist_payload is not None:
             header.update(frame_tokens=[], dist_rank=self.dist_payload.rank)
             if not self._send(request_id, peer, [encode(MessageKind.LAYER, request_id, **header)]):

@@ -32,7 +32,7 @@ class _Prefill:
     started: float = dataclasses.field(default_factory=time.monotonic)
     """When the transfer began (for the transfer time metric)."""
     num_sent_tokens: int = 0
-    """Prompt tokens whose KV went out in every layer."""
+    """Prompt tokens whose KV went out in every layer, or that the receiver holds already."""
 
 
 class PrefillWorker(Worker):
@@ -79,6 +79,10 @@ class PrefillWorker(Worker):
         if destination.num_tokens != len(request.prompt_token_ids):
             raise ValueError(f"{request.request_id}: the destination holds {destination.num_tokens} tokens, "
                              f"the prompt has {len(request.prompt_token_ids)}")
+        num_cached = destination.num_cached_tokens
+        if not (isinstance(num_cached, int) and 0 <= num_cached < destination.num_tokens):
+            raise ValueError(f"{request.request_id}: the destination's num_cached_tokens {num_cached!r} is not "
+                             f"in [0, {destination.num_tokens})")
         # One token: the first; the decode worker samples the rest with the request's own params.
         params = dataclasses.replace(request.params, max_tokens=1, stop=())
         if request.request_id in engine.sequences:
@@ -87,7 +91,8 @@ class PrefillWorker(Worker):
         self.sender.begin(destination)  # first: a refused handshake must leave no sequence behind
         seq = engine.add_request(request.request_id, request.prompt_token_ids, params)
         seq.keep_blocks = True  # freed once the decode worker has the KV (see _tick)
-        self._prefills[request.request_id] = _Prefill(seq, result, result.get_loop())
+        # The receiver's cached prefix is never sent: start counting after it.
+        self._prefills[request.request_id] = _Prefill(seq, result, result.get_loop(), num_sent_tokens=num_cached)
 
     def _send_layer(self, batch: ScheduledBatch, layer: int) -> None:
         last_layer = layer == self.engine.config.model.num_layers - 1
@@ -98,8 +103,8 @@ class PrefillWorker(Worker):
             end = seq.num_computed_tokens + n  # a cached prefix goes out with the first chunk
             if end > p.num_sent_tokens:
                 self.sender.send_layer(seq.request_id, layer, p.num_sent_tokens, end, src_block_ids=seq.block_ids)
-            if last_layer:
-                p.num_sent_tokens = end
+            if last_layer:  # a chunk inside the receiver's cached prefix leaves the count as it is
+                p.num_sent_tokens = max(p.num_sent_tokens, end)
 
     def _on_delta(self, d: RequestDelta) -> None:
         p = self._prefills.get(d.request_id)

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import collections
-import hashlib
 import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.router.prefix_index import PrefixIndex
 from tandem.worker_api import WorkerLoad
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware")
-PREFIX_CHUNK = 16  # tokens per hashed prefix chunk (the default KV block size)
-MAX_PREFIXES = 200_000  # remembered chunk hashes, least recently routed dropped first
 RETRY_BASE_S, RETRY_MAX_S = 1.0, 30.0
 """A worker that went down is routed to again this long after, once it answers: doubled for
 each further failure within STABLE_S of its last recovery, up to RETRY_MAX_S (a flapping
@@ -69,9 +66,18 @@ class WorkerState:
 
 @dataclass
 class Router:
+    """Orders a pool's workers for a request.
+
+    prefix_aware: the worker with the fewest queued prompt tokens minus the prompt tokens it
+    probably holds already (PrefixIndex) comes first, ties by least_loaded's order. So a
+    prefix owner wins while its extra queue is shorter than the prefix it saves recomputing
+    (prefill) or transferring (decode); a crowded owner is passed over, and one without
+    room answers PoolFull and the next is tried.
+    """
+
     policy: str
     _turn: itertools.count = field(default_factory=itertools.count)
-    _prefix_owner: collections.OrderedDict[bytes, str] = field(default_factory=collections.OrderedDict)
+    _index: PrefixIndex = field(default_factory=PrefixIndex)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -88,31 +94,13 @@ class Router:
         by_load = sorted(healthy, key=WorkerState.pressure)
         if self.policy == "least_loaded":
             return by_load
-        owner = self._longest_prefix_owner(prompt_token_ids)
-        return sorted(by_load, key=lambda w: w.instance != owner)  # stable: then by load
+        return sorted(by_load, key=lambda w: w.pressure()[0] - self.num_cached_tokens(w, prompt_token_ids))
+
+    def num_cached_tokens(self, worker: WorkerState, prompt_token_ids: list[int]) -> int:
+        """Prompt tokens `worker` probably holds already (prefix_aware only remembers)."""
+        return self._index.num_cached_tokens(worker.instance, worker.load, prompt_token_ids)
 
     def record(self, worker: WorkerState, prompt_token_ids: list[int]) -> None:
         """Remember that `worker` now holds this prompt's prefix."""
-        for h in _chunk_hashes(prompt_token_ids):
-            self._prefix_owner[h] = worker.instance
-            self._prefix_owner.move_to_end(h)
-        while len(self._prefix_owner) > MAX_PREFIXES:
-            self._prefix_owner.popitem(last=False)
-
-    def _longest_prefix_owner(self, prompt_token_ids: list[int]) -> str | None:
-        owner = None
-        for h in _chunk_hashes(prompt_token_ids):
-            if h not in self._prefix_owner:
-                break
-            owner = self._prefix_owner[h]
-        return owner
-
-
-def _chunk_hashes(token_ids: list[int]) -> list[bytes]:
-    """Chained hashes of the prompt's full PREFIX_CHUNK-token chunks."""
-    hashes, parent = [], b""
-    for start in range(0, len(token_ids) - PREFIX_CHUNK + 1, PREFIX_CHUNK):
-        chunk = ",".join(map(str, token_ids[start:start + PREFIX_CHUNK])).encode()
-        parent = hashlib.blake2b(parent + chunk, digest_size=16).digest()
-        hashes.append(parent)
-    return hashes
+        if self.policy == "prefix_aware":
+            self._index.record(worker.instance, worker.load, prompt_token_ids)

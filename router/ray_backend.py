@@ -48,7 +48,7 @@ class RayBackend:
             raise ValueError("a disaggregated cluster needs at least one prefill and one decode worker")
         self.prefill, self.decode, self.colocated = prefill, decode, colocated
         self.prefill_router = Router(policy)
-        self.decode_router = Router("least_loaded" if policy == "prefix_aware" else policy)
+        self.decode_router = Router(policy)
         self.tokenizer_spec = tokenizer_spec
         self._poller: asyncio.Task | None = None
         self.max_queued_requests = max_queued_requests
@@ -217,6 +217,7 @@ class RayBackend:
                     except PoolFull:
                         continue
                     else:
+                        self.decode_router.record(worker, request.prompt_token_ids)
                         if self.metrics is not None:
                             self.metrics.queue_time.observe(asyncio.get_running_loop().time() - start)
                         return worker, destination

@@ -5,22 +5,11 @@ Mechanism only: the scheduler decides who gets blocks; this module keeps the boo
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from typing import Sequence as Seq
 
-import numpy as np
-
+from tandem.block_hash import hash_block
 from tandem.sequence import Sequence
-
-
-def hash_block(parent_hash: bytes, token_ids: Seq[int]) -> bytes:
-    """Chained hash of a full block: equal hashes mean equal tokens *and* equal prefix.
-
-    NOTE: stable across processes (unlike ``hash()``), so workers can compare prefixes.
-    """
-    data = np.asarray(token_ids, dtype=np.int64).tobytes()
-    return hashlib.blake2b(parent_hash + data, digest_size=16).digest()
 
 
 class BlockManager:

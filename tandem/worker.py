@@ -86,6 +86,7 @@ class Worker:
             num_free_blocks=engine.block_manager.num_free_blocks, num_running=len(sched.running),
             num_waiting=len(sched.waiting),
             num_queued_tokens=sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting),
+            block_size=engine.block_manager.block_size,
         )
 
     def shutdown(self) -> None:

@@ -82,6 +82,9 @@ class WorkerLoad:
     num_waiting: int
     num_queued_tokens: int
     """Prompt tokens waiting to be prefilled."""
+    block_size: int = 16
+    """Tokens per KV block: the router hashes prompts in blocks this long to guess which
+    prefixes the worker holds (see router/prefix_index.py)."""
 
 
 @dataclass(frozen=True)
