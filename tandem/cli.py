@@ -9,6 +9,7 @@ import importlib
 import logging
 import sys
 
+from tandem.preemption import PREEMPTION_MODES
 from tandem.sampling_params import SamplingParams
 
 
@@ -21,6 +22,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--swap-space-gib", type=float, default=0.5,
+                        help="host memory that preempted sequences swap their KV into (0: always recompute)")
+    parser.add_argument("--preemption-mode", default="auto", choices=PREEMPTION_MODES)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -28,6 +32,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         model=args.model, dtype=args.dtype, num_threads=args.num_threads, block_size=args.block_size,
         kv_cache_memory_gib=args.kv_cache_memory_gib, max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        swap_space_gib=args.swap_space_gib, preemption_mode=args.preemption_mode,
     )
 
 
@@ -100,7 +105,9 @@ BENCH_HELP = {
     "kernels": "attention kernels vs scaled_dot_product_attention",
     "transfer": "KV transfer between processes vs a memory copy",
     "serve": "a load generator against disaggregated and colocated clusters",
+    "prefix": "multi-turn chat: prefix_aware vs least_loaded routing, TTFT and KV bytes sent",
     "overload": "10x the sustainable rate against a bounded router: outcomes, memory, recovery",
+    "swap": "preemption: swapping KV blocks out and in vs recomputing their tokens",
 }
 
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.preemption import PREEMPTION_MODES
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
@@ -100,6 +102,10 @@ class EngineConfig:
     """Token budget of one step; without chunked prefill at least max_model_len."""
     enable_prefix_caching: bool
     enable_chunked_prefill: bool
+    num_swap_blocks: int
+    """Host blocks that preempted sequences may swap their KV into (0: never swap)."""
+    preemption_mode: str
+    """auto (swap or recompute, by the sequence's size), swap (when the host pool has room) or recompute."""
 
     @classmethod
     def build(
@@ -115,6 +121,9 @@ class EngineConfig:
         max_num_batched_tokens: int = 1024,
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
+        swap_space_gib: float = 0.5,
+        num_swap_blocks: int | None = None,
+        preemption_mode: str = "auto",
     ) -> EngineConfig:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -127,6 +136,14 @@ class EngineConfig:
             block_bytes = block_size * model.kv_bytes_per_token(torch_dtype)
             num_kv_blocks = int(kv_cache_memory_gib * 2**30) // block_bytes
         _require(num_kv_blocks >= 1, "num_kv_blocks", num_kv_blocks, ">= 1 (a bigger kv_cache_memory_gib?)")
+        _require(preemption_mode in PREEMPTION_MODES, "preemption_mode", preemption_mode,
+                 f"one of {', '.join(PREEMPTION_MODES)}")
+        if num_swap_blocks is None:
+            _require(swap_space_gib >= 0, "swap_space_gib", swap_space_gib, ">= 0")
+            num_swap_blocks = int(swap_space_gib * 2**30) // (block_size * model.kv_bytes_per_token(torch_dtype))
+        _require(num_swap_blocks >= 0, "num_swap_blocks", num_swap_blocks, ">= 0")
+        # NOTE: swapped blocks never outnumber the device pool, so more host blocks go unused.
+        num_swap_blocks = min(num_swap_blocks, num_kv_blocks)
 
         limit = model.max_position_embeddings
         if max_model_len is not None:
@@ -150,6 +167,8 @@ class EngineConfig:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill,
+            num_swap_blocks=num_swap_blocks,
+            preemption_mode=preemption_mode,
         )
 
 

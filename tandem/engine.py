@@ -54,14 +54,20 @@ class LLMEngine:
 
     def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int] | None:
         """Hold blocks for a prompt whose KV another worker computes. -> their ids, or None
-        when the pool cannot hold it now. The request waits outside the scheduler until
-        :meth:`start_prefilled`."""
+        when the pool cannot hold it now. The leading blocks may be this pool's own cached
+        prefix (shared, their KV already here): the sequence's num_cached_prompt_tokens
+        counts their tokens, and only the rest must arrive. The request waits outside the
+        scheduler until :meth:`start_prefilled`."""
         self.check_prompt(prompt_token_ids)  # before the room check: a prompt that never fits is a ValueError
-        # Room for the prompt and the first decode step, beyond what running sequences hold.
-        if self.block_manager.num_free_blocks < self.block_manager.num_blocks_for(len(prompt_token_ids) + 1):
-            return None
         seq = self._new_sequence(request_id, prompt_token_ids, params)
-        self.block_manager.allocate(seq, len(prompt_token_ids))
+        cached_block_ids = self.block_manager.find_cached_prefix(seq)
+        num_cached_tokens = len(cached_block_ids) * self.block_manager.block_size
+        # Room for the prompt and the first decode step, beyond what running sequences hold.
+        if not self.block_manager.can_allocate(seq, len(prompt_token_ids) - num_cached_tokens + 1, cached_block_ids):
+            del self.sequences[request_id]
+            return None
+        self.block_manager.allocate(seq, len(prompt_token_ids) - num_cached_tokens, cached_block_ids)
+        seq.num_cached_prompt_tokens = num_cached_tokens
         return list(seq.block_ids)
 
     def start_prefilled(self, request_id: str, first_token_id: int, first_logprob: float,
@@ -134,6 +140,7 @@ class LLMEngine:
     def step(self, layer_hook: Callable[[ScheduledBatch, int], None] | None = None) -> list[RequestDelta]:
         """layer_hook(batch, layer) runs as each layer's KV is stored (see LlamaModel.forward)."""
         batch = self.scheduler.schedule()
+        self.runner.swap(batch)  # even with no sequence to run: the swap-outs must not wait
         if batch.is_empty:
             return []
         if self.observer is not None:

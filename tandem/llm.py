@@ -31,7 +31,8 @@ class LLM:
 
     Other keyword arguments go to :meth:`EngineConfig.build` (block_size,
     kv_cache_memory_gib, num_kv_blocks, max_model_len, max_num_seqs,
-    max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill).
+    max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill,
+    swap_space_gib, num_swap_blocks, preemption_mode).
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "float32",

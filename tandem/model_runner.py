@@ -9,6 +9,7 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.kernels.attention_metadata import AttentionMetadata
+from tandem.kv_swap import KVSwapper
 from tandem.model.llama import LlamaModel
 from tandem.sampler import Sampler, SamplerOutput
 from tandem.scheduler import ScheduledBatch
@@ -24,7 +25,14 @@ class ModelRunner:
             m.num_layers, 2, config.num_kv_blocks, config.block_size, m.num_kv_heads, m.head_dim,
             dtype=config.dtype,
         )
+        self.swapper = KVSwapper(self.kv_cache, config.num_swap_blocks)
         self.sampler = Sampler()
+
+    def swap(self, batch: ScheduledBatch) -> None:
+        """Copy the blocks the scheduler swaps out, then those it swaps in; before the
+        step's forward, which may write into device blocks that were just swapped out."""
+        self.swapper.swap_out(batch.swap_out)
+        self.swapper.swap_in(batch.swap_in)
 
     def run(self, batch: ScheduledBatch, on_layer_stored: Callable[[int], None] | None = None) -> SamplerOutput:
         """on_layer_stored: see LlamaModel.forward."""

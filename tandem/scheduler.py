@@ -1,20 +1,24 @@
 """Continuous batching: which sequences run this step, and how many tokens each.
 
-Policy only (FCFS, token budget, preemption by recompute); the block manager keeps the
-books. :meth:`Scheduler.update` is the one place where a sequence's state moves forward.
+Policy only (FCFS, token budget, preemption by swap or recompute); the block manager and
+the swap pool keep the books, the model runner copies swapped blocks.
+:meth:`Scheduler.update` is the one place where a sequence's state moves forward.
 """
 
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tandem.block_manager import BlockManager
 from tandem.config import EngineConfig
+from tandem.preemption import should_swap
 from tandem.sampler import SamplerOutput
 from tandem.sequence import Sequence, SequenceStatus
+from tandem.swap_pool import SwapPool
 
 logger = logging.getLogger(__name__)
 
@@ -22,10 +26,18 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ScheduledBatch:
     """One step's work: ``num_new_tokens[i]`` tokens of ``seqs[i]``, from its first
-    uncomputed token on. Single-token entries (decodes) come first."""
+    uncomputed token on. Single-token entries (decodes) come first.
+
+    Before the step's forward, the runner copies ``swap_out`` then ``swap_in``: the device
+    blocks a swapped-out sequence gave up may be written by this very step.
+    """
 
     seqs: list[Sequence]
     num_new_tokens: list[int]
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    """(device block id, host block id) pairs to copy device -> host."""
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    """(host block id, device block id) pairs to copy host -> device."""
 
     @property
     def num_tokens(self) -> int:
@@ -33,6 +45,7 @@ class ScheduledBatch:
 
     @property
     def is_empty(self) -> bool:
+        """No sequence runs (there may still be blocks to swap)."""
         return not self.seqs
 
     def samples(self, i: int) -> bool:
@@ -57,19 +70,26 @@ class Scheduler:
         self.block_manager = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        """Swapped-out sequences, oldest first."""
+        self.swap_pool = SwapPool(config.num_swap_blocks, config.num_kv_blocks)
         self.num_preemptions = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     def schedule(self) -> ScheduledBatch:
         bm = self.block_manager
         budget = self.config.max_num_batched_tokens
         entries: list[tuple[Sequence, int]] = []
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
         preempted = False
 
         # Running sequences first, oldest first; the newest unscheduled one gives way when
@@ -87,7 +107,7 @@ class Scheduler:
             while not bm.can_allocate(seq, n):
                 victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
                 self.running.remove(victim)
-                self._preempt(victim)
+                swap_out += self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
@@ -98,8 +118,23 @@ class Scheduler:
             scheduled.add(id(seq))
             budget -= n
 
-        # Then new (or preempted) sequences in arrival order, unless we just preempted.
-        while self.waiting and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+        # Then swapped sequences, oldest first, unless we just preempted. NOTE: host blocks
+        # freed here are only taken again by a later step's swap-out, whose copies run later.
+        while self.swapped and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.can_swap_in(seq, n):
+                break
+            self.swapped.popleft()
+            swap_in += self.swap_in(seq, n)
+            self.running.append(seq)
+            entries.append((seq, n))
+            budget -= n
+
+        # Then new (or recompute-preempted) sequences in arrival order, once no swapped one
+        # waits to resume, unless we just preempted.
+        while (self.waiting and not self.swapped and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
             seq = self.waiting[0]
             cached_block_ids = bm.find_cached_prefix(seq)
             remaining = seq.num_tokens - len(cached_block_ids) * bm.block_size
@@ -119,7 +154,7 @@ class Scheduler:
             budget -= n
 
         entries.sort(key=lambda e: e[1] != 1)  # stable: decodes first, then prefill chunks
-        return ScheduledBatch([s for s, _ in entries], [n for _, n in entries])
+        return ScheduledBatch([s for s, _ in entries], [n for _, n in entries], swap_out, swap_in)
 
     def update(self, batch: ScheduledBatch, sampled: SamplerOutput) -> list[SequenceUpdate]:
         """Advance every scheduled sequence past the step that just ran."""
@@ -164,7 +199,7 @@ class Scheduler:
 
     def abort(self, request_id: str) -> Sequence | None:
         """Drop a request wherever it is; its blocks return to the pool."""
-        for seq in (*self.waiting, *self.running):
+        for seq in (*self.waiting, *self.running, *self.swapped):
             if seq.request_id == request_id:
                 self._finish(seq, SequenceStatus.FINISHED_ABORTED)
                 return seq
@@ -185,16 +220,62 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq.status == SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.swap_pool.free(seq.host_block_ids)
+            seq.host_block_ids = []
         if not seq.keep_blocks:
             self.block_manager.free(seq)
         seq.status = status
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Swap ``seq`` out or drop its KV, as the policy says. -> the blocks to swap out."""
+        self.num_preemptions += 1
+        seq.num_preemptions += 1
+        num_blocks = self.block_manager.num_blocks_for(seq.num_computed_tokens)
+        if should_swap(self.config.preemption_mode, num_blocks) and self.can_swap_out(seq):
+            return self.swap_out(seq)
+        self._recompute(seq)
+        return []
+
+    def can_swap_out(self, seq: Sequence) -> bool:
+        return self.swap_pool.can_allocate(self.block_manager.num_blocks_for(seq.num_computed_tokens))
+
+    def swap_out(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Preemption by swap: give ``seq``'s computed KV host blocks, free its device blocks.
+        -> (device, host) block pairs to copy. Call :meth:`can_swap_out` first."""
+        num_blocks = self.block_manager.num_blocks_for(seq.num_computed_tokens)
+        seq.host_block_ids = self.swap_pool.allocate(num_blocks)
+        block_pairs = list(zip(seq.block_ids[:num_blocks], seq.host_block_ids))
+        # NOTE: drops only this sequence's references: a prefix block shared with another
+        # sequence stays where it is, and a cached one keeps its contents until reused.
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.SWAPPED
+        bisect.insort(self.swapped, seq, key=lambda s: s.arrival_index)
+        self.num_swapped_out_blocks += num_blocks
+        logger.debug("swapped out %s: %d blocks", seq.request_id, num_blocks)
+        return block_pairs
+
+    def can_swap_in(self, seq: Sequence, num_new_tokens: int) -> bool:
+        return self.block_manager.can_allocate(seq, num_new_tokens)
+
+    def swap_in(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Give swapped ``seq`` fresh device blocks for its KV and ``num_new_tokens`` more
+        tokens. -> (host, device) block pairs to copy. Call :meth:`can_swap_in` first."""
+        # Its block table is empty: the first blocks allocated take the swapped KV, in order.
+        self.block_manager.allocate(seq, num_new_tokens)
+        block_pairs = list(zip(seq.host_block_ids, seq.block_ids))
+        self.swap_pool.free(seq.host_block_ids)
+        seq.host_block_ids = []
+        seq.status = SequenceStatus.RUNNING
+        self.num_swapped_in_blocks += len(block_pairs)
+        logger.debug("swapped in %s: %d blocks", seq.request_id, len(block_pairs))
+        return block_pairs
+
+    def _recompute(self, seq: Sequence) -> None:
         """Preemption by recompute: drop the KV, run the tokens again later."""
-        logger.debug("preempting %s", seq.request_id)
+        logger.debug("preempting %s by recompute", seq.request_id)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
-        seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
-        self.num_preemptions += 1

@@ -16,9 +16,11 @@ class SequenceStatus(IntEnum):
 
     WAITING = 0
     RUNNING = 1
-    FINISHED_STOPPED = 2
-    FINISHED_LENGTH = 3
-    FINISHED_ABORTED = 4
+    SWAPPED = 2
+    """Preempted with its KV in host blocks: resumes (before any waiting one) where it stopped."""
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
 
     @property
     def is_finished(self) -> bool:
@@ -76,6 +78,8 @@ class Sequence:
         """The block table: block i holds tokens [i * block_size, (i + 1) * block_size)."""
         self.block_hashes: list[bytes] = []
         """Chained hashes of this sequence's full, computed blocks, in order."""
+        self.host_block_ids: list[int] = []
+        """While SWAPPED: the host blocks holding its computed KV, in block-table order."""
         self.keep_blocks = False
         """When set, finishing leaves the blocks with the sequence and its owner frees them
         (a prefill worker, once the KV it sends from them has arrived)."""

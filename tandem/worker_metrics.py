@@ -78,14 +78,15 @@ class WorkerMetrics:
 
     def on_first_token(self, seq: Sequence) -> None:
         assert seq.first_token_time is not None
+        # On a decode worker the hits are prompt tokens whose KV was not transferred.
+        self.num_prefix_queries += seq.num_prompt_tokens
+        self.num_prefix_hits += seq.num_cached_prompt_tokens
         if self.prefill_time is None:  # a decode worker: the prompt was prefilled elsewhere
             self.queue_time.observe(seq.first_token_time - seq.arrival_time)
             return
         assert seq.first_scheduled_time is not None
         self.queue_time.observe(seq.first_scheduled_time - seq.arrival_time)
         self.prefill_time.observe(seq.first_token_time - seq.first_scheduled_time)
-        self.num_prefix_queries += seq.num_prompt_tokens
-        self.num_prefix_hits += seq.num_cached_prompt_tokens
 
     def on_finished(self, seq: Sequence) -> None:
         if self.decode_time is not None and seq.first_token_time is not None:
@@ -141,6 +142,8 @@ class _EngineCollector(Collector):
         yield family(GaugeMetricFamily, "tandem_batch_size", "Sequences in the last engine step.", m.last_batch_size)
         yield family(GaugeMetricFamily, "tandem_batch_tokens", "Tokens in the last engine step.", m.last_batch_tokens)
         yield family(CounterMetricFamily, "tandem_num_preemptions", "Sequences preempted.", sched.num_preemptions)
+        yield family(CounterMetricFamily, "tandem_num_swapped_out_blocks", "KV blocks swapped out to host memory.",
+                     sched.num_swapped_out_blocks)
         bytes_total = CounterMetricFamily("tandem_kv_transfer_bytes", "KV payload bytes moved.",
                                           labels=(*LABELS, "direction"))
         for direction, read in m.kv_bytes.items():

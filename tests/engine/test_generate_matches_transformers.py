@@ -41,12 +41,35 @@ def test_one_batch_matches_transformers(make_llm, prompts, expected):
     assert_all_blocks_free(llm)
 
 
-def test_preemption_keeps_outputs_exact(make_llm, prompts, expected):
-    """A pool too small for the batch: sequences are preempted, recomputed, and unchanged."""
-    llm = make_llm(block_size=BLOCK_SIZE, num_kv_blocks=130, enable_prefix_caching=False)
+@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+def test_preemption_keeps_outputs_exact(make_llm, prompts, expected, preemption_mode):
+    """A pool too small for the batch: sequences are preempted, recomputed or swapped out
+    to host blocks and back, and unchanged (so both ways give the same tokens)."""
+    llm = make_llm(block_size=BLOCK_SIZE, num_kv_blocks=130, enable_prefix_caching=False,
+                   preemption_mode=preemption_mode)
     outputs = llm.generate(prompts, greedy_params())
-    assert llm.engine.scheduler.num_preemptions > 0
+    sched = llm.engine.scheduler
+    assert sched.num_preemptions > 0
+    if preemption_mode == "swap":
+        assert sched.num_swapped_out_blocks == sched.num_swapped_in_blocks > 0
+    else:
+        assert sched.num_swapped_out_blocks == 0
     assert [o.token_ids for o in outputs] == expected
+    assert_all_blocks_free(llm)
+
+
+def test_swapping_beside_prefix_cache_hits_keeps_outputs_exact(make_llm, hf_model, loaded, tokenizer):
+    """Four prompts share a 300-token prefix in a pool that holds about two of them: swapped
+    sequences leave the shared blocks to the others and come back unchanged."""
+    prefix = english_token_ids(tokenizer, 300, skip=100)
+    prompts = [prefix + english_token_ids(tokenizer, 20 + 7 * i, skip=500 + 50 * i) for i in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=60)
+    llm = make_llm(block_size=BLOCK_SIZE, num_kv_blocks=40, max_num_batched_tokens=128, preemption_mode="swap")
+    outputs = llm.generate(prompts, params)
+    assert llm.engine.scheduler.num_swapped_out_blocks > 0
+    assert sum(o.num_cached_tokens for o in outputs) > 0
+    eos = loaded.config.eos_token_ids
+    assert [o.token_ids for o in outputs] == [hf_greedy(hf_model, p, 60, eos) for p in prompts]
     assert_all_blocks_free(llm)
 
 

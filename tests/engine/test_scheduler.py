@@ -125,7 +125,7 @@ def test_without_chunked_prefill_a_prompt_runs_whole() -> None:
 def test_preemption_recomputes_the_newest_sequence(prefix_caching: bool) -> None:
     """Out of blocks, the newest running sequence is freed, goes to the waiting front and
     later reruns prompt + generated tokens (from its surviving cached prefix, if any)."""
-    sched = _sched(num_kv_blocks=4, enable_prefix_caching=prefix_caching)
+    sched = _sched(num_kv_blocks=4, enable_prefix_caching=prefix_caching, preemption_mode="recompute")
     a = _add(sched, "a", 7, max_tokens=3)
     b = _add(sched, "b", list(range(30, 37)), max_tokens=4)
     assert _step(sched, {"a": 11, "b": 21}) == [("a", 7, True), ("b", 7, True)]
@@ -150,7 +150,7 @@ def test_preemption_recomputes_the_newest_sequence(prefix_caching: bool) -> None
 def test_a_step_that_preempts_admits_nothing() -> None:
     """A sequence that cannot grow and is the newest preempts itself; though a chunk of it
     would fit in the blocks it just freed, it is only readmitted on the next step."""
-    sched = _sched(num_kv_blocks=5, max_num_batched_tokens=5, enable_prefix_caching=False)
+    sched = _sched(num_kv_blocks=5, max_num_batched_tokens=5, enable_prefix_caching=False, preemption_mode="recompute")
     a, b = _add(sched, "a", 3), _add(sched, "b", 3)
     assert _step(sched) == [("a", 3, True), ("b", 2, False)]
     for _ in range(6):  # pool fills: a [0, 2, 4], b [1, 3]
@@ -204,13 +204,21 @@ def test_abort_from_waiting_and_running_frees_every_block() -> None:
 
 
 def _check_books(sched: Scheduler) -> None:
-    """Ref counts equal table memberships; only cached prefix blocks are shared."""
-    bm, bs = sched.block_manager, sched.block_manager.block_size
-    live = [*sched.waiting, *sched.running]
+    """Ref counts equal table memberships; only cached prefix blocks are shared; the host
+    blocks in use are exactly the swapped sequences', never more than the device pool."""
+    bm, bs, pool = sched.block_manager, sched.block_manager.block_size, sched.swap_pool
+    live = [*sched.waiting, *sched.running, *sched.swapped]
     assert len({id(s) for s in live}) == len(live)
     assert all(s.status == St.WAITING for s in sched.waiting) and all(s.status == St.RUNNING for s in sched.running)
+    assert all(s.status == St.SWAPPED for s in sched.swapped)
+    host_ids = [b for s in sched.swapped for b in s.host_block_ids]
+    assert sorted(host_ids) == sorted(set(range(pool.num_blocks)) - set(pool.free_block_ids))
+    assert len(host_ids) == pool.num_used_blocks <= bm.num_blocks
+    for s in sched.swapped:
+        assert s.block_ids == [] and len(s.host_block_ids) == bm.num_blocks_for(s.num_computed_tokens) > 0
+    assert all(s.host_block_ids == [] for s in (*sched.waiting, *sched.running))
     holders: dict[int, list[tuple[Sequence, int]]] = defaultdict(list)
-    for s in live:
+    for s in (*sched.waiting, *sched.running):
         assert len(set(s.block_ids)) == len(s.block_ids)
         assert s.num_computed_tokens <= len(s.block_ids) * bs and len(s.block_hashes) <= len(s.block_ids)
         if s.status == St.WAITING:
@@ -229,10 +237,21 @@ def _check_books(sched: Scheduler) -> None:
     assert sum(h is not None for h in bm.block_hash) == len(bm.cached_block_ids)
 
 
-def _check_batch_and_kv(sched: Scheduler, batch, kv: dict[int, tuple]) -> None:
+def _copy_blocks(src: dict[int, tuple], dst: dict[int, tuple], block_pairs: list[tuple[int, int]], bs: int) -> None:
+    for src_block, dst_block in block_pairs:
+        for i in range(bs):
+            dst.pop(dst_block * bs + i, None)
+            if src_block * bs + i in src:
+                dst[dst_block * bs + i] = src[src_block * bs + i]
+
+
+def _check_batch_and_kv(sched: Scheduler, batch, kv: dict[int, tuple], host_kv: dict[int, tuple]) -> None:
     """The batch obeys the limits; the KV cache (simulated: a slot holds its token's whole
-    prefix) is right for every computed token; new tokens go only to private, unhashed blocks."""
+    prefix; swaps copied first, as the runner does) is right for every computed token; new
+    tokens go only to private, unhashed blocks."""
     cfg, bm, bs = sched.config, sched.block_manager, sched.block_manager.block_size
+    _copy_blocks(kv, host_kv, batch.swap_out, bs)
+    _copy_blocks(host_kv, kv, batch.swap_in, bs)
     ns = batch.num_new_tokens
     assert 0 < batch.num_tokens <= cfg.max_num_batched_tokens and len(sched.running) <= cfg.max_num_seqs
     assert ns == sorted(ns, key=lambda n: n != 1) and min(ns) >= 1
@@ -271,10 +290,12 @@ def _random_workload(seed: int) -> None:
         num_kv_blocks=num_blocks, block_size=bs, max_model_len=rng.randint(2, num_blocks * bs),
         max_num_seqs=rng.randint(1, 6), max_num_batched_tokens=rng.randint(1, 40),
         enable_prefix_caching=rng.random() < 0.8, enable_chunked_prefill=chunked,
+        num_swap_blocks=rng.randint(0, num_blocks), preemption_mode=rng.choice(["auto", "swap", "recompute"]),
     )
     max_len = sched.config.max_model_len
     bases = [[rng.randint(10, 13) for _ in range(rng.randint(0, 24))] for _ in range(3)]
     kv: dict[int, tuple] = {}
+    host_kv: dict[int, tuple] = {}
     seqs: list[Sequence] = []
     num_requests = rng.randint(1, 20)
     for _ in range(3000):
@@ -295,14 +316,15 @@ def _random_workload(seed: int) -> None:
             continue
         batch = sched.schedule()
         _check_books(sched)
-        _check_batch_and_kv(sched, batch, kv)
+        _check_batch_and_kv(sched, batch, kv, host_kv)
         k = sum(batch.samples(i) for i in range(len(batch.seqs)))
         toks = [rng.choice([EOS, 10, 11, 12, 13, 13, 14, 15]) if rng.random() < 0.3 else rng.randint(10, 12) for _ in range(k)]
         sched.update(batch, SamplerOutput(toks, [0.0] * k))
     else:
         pytest.fail(f"seed {seed}: workload did not drain")
     bm = sched.block_manager
-    assert not sched.waiting and not sched.running and not sched.has_unfinished
+    assert not sched.waiting and not sched.running and not sched.swapped and not sched.has_unfinished
+    assert sched.swap_pool.num_free_blocks == sched.swap_pool.num_blocks
     assert bm.ref_counts == [0] * num_blocks and sorted(bm.free_block_ids) == list(range(num_blocks))
     for seq in seqs:
         assert seq.status.is_finished and seq.block_ids == []

@@ -1,0 +1,48 @@
+"""Copies whole KV blocks between the device cache and a host cache of the same layout.
+
+Mechanism only: which blocks move, and where to, comes from the scheduler
+(``ScheduledBatch.swap_out`` / ``swap_in``). On a CPU-only machine the "device" cache is
+host memory too: the code path is the same.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# NOTE: the block dimension of the cache layout
+# [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim] (see ModelRunner).
+BLOCK_DIM = 2
+
+
+class KVSwapper:
+    """A host cache of ``num_host_blocks`` blocks beside ``device_cache``."""
+
+    def __init__(self, device_cache: torch.Tensor, num_host_blocks: int) -> None:
+        self.device_cache = device_cache
+        shape = list(device_cache.shape)
+        shape[BLOCK_DIM] = num_host_blocks
+        # Uninitialised: a host block is only read after a swap-out wrote it, and untouched
+        # pages cost no memory. Pinned on a GPU machine, so copies run at full PCIe speed.
+        self.host_cache = torch.empty(shape, dtype=device_cache.dtype,
+                                      pin_memory=device_cache.is_cuda)
+
+    def swap_out(self, block_pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to host blocks: pairs of (device block id, host block id)."""
+        if not block_pairs:
+            return
+        device_ids, host_ids = zip(*block_pairs)
+        blocks = self.device_cache.index_select(BLOCK_DIM, self._ids(device_ids, self.device_cache.device))
+        self.host_cache.index_copy_(BLOCK_DIM, self._ids(host_ids, self.host_cache.device), blocks.cpu())
+
+    def swap_in(self, block_pairs: list[tuple[int, int]]) -> None:
+        """Copy host blocks to device blocks: pairs of (host block id, device block id)."""
+        if not block_pairs:
+            return
+        host_ids, device_ids = zip(*block_pairs)
+        blocks = self.host_cache.index_select(BLOCK_DIM, self._ids(host_ids, self.host_cache.device))
+        device = self.device_cache.device
+        self.device_cache.index_copy_(BLOCK_DIM, self._ids(device_ids, device), blocks.to(device))
+
+    @staticmethod
+    def _ids(block_ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        return torch.tensor(block_ids, dtype=torch.int64, device=device)
