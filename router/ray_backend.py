@@ -31,8 +31,10 @@ LOAD_TIMEOUT_S = 2.0
 """A worker's load call that takes longer is left for the next poll (a restarting worker's
 calls wait for it), so that one worker never holds up the others' loads."""
 UNRESPONSIVE_S = 15.0
-"""A worker that has answered no load poll for this long is marked down (hung: stopped, or
-stuck), and the requests waiting on it fail; it comes back once it answers again."""
+"""A worker whose heartbeat has not answered for this long, or whose engine loop has not gone
+round for this long, is marked down (hung: stopped, or stuck), and the requests waiting on it
+fail; it comes back once it answers again. (Load polls may wait behind request traffic: only
+the heartbeat, answered off the engine loop, tells busy from hung.)"""
 
 
 class RayBackend:
@@ -104,21 +106,29 @@ class RayBackend:
             self._poller = None
 
     async def _refresh_loads(self) -> None:
-        """Each worker's load; one that answers is healthy again (e.g. restarted by Ray) once
-        its backoff is over, one that is dead is not; one that is slow keeps its state."""
+        """Each worker's heartbeat and load: one that answers is healthy again (e.g. restarted
+        by Ray) once its backoff is over; a dead or hung one is marked down; a busy one (its
+        load late, its heartbeat not) keeps its state."""
         async def one(w: WorkerState) -> None:
+            stuck_s: float | None = None
+            load: WorkerLoad | None = None
             try:
+                stuck_s = await asyncio.wait_for(w.handle.heartbeat.remote(), LOAD_TIMEOUT_S)
                 load = await asyncio.wait_for(w.handle.load.remote(), LOAD_TIMEOUT_S)
             except RayActorError:
                 self.mark_unhealthy(w)
                 return
             except asyncio.TimeoutError:
-                silent_s = asyncio.get_running_loop().time() - w.last_answer
-                if silent_s >= self.unresponsive_after_s:
-                    self.mark_unhealthy(w, f"has answered nothing for {silent_s:.0f} s")
+                pass
+            now = asyncio.get_running_loop().time()
+            if load is not None or (stuck_s is not None and stuck_s < self.unresponsive_after_s):
+                w.last_answer = now
+            if now - w.last_answer >= self.unresponsive_after_s:
+                self.mark_unhealthy(w, f"is hung: no heartbeat or engine progress for {now - w.last_answer:.0f} s")
+                return
+            if load is None:
                 return
             w.load = load
-            now = w.last_answer = asyncio.get_running_loop().time()
             if w.may_recover(now):
                 w.recover(now)
                 self.calls.came_back(w)

@@ -43,9 +43,18 @@ class WorkerHost:
     def tokenizer_spec(self) -> TokenizerSpec:
         return self.worker.tokenizer_spec()
 
+    @ray.method(concurrency_group="control")
     def pid(self) -> int:
-        """This actor's process id (the overload bench samples its resident memory)."""
+        """This actor's process id (for memory sampling and fault tests)."""
         return os.getpid()
+
+    @ray.method(concurrency_group="control")
+    async def heartbeat(self) -> float:
+        """Seconds since the worker's engine loop last went round. NOTE: in a concurrency
+        group of its own, so that a flood of request calls (which take every slot of the
+        default group and queue on the engine loop) never delays it: a late answer means
+        the process is hung, not busy."""
+        return self.worker.heartbeat()
 
     async def load(self) -> WorkerLoad:
         return await self.worker.load()
@@ -87,7 +96,7 @@ def start_worker(role: Role, instance: str, *, num_cpus: float, num_gpus: float,
                  **worker_args: Any):
     """-> the actor handle of a new worker (Ray restarts it if its process dies).
     pool_resources: the worker runs only on nodes that offer its pool's resource."""
-    actor = ray.remote(WorkerHost).options(
+    actor = ray.remote(concurrency_groups={"control": 2})(WorkerHost).options(
         name=instance, num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=-1, max_concurrency=1000,
         resources={pool_resource(role): 1} if pool_resources else None,
     )

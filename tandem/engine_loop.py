@@ -11,6 +11,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 from typing import Any, Callable
 
 from tandem.engine import LLMEngine
@@ -43,6 +44,7 @@ class EngineLoop:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[StreamDelta]]] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._last_iteration_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -84,6 +86,11 @@ class EngineLoop:
             self._on_delta(d)
         self.publish(stream_delta(d, error))
 
+    def seconds_since_iteration(self) -> float:
+        """How long ago the loop thread last went round (any thread): it goes round every
+        IDLE_WAIT_S when idle, after every step when busy; a large value means it is stuck."""
+        return time.monotonic() - self._last_iteration_at
+
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
@@ -99,6 +106,7 @@ class EngineLoop:
     def _loop(self) -> None:
         engine = self.engine
         while not self._stop.is_set():
+            self._last_iteration_at = time.monotonic()
             while not self._commands.empty():
                 fn, future = self._commands.get()
                 if future.set_running_or_notify_cancel():

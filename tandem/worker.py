@@ -57,6 +57,10 @@ class Worker:
     async def load(self) -> WorkerLoad:
         return await self.loop.call(self._load)
 
+    def heartbeat(self) -> float:
+        """Seconds since the engine loop last went round (answered at once, off the loop)."""
+        return self.loop.seconds_since_iteration()
+
     async def metrics_text(self) -> str:
         """This worker's metrics in Prometheus' text format (read between engine steps)."""
         return await self.loop.call(lambda engine: self.metrics.render())

@@ -10,6 +10,7 @@ import pytest
 from ray.exceptions import RayActorError, RayTaskError
 
 from tandem.router.policy import RETRY_BASE_S, RETRY_MAX_S, STABLE_S, WorkerState
+from tandem.router import ray_backend
 from tandem.router.ray_backend import RayBackend
 from tandem.sampling_params import SamplingParams
 from tandem.worker_api import Role, WorkerLoad
@@ -54,7 +55,8 @@ class Method:
 
 
 class Handle:
-    def __init__(self, load, reserve=None) -> None:
+    def __init__(self, load, reserve=None, heartbeat=None) -> None:
+        self.heartbeat = Method(heartbeat or (lambda: 0.0))
         self.load = Method(load)
         self.reserve = Method(reserve or (lambda request: None))
         self.abort = Method(lambda request_id: False)
@@ -88,6 +90,36 @@ def test_a_dead_worker_is_polled_back_only_after_its_backoff(router_tokenizer):
         assert decode.healthy and b.is_ready()
 
     asyncio.run(body())
+
+
+@pytest.mark.parametrize("case", ["busy", "engine stuck", "silent"])
+def test_busy_is_not_hung(router_tokenizer, monkeypatch, case):
+    """Its load late (queued behind request traffic) but its heartbeat prompt and the engine
+    going round: busy, kept. A heartbeat reporting the engine loop stuck, or no answer at
+    all, for unresponsive_after_s: hung, marked down."""
+    monkeypatch.setattr(ray_backend, "LOAD_TIMEOUT_S", 0.05)
+    never = asyncio.Event()
+
+    async def late():
+        await never.wait()
+
+    decode = WorkerState("d-0", Handle(lambda: LOAD, heartbeat={"busy": lambda: 0.01, "engine stuck": lambda: 99.0,
+                                                                 "silent": lambda: 0.0}[case]))
+    decode.handle.load.remote = late
+    if case == "silent":
+        decode.handle.heartbeat.remote = late
+    b = backend(decode, router_tokenizer)
+    b.unresponsive_after_s = 0.3
+
+    async def body():
+        b.start_polling()  # the clock of last answers starts now
+        await b.stop_polling()
+        for _ in range(6):
+            await b._refresh_loads()
+            await asyncio.sleep(0.05)
+
+    asyncio.run(body())
+    assert decode.healthy is (case == "busy"), case
 
 
 def test_a_refused_request_is_not_a_worker_failure(router_tokenizer):
