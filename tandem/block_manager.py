@@ -120,6 +120,20 @@ class BlockManager:
         seq.block_ids = []
         seq.block_hashes = []
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back ``seq``'s blocks beyond the first ``num_tokens`` tokens (after rejected
+        draft tokens: their KV is dropped, and what a kept block holds past that is
+        overwritten later)."""
+        num_kept = self.num_blocks_for(num_tokens)
+        # NOTE: blocks past the computed tokens were never hashed, so none leaves the prefix cache.
+        for block_id in reversed(seq.block_ids[num_kept:]):
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                # First in line to be handed out again: it holds nothing worth keeping.
+                self.free_block_ids[block_id] = None
+                self.free_block_ids.move_to_end(block_id, last=False)
+        del seq.block_ids[num_kept:]
+
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)
         old_hash = self.block_hash[block_id]

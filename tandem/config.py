@@ -106,6 +106,12 @@ class EngineConfig:
     """Host blocks that preempted sequences may swap their KV into (0: never swap)."""
     preemption_mode: str
     """auto (swap or recompute, by the sequence's size), swap (when the host pool has room) or recompute."""
+    num_speculative_tokens: int = 0
+    """Draft tokens proposed by prompt lookup per decode step, verified in one forward (0: off)."""
+    prompt_lookup_max: int = 4
+    """Longest n-gram matched against the sequence's earlier tokens to find drafts."""
+    prompt_lookup_min: int = 2
+    """Shortest n-gram tried before giving up on drafts for a step."""
 
     @classmethod
     def build(
@@ -124,6 +130,9 @@ class EngineConfig:
         swap_space_gib: float = 0.5,
         num_swap_blocks: int | None = None,
         preemption_mode: str = "auto",
+        num_speculative_tokens: int = 0,
+        prompt_lookup_max: int = 4,
+        prompt_lookup_min: int = 2,
     ) -> EngineConfig:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -142,6 +151,10 @@ class EngineConfig:
             _require(swap_space_gib >= 0, "swap_space_gib", swap_space_gib, ">= 0")
             num_swap_blocks = int(swap_space_gib * 2**30) // (block_size * model.kv_bytes_per_token(torch_dtype))
         _require(num_swap_blocks >= 0, "num_swap_blocks", num_swap_blocks, ">= 0")
+        _require(num_speculative_tokens >= 0, "num_speculative_tokens", num_speculative_tokens, ">= 0")
+        _require(prompt_lookup_min >= 1, "prompt_lookup_min", prompt_lookup_min, ">= 1")
+        _require(prompt_lookup_max >= prompt_lookup_min, "prompt_lookup_max", prompt_lookup_max,
+                 f">= prompt_lookup_min ({prompt_lookup_min})")
         # NOTE: swapped blocks never outnumber the device pool, so more host blocks go unused.
         num_swap_blocks = min(num_swap_blocks, num_kv_blocks)
 
@@ -169,6 +182,9 @@ class EngineConfig:
             enable_chunked_prefill=enable_chunked_prefill,
             num_swap_blocks=num_swap_blocks,
             preemption_mode=preemption_mode,
+            num_speculative_tokens=num_speculative_tokens,
+            prompt_lookup_max=prompt_lookup_max,
+            prompt_lookup_min=prompt_lookup_min,
         )
 
 

@@ -149,7 +149,8 @@ class LLMEngine:
         deltas = []
         for u in self.scheduler.update(batch, sampled):
             deltas.append(self._delta(u.seq, u.new_token_ids, u.new_text, u.new_logprobs))
-            if self.observer is not None and u.seq.num_output_tokens == 1:
+            # A speculative step may add the first token and more after it.
+            if self.observer is not None and u.seq.num_output_tokens == len(u.new_token_ids):
                 self.observer.on_first_token(u.seq)
             if u.seq.status.is_finished:
                 self._remove(u.seq)

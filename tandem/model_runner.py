@@ -11,8 +11,9 @@ from tandem.config import EngineConfig
 from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kv_swap import KVSwapper
 from tandem.model.llama import LlamaModel
-from tandem.sampler import Sampler, SamplerOutput
+from tandem.sampler import Sampler, StepOutput
 from tandem.scheduler import ScheduledBatch
+from tandem.spec_verify import sample_step
 
 
 class ModelRunner:
@@ -34,16 +35,18 @@ class ModelRunner:
         self.swapper.swap_out(batch.swap_out)
         self.swapper.swap_in(batch.swap_in)
 
-    def run(self, batch: ScheduledBatch, on_layer_stored: Callable[[int], None] | None = None) -> SamplerOutput:
+    def run(self, batch: ScheduledBatch, on_layer_stored: Callable[[int], None] | None = None) -> StepOutput:
         """on_layer_stored: see LlamaModel.forward."""
         input_ids, positions, meta, logits_indices = self.prepare(batch)
         logits = self.model.forward(input_ids, positions, self.kv_cache, meta, logits_indices, on_layer_stored)
         sampled = [i for i in range(len(batch.seqs)) if batch.samples(i)]
         seqs = [batch.seqs[i] for i in sampled]
-        return self.sampler.sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        drafts = [batch.draft_token_ids[i] if batch.draft_token_ids else [] for i in sampled]
+        return sample_step(self.sampler, logits, [s.params for s in seqs], [s.generator for s in seqs], drafts)
 
     def prepare(self, batch: ScheduledBatch):
-        """-> (input_ids [T], positions [T], AttentionMetadata, logits_indices [S])"""
+        """-> (input_ids [T], positions [T], AttentionMetadata, logits_indices [L]): one
+        logits row per sampling entry, or 1 + its drafts for a speculative decode."""
         bs = self.config.block_size
         token_ids: list[np.ndarray] = []
         positions: list[np.ndarray] = []
@@ -61,12 +64,15 @@ class ModelRunner:
             start = seq.num_computed_tokens
             pos = np.arange(start, start + n)
             table = np.asarray(seq.block_ids, dtype=np.int64)
-            token_ids.append(np.asarray(seq.token_ids[start:start + n], dtype=np.int64))
+            num_drafts = batch.num_drafts(i)
+            token_ids.append(np.asarray(seq.token_ids[start:start + n - num_drafts] + batch.draft_token_ids[i]
+                                        if num_drafts else seq.token_ids[start:start + n], dtype=np.int64))
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
             offset += n
             if batch.samples(i):
-                logits_indices.append(offset - 1)
+                # A speculative decode needs the target's logits after its last token and after each draft.
+                logits_indices.extend(range(offset - 1 - num_drafts, offset))
             if n == 1 and not starts:  # decodes come first in the batch
                 num_decode += 1
                 decode_tables.append(seq.block_ids)

@@ -27,6 +27,16 @@ class SamplerOutput:
     model's own distribution, before temperature and filtering (as vLLM v1 reports it)."""
 
 
+@dataclass(frozen=True)
+class StepOutput:
+    """What one step added to each entry that samples, in batch order: one token, or with
+    speculation the accepted draft tokens and then one token of the target's own."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    """Per token, as in :class:`SamplerOutput`."""
+
+
 class Sampler:
     """Stateless: all randomness comes from the per-row generators passed to ``sample``."""
 
@@ -66,8 +76,8 @@ class Sampler:
             chosen[idx] = torch.argmax(logits[idx], dim=-1)
         if random_rows:
             idx = torch.tensor(random_rows, dtype=torch.long, device=device)
-            probs = _filtered_probs(logits[idx], [params[i] for i in random_rows])
-            chosen[idx] = _exponential_race(probs, [generators[i] for i in random_rows])
+            probs = filtered_probs(logits[idx], [params[i] for i in random_rows])
+            chosen[idx] = exponential_race(probs, [generators[i] for i in random_rows])
 
         # logprob = logit - logsumexp(logits): avoids materialising a full log_softmax.
         chosen_logits = logits.gather(1, chosen.unsqueeze(1)).squeeze(1)  # [num_seqs]
@@ -75,7 +85,7 @@ class Sampler:
         return SamplerOutput(token_ids=chosen.tolist(), logprobs=logprobs.tolist())
 
 
-def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Tempered, filtered and renormalised probabilities of non-greedy rows.
 
     Order (vLLM v1's): min_p, then top_k, then top_p over what top_k kept. min_p compares
@@ -116,7 +126,7 @@ def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     return torch.softmax(logits, dim=-1)  # [rows, vocab_size]
 
 
-def _exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+def exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """Sample one token per row: ``argmax(probs / q)`` with ``q ~ Exp(1)`` is a draw from ``probs``."""
     # probs: [rows, vocab_size]
     rows, vocab_size = probs.shape

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from tandem.block_manager import BlockManager
 from tandem.config import EngineConfig
 from tandem.preemption import should_swap
-from tandem.sampler import SamplerOutput
+from tandem.sampler import StepOutput
 from tandem.sequence import Sequence, SequenceStatus
+from tandem.speculation import Speculator
 from tandem.swap_pool import SwapPool
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,8 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class ScheduledBatch:
     """One step's work: ``num_new_tokens[i]`` tokens of ``seqs[i]``, from its first
-    uncomputed token on. Single-token entries (decodes) come first.
+    uncomputed token on, then its ``draft_token_ids[i]`` (a speculative decode: the drafts
+    count in ``num_new_tokens[i]``). Single-token entries (decodes) come first.
 
     Before the step's forward, the runner copies ``swap_out`` then ``swap_in``: the device
     blocks a swapped-out sequence gave up may be written by this very step.
@@ -38,6 +40,11 @@ class ScheduledBatch:
     """(device block id, host block id) pairs to copy device -> host."""
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     """(host block id, device block id) pairs to copy host -> device."""
+    draft_token_ids: list[list[int]] = field(default_factory=list)
+    """Per entry (or empty: no entry has drafts)."""
+
+    def num_drafts(self, i: int) -> int:
+        return len(self.draft_token_ids[i]) if self.draft_token_ids else 0
 
     @property
     def num_tokens(self) -> int:
@@ -51,12 +58,12 @@ class ScheduledBatch:
     def samples(self, i: int) -> bool:
         """Whether entry i reaches the end of its tokens, so a new token is sampled."""
         seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] == seq.num_tokens
+        return seq.num_computed_tokens + self.num_new_tokens[i] - self.num_drafts(i) == seq.num_tokens
 
 
 @dataclass(frozen=True)
 class SequenceUpdate:
-    """What one step added to a sequence: a token, its text, maybe the end."""
+    """What one step added to a sequence: a token (or several, with speculation), its text, maybe the end."""
 
     seq: Sequence
     new_token_ids: list[int]
@@ -76,6 +83,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
+        self.speculator = Speculator(config, block_manager)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -88,6 +96,7 @@ class Scheduler:
         bm = self.block_manager
         budget = self.config.max_num_batched_tokens
         entries: list[tuple[Sequence, int]] = []
+        draft_token_ids: dict[int, list[int]] = {}
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
         preempted = False
@@ -103,7 +112,8 @@ class Scheduler:
                 break
             if seq.status != SequenceStatus.RUNNING:
                 continue  # preempted for an earlier one
-            n = min(seq.num_uncomputed_tokens, budget)
+            drafts = self.speculator.propose(seq, budget)
+            n = min(seq.num_uncomputed_tokens, budget) + len(drafts)
             while not bm.can_allocate(seq, n):
                 victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
                 self.running.remove(victim)
@@ -115,6 +125,7 @@ class Scheduler:
                 break
             bm.allocate(seq, n)
             entries.append((seq, n))
+            draft_token_ids[id(seq)] = drafts
             scheduled.add(id(seq))
             budget -= n
 
@@ -154,9 +165,10 @@ class Scheduler:
             budget -= n
 
         entries.sort(key=lambda e: e[1] != 1)  # stable: decodes first, then prefill chunks
-        return ScheduledBatch([s for s, _ in entries], [n for _, n in entries], swap_out, swap_in)
+        return ScheduledBatch([s for s, _ in entries], [n for _, n in entries], swap_out, swap_in,
+                              [draft_token_ids.get(id(s), []) for s, _ in entries])
 
-    def update(self, batch: ScheduledBatch, sampled: SamplerOutput) -> list[SequenceUpdate]:
+    def update(self, batch: ScheduledBatch, sampled: StepOutput) -> list[SequenceUpdate]:
         """Advance every scheduled sequence past the step that just ran."""
         updates: list[SequenceUpdate] = []
         num_sampled = 0
@@ -165,13 +177,31 @@ class Scheduler:
             if seq.status.is_finished:  # aborted while its step ran: nothing to advance
                 num_sampled += samples
                 continue
-            seq.num_computed_tokens += batch.num_new_tokens[i]
+            # NOTE: drafts count as computed only once accepted (append_tokens).
+            seq.num_computed_tokens += batch.num_new_tokens[i] - batch.num_drafts(i)
             self.block_manager.cache_full_blocks(seq)
             if not samples:
                 continue  # a prefill chunk short of the prompt's end
-            updates.append(self.append_token(seq, sampled.token_ids[num_sampled], sampled.logprobs[num_sampled]))
+            updates.append(self.append_tokens(seq, sampled.token_ids[num_sampled], sampled.logprobs[num_sampled],
+                                              batch.num_drafts(i)))
             num_sampled += 1
         return updates
+
+    def append_tokens(self, seq: Sequence, token_ids: list[int], logprobs: list[float],
+                      num_drafts: int) -> SequenceUpdate:
+        """Add a step's tokens in order: the accepted drafts (whose KV the step computed),
+        then the target's own token; the tokens after one that ends the sequence are dropped."""
+        parts: list[SequenceUpdate] = []
+        for j, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
+            parts.append(self.append_token(seq, token_id, logprob))
+            if seq.status.is_finished:
+                break
+            if j < len(token_ids) - 1:
+                seq.num_computed_tokens += 1  # an accepted draft: its KV is in the cache
+        if num_drafts:
+            self.speculator.settle(seq, num_drafts, len(token_ids) - 1)
+        return SequenceUpdate(seq, [t for u in parts for t in u.new_token_ids], "".join(u.new_text for u in parts),
+                              [lp for u in parts for lp in u.new_logprobs])
 
     def append_token(self, seq: Sequence, token_id: int, logprob: float) -> SequenceUpdate:
         """Add a sampled token to a sequence whose KV is computed up to it; stop if it ends."""

@@ -142,6 +142,10 @@ class _EngineCollector(Collector):
         yield family(GaugeMetricFamily, "tandem_batch_size", "Sequences in the last engine step.", m.last_batch_size)
         yield family(GaugeMetricFamily, "tandem_batch_tokens", "Tokens in the last engine step.", m.last_batch_tokens)
         yield family(CounterMetricFamily, "tandem_num_preemptions", "Sequences preempted.", sched.num_preemptions)
+        yield family(CounterMetricFamily, "tandem_spec_decode_num_draft_tokens",
+                     "Draft tokens verified by speculative decoding.", sched.speculator.num_draft_tokens)
+        yield family(CounterMetricFamily, "tandem_spec_decode_num_accepted_tokens",
+                     "Draft tokens accepted by speculative decoding.", sched.speculator.num_accepted_tokens)
         yield family(CounterMetricFamily, "tandem_num_swapped_out_blocks", "KV blocks swapped out to host memory.",
                      sched.num_swapped_out_blocks)
         bytes_total = CounterMetricFamily("tandem_kv_transfer_bytes", "KV payload bytes moved.",

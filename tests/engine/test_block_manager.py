@@ -255,3 +255,38 @@ def test_duplicate_computation_keeps_the_first_registered_block() -> None:
     bm.free(a)
     bm.free(b)
     assert bm.find_cached_prefix(_seq(_toks(0, 9), "c")) == [0, 1]
+
+
+# -- truncation (rejected draft tokens) -------------------------------------------------
+
+def test_truncate_gives_back_exactly_the_blocks_past_the_kept_tokens():
+    """A sequence that grew by 6 draft tokens and kept 1 of them: the blocks only the
+    rejected drafts used go back, first in line, and the cached full block stays cached."""
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    seq = _seq(_toks(0, 5))
+    _compute(bm, seq)  # 5 prompt tokens: blocks 0, 1; block 0 full and cached
+    bm.allocate(seq, 1 + 6)  # the last token and 6 drafts: positions 4..11
+    assert seq.block_ids == [0, 1, 2]
+    seq.token_ids.append(100)  # one accepted draft: 6 tokens kept
+    seq.num_computed_tokens = 5
+    bm.truncate(seq, seq.num_tokens)
+    assert seq.block_ids == [0, 1]
+    assert _free_list(bm) == [2, 3, 4, 5, 6, 7]
+    assert bm.ref_counts[:3] == [1, 1, 0]
+    assert bm.block_hash[0] is not None and bm.block_hash[1] is None
+    bm.truncate(seq, 4)  # the block boundary: only block 0 is needed
+    assert seq.block_ids == [0]
+    assert _free_list(bm) == [1, 2, 3, 4, 5, 6, 7]
+    bm.free(seq)
+    assert bm.num_free_blocks == 8 and not any(bm.ref_counts)
+
+
+def test_truncate_keeps_a_shared_block_for_its_other_holder():
+    bm = BlockManager(num_blocks=4, block_size=BS)
+    a, b = _seq(_toks(0, 3), "a"), _seq(_toks(0, 3), "b")
+    bm.allocate(a, 3)
+    b.block_ids = list(a.block_ids)  # as a fork would share it
+    bm.ref_counts[a.block_ids[0]] += 1
+    bm.truncate(a, 0)
+    assert a.block_ids == [] and b.block_ids == [0]
+    assert bm.ref_counts[0] == 1 and 0 not in bm.free_block_ids

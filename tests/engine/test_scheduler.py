@@ -12,7 +12,7 @@ import pytest
 
 from tandem.block_manager import BlockManager
 from tandem.config import EngineConfig, ModelConfig
-from tandem.sampler import SamplerOutput
+from tandem.sampler import StepOutput
 from tandem.sampling_params import SamplingParams
 from tandem.scheduler import Scheduler
 from tandem.sequence import Sequence, SequenceStatus as St
@@ -47,7 +47,7 @@ def _step(sched: Scheduler, token: int | dict[str, int] = 7) -> list[tuple[str, 
     batch = sched.schedule()
     entries = [(s.request_id, n, batch.samples(i)) for i, (s, n) in enumerate(zip(batch.seqs, batch.num_new_tokens))]
     toks = [token if isinstance(token, int) else token[r] for r, _, samples in entries if samples]
-    updates = sched.update(batch, SamplerOutput(toks, [-0.5] * len(toks)))
+    updates = sched.update(batch, StepOutput([[t] for t in toks], [[-0.5] for _ in toks]))
     assert [u.new_token_ids for u in updates] == [[t] for t in toks]
     return entries
 
@@ -319,7 +319,7 @@ def _random_workload(seed: int) -> None:
         _check_batch_and_kv(sched, batch, kv, host_kv)
         k = sum(batch.samples(i) for i in range(len(batch.seqs)))
         toks = [rng.choice([EOS, 10, 11, 12, 13, 13, 14, 15]) if rng.random() < 0.3 else rng.randint(10, 12) for _ in range(k)]
-        sched.update(batch, SamplerOutput(toks, [0.0] * k))
+        sched.update(batch, StepOutput([[t] for t in toks], [[0.0]] * k))
     else:
         pytest.fail(f"seed {seed}: workload did not drain")
     bm = sched.block_manager

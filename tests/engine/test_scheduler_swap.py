@@ -7,7 +7,7 @@ the random-workload property test, and end to end in test_generate_matches_trans
 from __future__ import annotations
 
 from test_scheduler import _add, _all_free, _sched
-from tandem.sampler import SamplerOutput
+from tandem.sampler import StepOutput
 from tandem.scheduler import Scheduler
 from tandem.sequence import SequenceStatus as St
 
@@ -17,7 +17,7 @@ def _step(sched: Scheduler, token: int | dict[str, int] = 7):
     batch = sched.schedule()
     ids = [s.request_id for i, s in enumerate(batch.seqs) if batch.samples(i)]
     toks = [token if isinstance(token, int) else token[r] for r in ids]
-    sched.update(batch, SamplerOutput(toks, [0.0] * len(toks)))
+    sched.update(batch, StepOutput([[t] for t in toks], [[0.0] for _ in toks]))
     return [(s.request_id, n) for s, n in zip(batch.seqs, batch.num_new_tokens)], batch.swap_out, batch.swap_in
 
 
