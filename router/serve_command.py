@@ -44,10 +44,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
+                        help="draft tokens per decode step by prompt lookup, on every worker (default 0: off)")
     add_limit_args(parser)
 
 
 def worker_args(args: argparse.Namespace) -> dict:
+    """Each worker's engine options from the flags; a bad one refused before any worker starts."""
+    if args.num_speculative_tokens < 0:
+        raise ValueError(f"--num-speculative-tokens must be >= 0, got {args.num_speculative_tokens}")
     worker = dict(model=args.model, dtype=args.dtype, block_size=args.block_size,
                   kv_cache_memory_gib=args.kv_cache_memory_gib, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
@@ -57,6 +62,8 @@ def worker_args(args: argparse.Namespace) -> dict:
         worker["kv_transfer_host"] = args.kv_transfer_host
     if args.kv_checksum:
         worker["kv_checksum"] = True
+    if args.num_speculative_tokens:
+        worker["num_speculative_tokens"] = args.num_speculative_tokens
     return worker
 
 
