@@ -23,7 +23,7 @@ class ColocatedWorker(Worker):
                 request.request_id, request.prompt_token_ids, request.params) and None)
             while not finished:
                 delta = await q.get()
-                finished = delta.finish_reason is not None or delta.error is not None
+                finished = delta.request_finished
                 yield delta
         finally:
             self.loop.close_stream(request.request_id)

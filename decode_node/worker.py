@@ -9,11 +9,13 @@ from typing import Any, AsyncIterator
 import numpy as np
 import torch
 
+from tandem.beam_search import num_candidates
 from tandem.engine import LLMEngine
 from tandem.engine_loop import EngineLoop
 from tandem.kvtransfer.protocol import Destination, TransferStatus
 from tandem.kvtransfer.receiver import DEFAULT_ADDRESS, KVReceiver
 from tandem.model.fingerprint import model_fingerprint
+from tandem.outputs import FirstSample
 from tandem.worker import Worker
 from tandem.worker_api import PoolFull, PrefillResult, Role, StreamDelta, WorkerRequest, checked
 
@@ -45,8 +47,9 @@ class DecodeWorker(Worker):
         return EngineLoop(self.engine, tick=self._tick)
 
     def _held(self, engine: LLMEngine) -> dict[str, int]:
-        scheduled = len(engine.scheduler.waiting) + len(engine.scheduler.running)
-        return dict(num_reserved=len(engine.sequences) - scheduled, num_first_tokens=len(self._first_tokens),
+        sched = engine.scheduler
+        scheduled = {s.request_id for s in (*sched.waiting, *sched.running, *sched.swapped)}
+        return dict(num_reserved=sum(1 for rid in engine.sequences if rid not in scheduled), num_first_tokens=len(self._first_tokens),
                     num_arrived=len(self._arrived), num_pending_transfers=self.receiver.num_pending)
 
     async def reserve(self, request: WorkerRequest) -> Destination:
@@ -77,7 +80,7 @@ class DecodeWorker(Worker):
         try:
             while not finished:
                 delta = await q.get()
-                finished = delta.finish_reason is not None or delta.error is not None
+                finished = delta.request_finished
                 yield delta
         finally:
             self._readers.discard(request_id)
@@ -107,8 +110,18 @@ class DecodeWorker(Worker):
             return  # aborted or failed meanwhile
         if seq.num_output_tokens or first.request_id in self._first_tokens:
             raise ValueError(f"{first.request_id} has its first token already")
-        if not (isinstance(first.first_token_id, int) and 0 <= first.first_token_id < engine.config.model.vocab_size):
-            raise ValueError(f"{first.request_id}: first_token_id {first.first_token_id!r} is not in the vocabulary")
+        params = seq.params
+        num_expected = (num_candidates(params.beam_width, len(engine.config.model.eos_token_ids))
+                        if params.use_beam_search else params.n)
+        vocab_size = engine.config.model.vocab_size
+        if not (isinstance(first.token_ids, list) and len(first.token_ids) == num_expected
+                and all(isinstance(t, int) and 0 <= t < vocab_size for t in first.token_ids)):
+            raise ValueError(f"{first.request_id}: token_ids must be {num_expected} token ids in the vocabulary, "
+                             f"got {first.token_ids!r}")
+        num_states = 0 if params.use_beam_search else num_expected
+        if len(first.logprobs) != num_expected or len(first.generator_states) != num_states:
+            raise ValueError(f"{first.request_id}: need {num_expected} logprobs and {num_states} generator states, "
+                             f"got {len(first.logprobs)} and {len(first.generator_states)}")
         self._first_tokens[first.request_id] = first
         self._start_if_ready(engine, first.request_id)
 
@@ -117,9 +130,10 @@ class DecodeWorker(Worker):
             return
         self._arrived.discard(request_id)
         first = self._first_tokens.pop(request_id)
-        state = None if first.generator_state is None else torch.from_numpy(
-            np.frombuffer(first.generator_state, dtype=np.uint8).copy())
-        self.loop.publish_engine_delta(engine.start_prefilled(request_id, first.first_token_id, first.first_logprob, state))
+        states = [None if s is None else torch.from_numpy(np.frombuffer(s, dtype=np.uint8).copy())
+                  for s in first.generator_states]
+        for delta in engine.start_prefilled(request_id, FirstSample(first.token_ids, first.logprobs, states)):
+            self.loop.publish_engine_delta(delta)
 
     def _tick(self) -> None:
         while (event := self.receiver.get_event(0)) is not None:

@@ -83,7 +83,8 @@ class PrefillWorker(Worker):
         if not (isinstance(num_cached, int) and 0 <= num_cached < destination.num_tokens):
             raise ValueError(f"{request.request_id}: the destination's num_cached_tokens {num_cached!r} is not "
                              f"in [0, {destination.num_tokens})")
-        # One token: the first; the decode worker samples the rest with the request's own params.
+        # One token: the first (of each completion, or the beams' candidates); the decode
+        # worker samples the rest with the request's own params.
         params = dataclasses.replace(request.params, max_tokens=1, stop=())
         if request.request_id in engine.sequences:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
@@ -108,11 +109,13 @@ class PrefillWorker(Worker):
 
     def _on_delta(self, d: RequestDelta) -> None:
         p = self._prefills.get(d.request_id)
-        if p is None or not d.new_token_ids:
+        if p is None or p.result.done():
             return
-        seq = p.seq
-        state = None if seq.generator is None else seq.generator.get_state().numpy().tobytes()
-        result = PrefillResult(d.request_id, seq.token_ids[-1], seq.output_logprobs[-1], state, d.num_cached_tokens)
+        sample = LLMEngine.first_sample(p.seq)
+        if sample is None:
+            return
+        states = [None if s is None else s.numpy().tobytes() for s in sample.generator_states]
+        result = PrefillResult(d.request_id, sample.token_ids, sample.logprobs, states, d.num_cached_tokens)
         p.loop.call_soon_threadsafe(_resolve, p.result, result, None)
 
     def _tick(self) -> None:

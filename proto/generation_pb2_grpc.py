@@ -52,7 +52,7 @@ class GenerationServicer:
     """
 
     def Generate(self, request, context):
-        """Generate a completion, one GenerateResponse per step. Errors:
+        """Generate sampling.n completions (default 1), one GenerateResponse per step of each. Errors:
         INVALID_ARGUMENT    bad input; the details name the field (e.g. "sampling.temperature ...")
         RESOURCE_EXHAUSTED  every worker's queue or KV pool is full: retry later
         UNAVAILABLE         no healthy worker

@@ -36,7 +36,9 @@ class Backend(Protocol):
 
     def generate(self, request_id: str, prompt_token_ids: list[int],
                  params: SamplingParams) -> AsyncGenerator[StreamDelta, None]:
-        """Stream a request's deltas, the last one with finish_reason set.
+        """Stream a request's deltas until the one with ``request_finished``. With n > 1 the
+        completions' deltas interleave (``StreamDelta.index``), each completion's last one
+        with its own finish_reason.
 
         Raises Overloaded or NoHealthyWorker (WorkerFailed when a worker serving it died or
         hung: deltas never carry `error` out of a backend); ValueError for a request the

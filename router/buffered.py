@@ -19,24 +19,43 @@ MAX_RERUNS = 2
 
 
 def merged(deltas: list[StreamDelta]) -> StreamDelta:
-    """One delta holding a run's whole output (its last delta carries the finish)."""
+    """One delta holding one completion's whole output (its last delta carries the finish)."""
     last = deltas[-1]
     logprobs = [p for d in deltas for p in d.logprobs or ()] if any(d.logprobs is not None for d in deltas) else None
     return dataclasses.replace(last, token_ids=[t for d in deltas for t in d.token_ids],
                                text="".join(d.text for d in deltas), logprobs=logprobs)
 
 
+def merged_by_index(deltas: list[StreamDelta]) -> list[StreamDelta]:
+    """A run's deltas -> one merged delta per completion, in index order, each carrying the
+    run's total num_output_tokens (the last delta's). When the run finished, num_unfinished
+    counts down to 0 on the last, so that only it is the request's finish; a run that did
+    not finish keeps its counts (none looks finished), and a failed one is its error delta."""
+    if not deltas or deltas[-1].error is not None:
+        return deltas[-1:]
+    by_index: dict[int, list[StreamDelta]] = {}
+    for delta in deltas:
+        by_index.setdefault(delta.index, []).append(delta)
+    last = deltas[-1]
+    indexes = sorted(by_index)
+    return [dataclasses.replace(merged(by_index[index]), num_output_tokens=last.num_output_tokens,
+                                num_unfinished=(len(indexes) - 1 - position if last.request_finished
+                                                else by_index[index][-1].num_unfinished))
+            for position, index in enumerate(indexes)]
+
+
 async def generate_buffered(backend: Backend, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                             on_rerun: Callable[[], None]) -> AsyncIterator[StreamDelta]:
-    """backend.generate, yielding one merged delta once the request finished. WorkerFailed
-    runs it again (up to MAX_RERUNS times, while the backend is ready); on_rerun counts it."""
+    """backend.generate, yielding one merged delta per completion (see merged_by_index) once
+    the request finished. WorkerFailed runs it again (up to MAX_RERUNS times, while the
+    backend is ready); on_rerun counts it."""
     for run in range(MAX_RERUNS + 1):
         deltas: list[StreamDelta] = []
         stream = backend.generate(request_id, prompt_token_ids, params)
         try:
             async for delta in stream:
                 deltas.append(delta)
-                if delta.finish_reason is not None:
+                if delta.request_finished:
                     break
         except WorkerFailed as e:
             if run == MAX_RERUNS or not backend.is_ready():
@@ -46,6 +65,6 @@ async def generate_buffered(backend: Backend, request_id: str, prompt_token_ids:
             continue
         finally:
             await stream.aclose()  # what aborts the run on the workers, if it ended early
-        if deltas:
-            yield merged(deltas)
+        for delta in merged_by_index(deltas):
+            yield delta
         return

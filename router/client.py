@@ -15,12 +15,15 @@ DEFAULT_SERVER = "127.0.0.1:50051"
 
 def build_request(prompt: str, *, chat: bool = False, request_id: str = "", max_tokens: int | None = None,
                   temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                  seed: int | None = None, stop: list[str] | None = None, logprobs: bool = False) -> pb.GenerateRequest:
+                  seed: int | None = None, stop: list[str] | None = None, logprobs: bool = False,
+                  n: int | None = None, use_beam_search: bool | None = None, beam_width: int | None = None,
+                  length_penalty: float | None = None) -> pb.GenerateRequest:
     """A GenerateRequest for one prompt: plain text, or (``chat``) one user message rendered
     with the model's chat template. None leaves a sampling field unset (the server's default)."""
     sampling = pb.SamplingParams(stop=stop or [])
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
-                        ("top_k", top_k), ("seed", seed)):
+                        ("top_k", top_k), ("seed", seed), ("n", n), ("use_beam_search", use_beam_search),
+                        ("beam_width", beam_width), ("length_penalty", length_penalty)):
         if value is not None:
             setattr(sampling, name, value)
     if logprobs:

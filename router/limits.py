@@ -36,6 +36,9 @@ class RequestLimits:
     """Most characters in one stop string."""
     max_stop_token_ids: int = 64
     """Most entries of ``sampling.stop_token_ids``."""
+    max_completions: int = 16
+    """Most completions per request: ``sampling.n``, and with beam search ``sampling.beam_width``
+    (each completion or beam is a sequence that takes a batch slot and KV blocks of its own)."""
     max_concurrent_requests: int = 4096
     """Most Generate calls in progress at once, waiting ones included; past it a new call gets
     RESOURCE_EXHAUSTED at once (what bounds the router's and the workers' queues under overload)."""
@@ -81,6 +84,8 @@ _FLAGS = (
     ("--max-stop-strings", "max_stop_strings", "most stop strings per request (default 16)"),
     ("--max-stop-string-length", "max_stop_string_length", "most characters per stop string (default 256)"),
     ("--max-stop-token-ids", "max_stop_token_ids", "most stop token ids per request (default 64)"),
+    ("--max-completions", "max_completions",
+     "most completions per request: sampling.n, and beam_width with beam search (default 16)"),
     ("--max-concurrent-requests", "max_concurrent_requests",
      "most Generate calls in progress at once; past it RESOURCE_EXHAUSTED (default 4096)"),
 )

@@ -291,7 +291,7 @@ class RayBackend:
                     raise WorkerFailed(f"{request.request_id}: the prefill worker is gone: {died[0]}")
                 if delta.finish_reason == "abort" and phase is not None and phase.done() and phase.exception():
                     raise NoHealthyWorker(f"{request.request_id}: prefill failed: {phase.exception()}")
-                finished = delta.finish_reason is not None
+                finished = delta.request_finished  # with n > 1, each completion finishes on its own
                 yield delta
                 if finished:
                     return

@@ -110,11 +110,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     raise NoHealthyWorker(f"request {request_id} failed on the workers: {delta.error}")
                 yield _response(request_id, delta)
                 timer.tokens_sent(len(delta.token_ids))
-                if delta.finish_reason is not None:
+                if delta.request_finished:  # with n > 1, each completion's finish comes before it
                     finished = delta
                     break
             if finished is None:
-                error = (grpc.StatusCode.INTERNAL, "the workers ended the stream without a finish reason")
+                error = (grpc.StatusCode.INTERNAL, "the workers ended the stream before every completion finished")
                 logger.error("request %s: %s", request_id, error[1])
         except Exception as e:  # noqa: BLE001 - every failure must reach the client as a status
             error = _status_of(request_id, e)
@@ -137,7 +137,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(*error)
         self._metrics.ended(grpc.StatusCode.OK, rejected=False)
         self._metrics.finished(finished.finish_reason, finished.num_prompt_tokens, finished.num_output_tokens)
-        timer.finished(finished.num_output_tokens)
+        timer.finished(finished.num_output_tokens // params.n)  # TPOT is per sequence: n decode side by side
         logger.info("request %s: %s, %d prompt + %d output tokens in %.3f s", request_id, finished.finish_reason,
                     finished.num_prompt_tokens, finished.num_output_tokens, time.perf_counter() - timer.arrival)
 
@@ -167,11 +167,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
 
 def _response(request_id: str, delta: StreamDelta) -> pb.GenerateResponse:
-    response = pb.GenerateResponse(request_id=request_id, text=delta.text, token_ids=delta.token_ids)
+    """A delta as the client sees it: finish_reason on each completion's last message, usage
+    (every completion's tokens) on the request's last only."""
+    response = pb.GenerateResponse(request_id=request_id, text=delta.text, token_ids=delta.token_ids,
+                                   index=delta.index)
     if delta.logprobs is not None:
         response.logprobs.extend(delta.logprobs)
     if delta.finish_reason is not None:
         response.finish_reason = _FINISH_REASONS[delta.finish_reason]
+    if delta.request_finished:
         response.usage.prompt_tokens = delta.num_prompt_tokens
         response.usage.completion_tokens = delta.num_output_tokens
     return response

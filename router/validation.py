@@ -28,7 +28,8 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 # "SamplingParams.top_p must be in (0, 1], got 2.0" -> field "top_p".
 _SAMPLING_ERROR_RE = re.compile(r"^SamplingParams\.(\w+) (.*)$", re.DOTALL)
 # The proto's optional scalars, by SamplingParams field name.
-_OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "logprobs")
+_OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "logprobs",
+                             "n", "use_beam_search", "beam_width", "length_penalty")
 
 
 class ValidRequest(NamedTuple):
@@ -102,6 +103,7 @@ def sampling_params_from(sampling: pb.SamplingParams, vocab_size: int,
     if len(sampling.stop_token_ids) > limits.max_stop_token_ids:
         raise invalid("sampling.stop_token_ids", f"{len(sampling.stop_token_ids)} ids, more than the limit "
                                                  f"max_stop_token_ids={limits.max_stop_token_ids}")
+    _check_completions(sampling, limits)
     kwargs: dict[str, object] = {
         name: getattr(sampling, name) for name in _OPTIONAL_SAMPLING_FIELDS if sampling.HasField(name)
     }
@@ -119,6 +121,18 @@ def sampling_params_from(sampling: pb.SamplingParams, vocab_size: int,
         if token_id >= vocab_size:
             raise invalid(f"sampling.stop_token_ids[{i}]", f"{token_id} is outside the vocabulary [0, {vocab_size})")
     return params
+
+
+def _check_completions(sampling: pb.SamplingParams, limits: RequestLimits) -> None:
+    """n, and beam_width with beam search, within max_completions (SamplingParams checks the rest)."""
+    most = limits.max_completions
+    if sampling.n > most:
+        raise invalid("sampling.n", f"{sampling.n} completions, more than the limit max_completions={most}")
+    # beam_width is only used (and only costs) with beam search; unset, it is the default's.
+    width = sampling.beam_width if sampling.HasField("beam_width") else SamplingParams.beam_width
+    if sampling.use_beam_search and width > most:
+        default = "" if sampling.HasField("beam_width") else " (the default)"
+        raise invalid("sampling.beam_width", f"{width} beams{default}, more than the limit max_completions={most}")
 
 
 def shown(text: str, most: int = 40) -> str:

@@ -1,4 +1,5 @@
-"""The KV block pool: free list, reference counts, block tables and prefix caching.
+"""The KV block pool: free list, reference counts, block tables, prefix caching and
+copy-on-write for blocks that forked sequences share.
 
 Mechanism only: the scheduler decides who gets blocks; this module keeps the books.
 """
@@ -86,14 +87,24 @@ class BlockManager:
         needed = self.num_blocks_for(num_computed + num_new_tokens) - num_held
         # Cached blocks with no owner sit in the free list: taking them uses it up too.
         revived = sum(1 for b in cached_block_ids if self.ref_counts[b] == 0)
-        return max(needed, 0) + revived
+        return max(needed, 0) + revived + len(self._shared_written(seq))
+
+    def _shared_written(self, seq: Sequence) -> list[int]:
+        """Positions in ``seq``'s block table of blocks it shares and will write next (from
+        its first uncomputed token on): each must be copied first."""
+        first = seq.num_computed_tokens // self.block_size
+        return [i for i in range(first, len(seq.block_ids)) if self.ref_counts[seq.block_ids[i]] > 1]
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int, cached_block_ids: Seq[int] = ()) -> bool:
         return self.num_new_blocks(seq, num_new_tokens, cached_block_ids) <= self.num_free_blocks
 
-    def allocate(self, seq: Sequence, num_new_tokens: int, cached_block_ids: Seq[int] = ()) -> None:
+    def allocate(self, seq: Sequence, num_new_tokens: int, cached_block_ids: Seq[int] = ()) -> list[tuple[int, int]]:
         """Give ``seq`` the cached prefix blocks (first admission) and enough new blocks
-        for ``num_new_tokens`` more tokens. Call :meth:`can_allocate` first."""
+        for ``num_new_tokens`` more tokens; a shared block it will write is replaced by a
+        private copy (copy-on-write). Call :meth:`can_allocate` first.
+
+        -> (source, destination) block pairs whose contents must be copied before ``seq``'s
+        next forward writes them."""
         if not self.can_allocate(seq, num_new_tokens, cached_block_ids):
             raise RuntimeError(f"not enough free KV blocks for {seq.request_id}")
         assert not cached_block_ids or not seq.block_ids, "prefix hits only at first admission"
@@ -105,9 +116,26 @@ class BlockManager:
         if cached_block_ids:
             seq.num_computed_tokens = len(seq.block_ids) * self.block_size
             seq.block_hashes = [self.block_hash[b] for b in seq.block_ids]  # type: ignore[misc]
+        copies = []
+        for i in self._shared_written(seq):
+            shared = seq.block_ids[i]
+            # NOTE: the other holders keep it, so it cannot be handed out before the copy runs.
+            self.ref_counts[shared] -= 1
+            seq.block_ids[i] = self._take_free_block()
+            copies.append((shared, seq.block_ids[i]))
         num_needed = self.num_blocks_for(seq.num_computed_tokens + num_new_tokens) - len(seq.block_ids)
         for _ in range(num_needed):
             seq.block_ids.append(self._take_free_block())
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Let ``child`` (holding no blocks) share every block of ``parent``: whichever
+        then writes a shared block first copies it (see :meth:`allocate`)."""
+        assert not child.block_ids, f"{child.request_id} already holds blocks"
+        for block_id in parent.block_ids:
+            self.ref_counts[block_id] += 1
+        child.block_ids = list(parent.block_ids)
+        child.block_hashes = list(parent.block_hashes)
 
     def free(self, seq: Sequence) -> None:
         """Drop ``seq``'s references; blocks nobody holds go back to the free list."""

@@ -70,23 +70,39 @@ def chat(args: argparse.Namespace) -> int:
 
 
 def generate(args: argparse.Namespace) -> int:
-    """Stream one completion from a running router to stdout; usage to stderr at the end."""
+    """Stream one completion from a running router to stdout; usage to stderr at the end.
+    With --n > 1 each completion is printed whole, under a header with its index, as soon as
+    it finishes (their tokens arrive interleaved)."""
     import grpc
 
+    from tandem.proto import generation_pb2 as pb
     from tandem.router.client import FINISH_REASON_NAMES, GenerationClient, build_request, describe_error
 
+    temperature = args.temperature
+    if args.beam_search and temperature is None:
+        temperature = 0.0  # beam search is deterministic: the server refuses its default 1.0
     request = build_request(
-        args.prompt, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature,
-        top_p=args.top_p, top_k=args.top_k, seed=args.seed,
+        args.prompt, chat=args.chat, max_tokens=args.max_tokens, temperature=temperature,
+        top_p=args.top_p, top_k=args.top_k, seed=args.seed, n=args.n,
+        use_beam_search=True if args.beam_search else None, beam_width=args.beam_width,
     )
+    several = (args.n or 1) > 1
     with GenerationClient(args.server) as client:
         call = client.generate(request, timeout=args.timeout)
         last = None
+        texts: dict[int, list[str]] = {}
         try:
             for response in call:
+                last = response
+                if several:
+                    texts.setdefault(response.index, []).append(response.text)
+                    if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:  # the completion's last message
+                        reason = FINISH_REASON_NAMES.get(response.finish_reason, "unknown")
+                        print(f"--- [{response.index}] finish_reason={reason}\n{''.join(texts.pop(response.index))}",
+                              flush=True)
+                    continue
                 sys.stdout.write(response.text)
                 sys.stdout.flush()
-                last = response
         except grpc.RpcError as e:
             print(file=sys.stdout)
             print(f"tandem: error: {describe_error(e)}", file=sys.stderr)
@@ -95,8 +111,10 @@ def generate(args: argparse.Namespace) -> int:
             call.cancel()  # the server aborts the request on the workers
             print(file=sys.stdout)
             return 130
-    print()
+    if not several:
+        print()
     if last is not None and last.HasField("usage"):
+        # With n > 1 each completion's finish_reason was printed with it; this is the last one's.
         reason = FINISH_REASON_NAMES.get(last.finish_reason, "unknown")
         print(f"[{last.request_id}] finish_reason={reason} prompt_tokens={last.usage.prompt_tokens} "
               f"completion_tokens={last.usage.completion_tokens}", file=sys.stderr)
@@ -150,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--n", type=int, default=None, help="completions to return (default 1); with --beam-search the n best")
+    p.add_argument("--beam-search", action="store_true", help="beam search instead of sampling (temperature 0 unless set)")
+    p.add_argument("--beam-width", type=int, default=None, help="beams kept per step with --beam-search (default: the server's)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     p.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
     p.set_defaults(func=generate)

@@ -2,23 +2,24 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import logging
 from typing import Callable
 
-import torch
-
+from tandem import beam_search
 from tandem.block_manager import BlockManager
 from tandem.config import EngineConfig
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.engine_observer import EngineObserver
 from tandem.model.llama import LlamaModel
 from tandem.model_runner import ModelRunner
-from tandem.outputs import RequestDelta
+from tandem.outputs import FirstSample, RequestDelta
 from tandem.sampling_params import SamplingParams
 from tandem.scheduler import ScheduledBatch, Scheduler
-from tandem.sequence import Sequence, SequenceStatus
+from tandem.sequence import Sequence, SequenceStatus, SequenceUpdate
+from tandem.sequence_group import SequenceGroup
 
 logger = logging.getLogger(__name__)
 
@@ -70,33 +71,61 @@ class LLMEngine:
         seq.num_cached_prompt_tokens = num_cached_tokens
         return list(seq.block_ids)
 
-    def start_prefilled(self, request_id: str, first_token_id: int, first_logprob: float,
-                        generator_state: torch.Tensor | None) -> RequestDelta:
-        """The prompt KV of a reserved request has arrived and its first token was sampled:
-        it joins the running batch (unless that token already ends it)."""
+    def start_prefilled(self, request_id: str, sample: FirstSample) -> list[RequestDelta]:
+        """The prompt KV of a reserved request has arrived and its first sample was drawn
+        elsewhere: it joins the running batch (unless that sample already ends it)."""
         seq = self.sequences[request_id]
         seq.num_computed_tokens = len(seq.prompt_token_ids)
         self.block_manager.cache_full_blocks(seq)
-        if seq.generator is not None and generator_state is not None:
-            seq.generator.set_state(generator_state)
+        for target, state in zip(self._first_sample_targets(seq), sample.generator_states):
+            if target.generator is not None and state is not None:
+                target.generator.set_state(state)
         self.scheduler.add_running(seq)
-        u = self.scheduler.append_token(seq, first_token_id, first_logprob)
-        if self.observer is not None:
-            self.observer.on_first_token(seq)
-        if seq.status.is_finished:
-            self._remove(seq)
-        return self._delta(seq, u.new_token_ids, u.new_text, u.new_logprobs)
+        outputs = ([(sample.token_ids, sample.logprobs)] if seq.params.use_beam_search
+                   else [([t], [lp]) for t, lp in zip(sample.token_ids, sample.logprobs)])
+        return self._deltas(self.scheduler.advance(seq, outputs))
+
+    @staticmethod
+    def first_sample(seq: Sequence) -> FirstSample | None:
+        """What the prompt's first sample drew for ``seq``'s request (for a decode worker's
+        start_prefilled), or None before it has. Call right after the step that drew it:
+        the generators' states are read now."""
+        if seq.params.use_beam_search:
+            candidates = seq.group.first_candidates
+            return None if candidates is None else FirstSample(*candidates, [])
+        if not seq.output_token_ids:
+            return None
+        targets = [seq] if seq.group is None else seq.group.completions
+        return FirstSample([s.output_token_ids[0] for s in targets], [s.output_logprobs[0] for s in targets],
+                           [None if s.generator is None else s.generator.get_state() for s in targets])
+
+    @staticmethod
+    def _first_sample_targets(seq: Sequence) -> list[Sequence]:
+        """The sequences a prompt's first sample draws for (FirstSample's order)."""
+        if seq.group is None or seq.params.use_beam_search:
+            return [seq]
+        return seq.group.completions
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         if request_id in self.sequences:
             raise ValueError(f"request_id {request_id!r} is already in use")
         self.check_prompt(prompt_token_ids)
-        detokenizer = None
-        if self.tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop)
-        seq = Sequence(request_id, prompt_token_ids, params, next(self._arrivals), detokenizer)
+        new_detokenizer = functools.partial(self._new_detokenizer, params)
+        arrival_index = next(self._arrivals)
+        seq = Sequence(request_id, prompt_token_ids, params, arrival_index, new_detokenizer())
+        if params.use_beam_search:
+            num_candidates = beam_search.num_candidates(params.beam_width, len(self.config.model.eos_token_ids))
+            SequenceGroup(seq, [], beam_search.BeamSearch(params.beam_width, params.length_penalty, num_candidates),
+                          new_detokenizer)
+        elif params.n > 1:
+            forks = [Sequence(request_id, prompt_token_ids, params, arrival_index, new_detokenizer(), i)
+                     for i in range(1, params.n)]
+            SequenceGroup(seq, forks, None, new_detokenizer)
         self.sequences[request_id] = seq
         return seq
+
+    def _new_detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
+        return None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, params.stop)
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raise ValueError if this prompt could never run on this engine."""
@@ -122,6 +151,8 @@ class LLMEngine:
             )
 
     def abort_request(self, request_id: str) -> RequestDelta | None:
+        """End a request wherever it is. -> its last delta (finish_reason ABORT), or None
+        when it is not here."""
         seq = self.scheduler.abort(request_id)
         if seq is None:
             seq = self.sequences.get(request_id)
@@ -131,7 +162,7 @@ class LLMEngine:
             self.block_manager.free(seq)
             seq.status = SequenceStatus.FINISHED_ABORTED
         self._remove(seq)
-        return self._delta(seq, [], "", [])
+        return dataclasses.replace(self._delta(seq, [], "", []), num_unfinished=0)
 
     @property
     def has_unfinished(self) -> bool:
@@ -146,13 +177,17 @@ class LLMEngine:
         if self.observer is not None:
             self.observer.on_step(batch)
         sampled = self.runner.run(batch, None if layer_hook is None else functools.partial(layer_hook, batch))
+        return self._deltas(self.scheduler.update(batch, sampled))
+
+    def _deltas(self, updates: list[SequenceUpdate]) -> list[RequestDelta]:
         deltas = []
-        for u in self.scheduler.update(batch, sampled):
-            deltas.append(self._delta(u.seq, u.new_token_ids, u.new_text, u.new_logprobs))
+        for u in updates:
+            delta = self._delta(u.seq, u.new_token_ids, u.new_text, u.new_logprobs)
+            deltas.append(delta)
             # A speculative step may add the first token and more after it.
-            if self.observer is not None and u.seq.num_output_tokens == len(u.new_token_ids):
+            if self.observer is not None and u.seq.index == 0 and u.seq.num_output_tokens == len(u.new_token_ids):
                 self.observer.on_first_token(u.seq)
-            if u.seq.status.is_finished:
+            if delta.request_finished:
                 self._remove(u.seq)
         return deltas
 
@@ -163,6 +198,12 @@ class LLMEngine:
             self.observer.on_finished(seq)
 
     def _delta(self, seq: Sequence, token_ids: list[int], text: str, logprobs: list[float]) -> RequestDelta:
+        group = seq.group
+        num_unfinished = 0 if seq.status.is_finished else 1
+        if group is not None:
+            group.num_open -= seq.status.is_finished
+            num_unfinished = group.num_open
+            group.done = group.num_open == 0
         return RequestDelta(
             request_id=seq.request_id,
             new_token_ids=token_ids,
@@ -170,6 +211,8 @@ class LLMEngine:
             new_logprobs=logprobs if seq.params.logprobs else None,
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
-            num_output_tokens=seq.num_output_tokens,
+            num_output_tokens=seq.num_output_tokens if group is None else group.num_output_tokens,
             num_cached_tokens=seq.num_cached_prompt_tokens,
+            index=seq.index,
+            num_unfinished=num_unfinished,
         )

@@ -1,4 +1,5 @@
-"""Copies whole KV blocks between the device cache and a host cache of the same layout.
+"""Copies whole KV blocks between the device cache and a host cache of the same layout, and
+inside the device cache (copy-on-write of a shared block).
 
 Mechanism only: which blocks move, and where to, comes from the scheduler
 (``ScheduledBatch.swap_out`` / ``swap_in``). On a CPU-only machine the "device" cache is
@@ -42,6 +43,15 @@ class KVSwapper:
         blocks = self.host_cache.index_select(BLOCK_DIM, self._ids(host_ids, self.host_cache.device))
         device = self.device_cache.device
         self.device_cache.index_copy_(BLOCK_DIM, self._ids(device_ids, device), blocks.to(device))
+
+    def copy(self, block_pairs: list[tuple[int, int]]) -> None:
+        """Copy device blocks to other device blocks: pairs of (source, destination)."""
+        if not block_pairs:
+            return
+        src_ids, dst_ids = zip(*block_pairs)
+        device = self.device_cache.device
+        blocks = self.device_cache.index_select(BLOCK_DIM, self._ids(src_ids, device))
+        self.device_cache.index_copy_(BLOCK_DIM, self._ids(dst_ids, device), blocks)
 
     @staticmethod
     def _ids(block_ids: tuple[int, ...], device: torch.device) -> torch.Tensor:

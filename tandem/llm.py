@@ -117,7 +117,7 @@ class LLM:
             while not finished:
                 for delta in self.engine.step():
                     if delta.request_id == request_id:
-                        finished = delta.finished
+                        finished = delta.request_finished
                         yield delta
         finally:
             if not finished:
@@ -149,7 +149,7 @@ class LLM:
                 for delta in self.engine.step():
                     if delta.request_id in outputs:
                         outputs[delta.request_id].add(delta)
-                        progress.update(delta.finished)
+                        progress.update(delta.request_finished)
         finally:
             progress.close()
             for request_id, out in outputs.items():

@@ -12,6 +12,7 @@ from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kv_swap import KVSwapper
 from tandem.model.llama import LlamaModel
 from tandem.sampler import Sampler, StepOutput
+from tandem.sampling_params import SamplingParams
 from tandem.scheduler import ScheduledBatch
 from tandem.spec_verify import sample_step
 
@@ -30,8 +31,12 @@ class ModelRunner:
         self.sampler = Sampler()
 
     def swap(self, batch: ScheduledBatch) -> None:
-        """Copy the blocks the scheduler swaps out, then those it swaps in; before the
-        step's forward, which may write into device blocks that were just swapped out."""
+        """Copy shared blocks the step writes (copy-on-write), then the blocks the scheduler
+        swaps out, then those it swaps in; before the step's forward, which may write into
+        device blocks that were just swapped out. NOTE: in that order: a preemption later in
+        the same schedule may free (and hand out again) a copy's source, or swap out its
+        destination."""
+        self.swapper.copy(batch.copies)
         self.swapper.swap_out(batch.swap_out)
         self.swapper.swap_in(batch.swap_in)
 
@@ -39,10 +44,24 @@ class ModelRunner:
         """on_layer_stored: see LlamaModel.forward."""
         input_ids, positions, meta, logits_indices = self.prepare(batch)
         logits = self.model.forward(input_ids, positions, self.kv_cache, meta, logits_indices, on_layer_stored)
-        sampled = [i for i in range(len(batch.seqs)) if batch.samples(i)]
-        seqs = [batch.seqs[i] for i in sampled]
-        drafts = [batch.draft_token_ids[i] if batch.draft_token_ids else [] for i in sampled]
-        return sample_step(self.sampler, logits, [s.params for s in seqs], [s.generator for s in seqs], drafts)
+        # Each sample target draws from its entry's rows: a root's forks share the root's.
+        rows: list[int] = []
+        params: list[SamplingParams] = []
+        generators: list[torch.Generator | None] = []
+        drafts: list[list[int]] = []
+        offset = 0
+        for i in range(len(batch.seqs)):
+            if not batch.samples(i):
+                continue
+            num_rows = 1 + batch.num_drafts(i)
+            for target in batch.sample_targets(i):
+                rows.extend(range(offset, offset + num_rows))
+                params.append(target.params)
+                generators.append(target.generator)
+                drafts.append(batch.draft_token_ids[i] if batch.draft_token_ids else [])
+            offset += num_rows
+        return sample_step(self.sampler, logits[torch.tensor(rows, dtype=torch.long)], params, generators, drafts,
+                           len(self.config.model.eos_token_ids))
 
     def prepare(self, batch: ScheduledBatch):
         """-> (input_ids [T], positions [T], AttentionMetadata, logits_indices [L]): one

@@ -29,8 +29,9 @@ class SamplerOutput:
 
 @dataclass(frozen=True)
 class StepOutput:
-    """What one step added to each entry that samples, in batch order: one token, or with
-    speculation the accepted draft tokens and then one token of the target's own."""
+    """What one step drew for each sample target, in batch order: one token, or with
+    speculation the accepted draft tokens and then one token of the target's own, or with
+    beam search the top candidates (best first, with their log-probabilities)."""
 
     token_ids: list[list[int]]
     logprobs: list[list[float]]

@@ -34,6 +34,17 @@ class SamplingParams:
     """Keep generating past the EOS token."""
     logprobs: bool = False
     """Return the log-probability of each chosen token under the model's distribution."""
+    n: int = 1
+    """Completions to return. Sampled completions share the prompt's KV blocks (copy-on-write);
+    completion i draws from the generator seeded ``seed + i``, so it equals a request with that
+    seed alone. With beam search: the n best beams, n <= beam_width."""
+    use_beam_search: bool = False
+    """Beam search (transformers' algorithm, early_stopping=False) instead of sampling:
+    deterministic, so temperature must be 0 and the other filters off."""
+    beam_width: int = 4
+    """Beams kept at each step (beam search only)."""
+    length_penalty: float = 1.0
+    """A finished beam's score is its summed log-probability divided by its length to this power."""
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -57,6 +68,26 @@ class SamplingParams:
                "stop", "must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", "must be non-negative integers")
+        _check(isinstance(self.n, int) and not isinstance(self.n, bool) and self.n >= 1,
+               "n", f"must be an integer >= 1, got {self.n!r}")
+        _check(isinstance(self.beam_width, int) and not isinstance(self.beam_width, bool) and self.beam_width >= 1,
+               "beam_width", f"must be an integer >= 1, got {self.beam_width!r}")
+        _check(_is_real(self.length_penalty), "length_penalty", f"must be a finite number, got {self.length_penalty!r}")
+        if self.use_beam_search:
+            _check(self.n <= self.beam_width, "n", f"must be <= beam_width ({self.beam_width}) with beam search, "
+                   f"got {self.n}")
+            _check(self.temperature == 0 and self.top_p == 1 and self.top_k in (-1, 0) and self.min_p == 0,
+                   "temperature", "must be 0, with top_p, top_k and min_p off, for beam search (it is deterministic)")
+            _check(not self.stop, "stop", "is not supported with beam search (use stop_token_ids)")
+
+    @property
+    def num_completions(self) -> int:
+        """Sequences that sample at once: n, or beam_width with beam search."""
+        return self.beam_width if self.use_beam_search else self.n
+
+    def completion_seed(self, index: int) -> int | None:
+        """The seed of completion ``index``'s generator (None: unseeded)."""
+        return None if self.seed is None else self.seed + index
 
     @property
     def is_greedy(self) -> bool:

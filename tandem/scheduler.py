@@ -13,11 +13,12 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from tandem.beam_stepper import BeamStepper
 from tandem.block_manager import BlockManager
 from tandem.config import EngineConfig
 from tandem.preemption import should_swap
 from tandem.sampler import StepOutput
-from tandem.sequence import Sequence, SequenceStatus
+from tandem.sequence import Sequence, SequenceStatus, SequenceUpdate
 from tandem.speculation import Speculator
 from tandem.swap_pool import SwapPool
 
@@ -42,6 +43,9 @@ class ScheduledBatch:
     """(host block id, device block id) pairs to copy host -> device."""
     draft_token_ids: list[list[int]] = field(default_factory=list)
     """Per entry (or empty: no entry has drafts)."""
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    """(source, destination) device block pairs to copy first: shared blocks an entry
+    writes (copy-on-write)."""
 
     def num_drafts(self, i: int) -> int:
         return len(self.draft_token_ids[i]) if self.draft_token_ids else 0
@@ -60,15 +64,13 @@ class ScheduledBatch:
         seq = self.seqs[i]
         return seq.num_computed_tokens + self.num_new_tokens[i] - self.num_drafts(i) == seq.num_tokens
 
-
-@dataclass(frozen=True)
-class SequenceUpdate:
-    """What one step added to a sequence: a token (or several, with speculation), its text, maybe the end."""
-
-    seq: Sequence
-    new_token_ids: list[int]
-    new_text: str
-    new_logprobs: list[float]
+    def sample_targets(self, i: int) -> list[Sequence]:
+        """The sequences that sample from entry i's logits: none (a prefill chunk), the
+        entry's own, or also its dormant forks (a root's first sample, n > 1)."""
+        if not self.samples(i):
+            return []
+        seq = self.seqs[i]
+        return [seq, *seq.group.forks] if seq.group is not None and seq is seq.group.root else [seq]
 
 
 class Scheduler:
@@ -84,6 +86,7 @@ class Scheduler:
         self.num_swapped_out_blocks = 0
         self.num_swapped_in_blocks = 0
         self.speculator = Speculator(config, block_manager)
+        self.beam_stepper = BeamStepper(self)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -99,6 +102,7 @@ class Scheduler:
         draft_token_ids: dict[int, list[int]] = {}
         swap_out: list[tuple[int, int]] = []
         swap_in: list[tuple[int, int]] = []
+        copies: list[tuple[int, int]] = []
         preempted = False
 
         # Running sequences first, oldest first; the newest unscheduled one gives way when
@@ -110,8 +114,8 @@ class Scheduler:
         for seq in decodes_first:
             if budget <= 0:
                 break
-            if seq.status != SequenceStatus.RUNNING:
-                continue  # preempted for an earlier one
+            if seq.status != SequenceStatus.RUNNING or seq.num_uncomputed_tokens == 0:
+                continue  # preempted for an earlier one, or a beam waiting for the others
             drafts = self.speculator.propose(seq, budget)
             n = min(seq.num_uncomputed_tokens, budget) + len(drafts)
             while not bm.can_allocate(seq, n):
@@ -123,7 +127,7 @@ class Scheduler:
                     break
             if seq.status != SequenceStatus.RUNNING:
                 break
-            bm.allocate(seq, n)
+            copies += bm.allocate(seq, n)
             entries.append((seq, n))
             draft_token_ids[id(seq)] = drafts
             scheduled.add(id(seq))
@@ -166,26 +170,53 @@ class Scheduler:
 
         entries.sort(key=lambda e: e[1] != 1)  # stable: decodes first, then prefill chunks
         return ScheduledBatch([s for s, _ in entries], [n for _, n in entries], swap_out, swap_in,
-                              [draft_token_ids.get(id(s), []) for s, _ in entries])
+                              [draft_token_ids.get(id(s), []) for s, _ in entries], copies)
 
     def update(self, batch: ScheduledBatch, sampled: StepOutput) -> list[SequenceUpdate]:
         """Advance every scheduled sequence past the step that just ran."""
         updates: list[SequenceUpdate] = []
         num_sampled = 0
         for i, seq in enumerate(batch.seqs):
-            samples = batch.samples(i)
+            num_targets = len(batch.sample_targets(i))
+            outputs = list(zip(sampled.token_ids[num_sampled:num_sampled + num_targets],
+                               sampled.logprobs[num_sampled:num_sampled + num_targets]))
+            num_sampled += num_targets
             if seq.status.is_finished:  # aborted while its step ran: nothing to advance
-                num_sampled += samples
                 continue
             # NOTE: drafts count as computed only once accepted (append_tokens).
             seq.num_computed_tokens += batch.num_new_tokens[i] - batch.num_drafts(i)
             self.block_manager.cache_full_blocks(seq)
-            if not samples:
-                continue  # a prefill chunk short of the prompt's end
-            updates.append(self.append_tokens(seq, sampled.token_ids[num_sampled], sampled.logprobs[num_sampled],
-                                              batch.num_drafts(i)))
-            num_sampled += 1
+            if outputs:  # else a prefill chunk short of the prompt's end
+                updates += self.advance(seq, outputs, batch.num_drafts(i))
         return updates
+
+    def advance(self, seq: Sequence, outputs: list[tuple[list[int], list[float]]],
+                num_drafts: int = 0) -> list[SequenceUpdate]:
+        """Move ``seq``, computed up to its last token, past what was sampled from its
+        logits: per sample target (see ScheduledBatch.sample_targets), its tokens and
+        log-probabilities, or with beam search its top candidates."""
+        group = seq.group
+        if group is not None and group.beam is not None:
+            return self.beam_stepper.advance(seq, outputs[0])
+        forks = group.take_forks() if group is not None and seq is group.root else []
+        for fork in forks:
+            self.fork(seq, fork)
+        return [self.append_tokens(s, token_ids, logprobs, num_drafts)
+                for s, (token_ids, logprobs) in zip([seq, *forks], outputs)]
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Run ``child`` from where ``parent`` is, on its blocks (copy-on-write)."""
+        child.take_progress(parent)
+        self.block_manager.fork(parent, child)
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+
+    def retire(self, seq: Sequence) -> None:
+        """Drop a running beam that no continuation extends (its blocks, unless kept)."""
+        self.running.remove(seq)
+        if not seq.keep_blocks:
+            self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED_ABORTED
 
     def append_tokens(self, seq: Sequence, token_ids: list[int], logprobs: list[float],
                       num_drafts: int) -> SequenceUpdate:
@@ -205,12 +236,12 @@ class Scheduler:
 
     def append_token(self, seq: Sequence, token_id: int, logprob: float) -> SequenceUpdate:
         """Add a sampled token to a sequence whose KV is computed up to it; stop if it ends."""
+        status = self.end_of(seq, token_id)
         seq.token_ids.append(token_id)
         seq.output_logprobs.append(logprob)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         new_text = ""
-        status = self._stop_status(seq, token_id)
         if seq.detokenizer is not None:
             delta = seq.detokenizer.append(token_id)
             new_text = delta.text
@@ -228,20 +259,28 @@ class Scheduler:
         self.running.append(seq)
 
     def abort(self, request_id: str) -> Sequence | None:
-        """Drop a request wherever it is; its blocks return to the pool."""
-        for seq in (*self.waiting, *self.running, *self.swapped):
-            if seq.request_id == request_id:
-                self._finish(seq, SequenceStatus.FINISHED_ABORTED)
-                return seq
-        return None
+        """Drop a request wherever its sequences are; their blocks return to the pool.
+        -> the first of them found, or None."""
+        found = [s for s in (*self.waiting, *self.running, *self.swapped) if s.request_id == request_id]
+        for seq in found:
+            self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        if not found:
+            return None
+        group = found[0].group
+        if group is not None:
+            for seq in group.take_forks():
+                seq.status = SequenceStatus.FINISHED_ABORTED
+            group.done = True
+        return found[0]
 
-    def _stop_status(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
+    def end_of(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
+        """Why appending ``token_id`` to ``seq`` ends it (stop strings aside), or None."""
         params = seq.params
         if not params.ignore_eos and token_id in self.config.model.eos_token_ids:
             return SequenceStatus.FINISHED_STOPPED
         if token_id in params.stop_token_ids:
             return SequenceStatus.FINISHED_STOPPED
-        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+        if seq.num_output_tokens + 1 >= params.max_tokens or seq.num_tokens + 1 >= self.config.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
 
@@ -263,7 +302,9 @@ class Scheduler:
         self.num_preemptions += 1
         seq.num_preemptions += 1
         num_blocks = self.block_manager.num_blocks_for(seq.num_computed_tokens)
-        if should_swap(self.config.preemption_mode, num_blocks) and self.can_swap_out(seq):
+        # NOTE: beams are not swapped: forking a beam needs its KV on the device.
+        if (should_swap(self.config.preemption_mode, num_blocks) and self.can_swap_out(seq)
+                and not seq.params.use_beam_search):
             return self.swap_out(seq)
         self._recompute(seq)
         return []
@@ -305,6 +346,8 @@ class Scheduler:
     def _recompute(self, seq: Sequence) -> None:
         """Preemption by recompute: drop the KV, run the tokens again later."""
         logger.debug("preempting %s by recompute", seq.request_id)
+        if seq.group is not None:  # a beam samples again once recomputed
+            seq.group.candidates.pop(id(seq), None)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING

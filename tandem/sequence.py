@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from enum import Enum, IntEnum
+from typing import TYPE_CHECKING
 
 import torch
 
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.sequence_group import SequenceGroup
 
 
 class SequenceStatus(IntEnum):
@@ -57,12 +62,17 @@ class Sequence:
         params: SamplingParams,
         arrival_index: int,
         detokenizer: IncrementalDetokenizer | None = None,
+        index: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.arrival_index = arrival_index
         self.detokenizer = detokenizer
+        self.index = index
+        """Which of its request's completions this is (0 .. n-1; see SamplingParams.n)."""
+        self.group: SequenceGroup | None = None
+        """The request's other sequences, when it has several (n > 1, beam search)."""
         self.status = SequenceStatus.WAITING
         self.token_ids: list[int] = list(prompt_token_ids)
         self.output_logprobs: list[float] = []
@@ -84,8 +94,20 @@ class Sequence:
         """When set, finishing leaves the blocks with the sequence and its owner frees them
         (a prefill worker, once the KV it sends from them has arrived)."""
         self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
+        seed = params.completion_seed(index)
+        if seed is not None:
+            self.generator = torch.Generator().manual_seed(seed)
+
+    def take_progress(self, parent: Sequence) -> None:
+        """Start from where ``parent`` is (a fork): its tokens and timestamps; the blocks are
+        the block manager's (BlockManager.fork)."""
+        self.token_ids = list(parent.token_ids)
+        self.output_logprobs = list(parent.output_logprobs)
+        self.num_computed_tokens = parent.num_computed_tokens
+        self.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
+        self.arrival_time = parent.arrival_time
+        self.first_scheduled_time = parent.first_scheduled_time
+        self.first_token_time = parent.first_token_time
 
     @property
     def num_tokens(self) -> int:
@@ -116,3 +138,13 @@ class Sequence:
             f"Sequence({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, blocks={self.block_ids})"
         )
+
+
+@dataclass(frozen=True)
+class SequenceUpdate:
+    """What one step added to a sequence: a token (or several, with speculation), its text, maybe the end."""
+
+    seq: Sequence
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[float]

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tandem.beam_search import num_candidates
 from tandem.sampler import Sampler, StepOutput, exponential_race, filtered_probs
 from tandem.sampling_params import SamplingParams
 
@@ -23,12 +24,15 @@ def sample_step(
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
     draft_token_ids: Sequence[list[int]],
+    num_eos_tokens: int = 1,
 ) -> StepOutput:
-    """One entry per sampling sequence, in batch order.
+    """One entry per sample target, in batch order. A beam search entry gets its top
+    candidates by log-probability instead of a token (see beam_search.num_candidates).
 
     logits: ``[sum(1 + len(drafts)), vocab_size]``, each entry's rows in a run.
     """
-    plain = [i for i, drafts in enumerate(draft_token_ids) if not drafts]
+    beams = [i for i, p in enumerate(params) if p.use_beam_search]
+    plain = [i for i, drafts in enumerate(draft_token_ids) if not drafts and not params[i].use_beam_search]
     row_starts: list[int] = []
     num_rows = 0
     for drafts in draft_token_ids:
@@ -41,6 +45,10 @@ def sample_step(
     sampled = sampler.sample(logits[rows], [params[i] for i in plain], [generators[i] for i in plain])
     for i, t, lp in zip(plain, sampled.token_ids, sampled.logprobs):
         token_ids[i], logprobs[i] = [t], [lp]
+    for i in beams:
+        k = min(num_candidates(params[i].beam_width, num_eos_tokens), logits.shape[-1])
+        top = torch.log_softmax(logits[row_starts[i]].float(), dim=-1).topk(k)
+        token_ids[i], logprobs[i] = top.indices.tolist(), top.values.tolist()
     for i, drafts in enumerate(draft_token_ids):
         if drafts:
             entry_logits = logits[row_starts[i]:row_starts[i] + 1 + len(drafts)]

@@ -42,14 +42,18 @@ def checked(value: Any, cls: type[T], what: str) -> T:
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """What a prefill worker returns once the prompt's KV is computed and sent."""
+    """What a prefill worker returns once the prompt's KV is computed and sent: the prompt's
+    first sample (tandem.outputs.FirstSample, in bytes)."""
 
     request_id: str
-    first_token_id: int
-    first_logprob: float
-    generator_state: bytes | None
-    """The request's seeded generator after sampling the first token (None when unseeded),
-    so that the decode worker continues the same random stream."""
+    token_ids: list[int]
+    """The first token of each completion (SamplingParams.n of them), or with beam search
+    the prompt's top candidates, best first."""
+    logprobs: list[float]
+    """The log-probability of each of token_ids."""
+    generator_states: list[bytes | None]
+    """Each completion's seeded generator after its first draw (None when unseeded), so that
+    the decode worker continues the same random streams; empty with beam search."""
     num_cached_tokens: int
     """Prompt tokens the prefill worker found in its prefix cache."""
 
@@ -68,6 +72,17 @@ class StreamDelta:
     logprobs: list[float] | None = None
     error: str | None = None
     """Set (on the last delta) when the request failed on the workers, e.g. its KV never came."""
+    index: int = 0
+    """Which completion the tokens belong to (0 .. n-1: see SamplingParams.n)."""
+    num_unfinished: int = 0
+    """Completions of the request still going after this delta (finish_reason is that of
+    completion `index`); the request's last delta has it 0. num_output_tokens counts the
+    tokens of every completion."""
+
+    @property
+    def request_finished(self) -> bool:
+        """The request's last delta: every completion has finished (or it failed)."""
+        return self.error is not None or (self.finish_reason is not None and self.num_unfinished == 0)
 
 
 @dataclass(frozen=True)

@@ -46,7 +46,7 @@ def _text(max_size: int = 200):
 
 
 FIELDS = ("request_id", "input", "max_tokens", "temperature", "top_p", "min_p", "top_k", "seed", "stop",
-          "stop_token_ids")
+          "stop_token_ids", "n", "beam")
 
 
 @st.composite
@@ -109,7 +109,36 @@ def generate_requests(draw, max_model_len: int, vocab_size: int, cheap: bool = F
     for name in ("ignore_eos", "logprobs"):
         if (flag := draw(_optional(st.booleans()))) is not None:
             setattr(s, name, flag)
+    _draw_completions(draw, s, hostile)
     return req
+
+
+def _draw_completions(draw, s: pb.SamplingParams, hostile: set[str]) -> None:
+    """n, and (rarely) beam search. A plausible beam search request is made valid: temperature
+    0, the filters and stop strings off (unless those fields are the hostile ones)."""
+    n = draw(st.integers(1, 3) if "n" not in hostile else st.sampled_from([0, -1, 17, 1000, *INT32]) | st.integers(*INT32))
+    if n != 1 or draw(st.booleans()):  # 1 both set and unset
+        s.n = n
+    if "beam" in hostile:
+        s.use_beam_search = draw(st.booleans())
+        if (width := draw(_optional(st.sampled_from([0, -1, 17, *INT32]) | st.integers(*INT32)))) is not None:
+            s.beam_width = width
+        if (penalty := draw(_optional(_floats()))) is not None:
+            s.length_penalty = penalty
+        return
+    if draw(st.integers(0, 9)) != 0:  # beam search one time in ten
+        return
+    s.use_beam_search = True
+    s.beam_width = draw(st.integers(max(1, s.n) if "n" not in hostile else 1, 3))
+    if (penalty := draw(_optional(st.floats(0, 2)))) is not None:
+        s.length_penalty = penalty
+    if "temperature" not in hostile:
+        s.temperature = 0.0
+    for name in ("top_p", "top_k", "min_p"):
+        if name not in hostile:
+            s.ClearField(name)
+    if "stop" not in hostile:
+        del s.stop[:]
 
 
 def check_outcome(req: pb.GenerateRequest, responses: list[pb.GenerateResponse], error: grpc.RpcError | None,
@@ -119,6 +148,11 @@ def check_outcome(req: pb.GenerateRequest, responses: list[pb.GenerateResponse],
         assert responses, "an OK stream carries at least its last message"
         last = responses[-1]
         assert last.finish_reason != pb.FINISH_REASON_UNSPECIFIED and last.HasField("usage"), last
+        assert not any(r.HasField("usage") for r in responses[:-1]), "usage comes on the call's last message only"
+        # Each of the n completions ends once, with its own finish_reason.
+        n = req.sampling.n if req.sampling.HasField("n") else 1
+        finished = [r.index for r in responses if r.finish_reason != pb.FINISH_REASON_UNSPECIFIED]
+        assert sorted(finished) == list(range(n)) and {r.index for r in responses} <= set(range(n)), (n, finished)
         if req.request_id:
             assert {r.request_id for r in responses} == {req.request_id}
         return "OK"

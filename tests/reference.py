@@ -32,3 +32,21 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int, eos_token_id
             do_sample=False, eos_token_id=list(eos_token_ids), pad_token_id=eos_token_ids[0],
         )
     return out[0, len(prompt_ids):].tolist()
+
+
+def hf_beam_search(hf_model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: tuple[int, ...],
+                   beam_width: int, length_penalty: float, num_return: int) -> list[list[int]]:
+    """transformers' beam search (early_stopping=False, its default): the num_return best
+    continuations, each cut after its end token (transformers pads the shorter ones)."""
+    input_ids = torch.tensor([prompt_ids])
+    with torch.inference_mode():
+        out = hf_model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+            do_sample=False, num_beams=beam_width, length_penalty=length_penalty, early_stopping=False,
+            num_return_sequences=num_return, eos_token_id=list(eos_token_ids), pad_token_id=eos_token_ids[0],
+        )
+    results = []
+    for row in out[:, len(prompt_ids):].tolist():
+        end = next((i for i, t in enumerate(row) if t in eos_token_ids), len(row) - 1)
+        results.append(row[:end + 1])
+    return results

@@ -290,3 +290,56 @@ def test_truncate_keeps_a_shared_block_for_its_other_holder():
     bm.truncate(a, 0)
     assert a.block_ids == [] and b.block_ids == [0]
     assert bm.ref_counts[0] == 1 and 0 not in bm.free_block_ids
+
+
+# -- fork and copy-on-write ---------------------------------------------------------------
+
+
+def _fork(bm: BlockManager, parent: Sequence, rid: str) -> Sequence:
+    child = _seq(parent.token_ids, rid)
+    child.take_progress(parent)
+    bm.fork(parent, child)
+    return child
+
+
+def test_a_fork_shares_every_block_and_copies_the_partly_filled_one_it_writes():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    parent = _seq(_toks(0, 6))  # blocks 0 (full) and 1 (2 of 4 slots)
+    _compute(bm, parent)
+    assert parent.block_ids == [0, 1]
+    child = _fork(bm, parent, "c")
+    assert child.block_ids == [0, 1] and bm.ref_counts[:2] == [2, 2] and bm.num_free_blocks == 6
+    assert bm.num_new_blocks(child, 1) == 1  # the copy of block 1
+    child.token_ids.append(100)
+    assert bm.allocate(child, 1) == [(1, 2)]  # copy block 1 into 2, then write there
+    assert child.block_ids == [0, 2] and bm.ref_counts[:3] == [2, 1, 1]
+    # The parent, now alone on block 1, writes it in place: no copy.
+    parent.token_ids.append(200)
+    assert bm.allocate(parent, 1) == [] and parent.block_ids == [0, 1]
+
+
+def test_a_fork_at_a_block_boundary_copies_nothing():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    parent = _seq(_toks(0, 8))  # blocks 0 and 1, both full
+    _compute(bm, parent)
+    child = _fork(bm, parent, "c")
+    child.token_ids.append(100)
+    assert bm.allocate(child, 1) == [] and child.block_ids == [0, 1, 2]
+    assert bm.ref_counts[:3] == [2, 2, 1]
+
+
+def test_freeing_forks_returns_shared_blocks_only_with_the_last_holder():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    parent = _seq(_toks(0, 6))
+    _compute(bm, parent)
+    forks = [_fork(bm, parent, f"c{i}") for i in range(3)]
+    assert bm.ref_counts[:2] == [4, 4]
+    for i, fork in enumerate(forks):
+        fork.token_ids.append(100 + i)
+        bm.allocate(fork, 1)
+    assert [f.block_ids for f in forks] == [[0, 2], [0, 3], [0, 4]] and bm.ref_counts[:5] == [4, 1, 1, 1, 1]
+    bm.free(parent)
+    assert bm.ref_counts[:2] == [3, 0] and 1 in bm.free_block_ids
+    for fork in forks:
+        bm.free(fork)
+    assert bm.num_free_blocks == 8 and not any(bm.ref_counts)

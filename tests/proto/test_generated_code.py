@@ -28,5 +28,6 @@ def test_sampling_scalars_have_presence():
     # proto3 `optional`: unset must differ from zero (temperature 0 is greedy, not "default").
     from tandem.proto import generation_pb2 as pb
 
-    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "logprobs"):
+    for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "logprobs",
+                 "n", "use_beam_search", "beam_width", "length_penalty"):
         assert pb.SamplingParams.DESCRIPTOR.fields_by_name[name].has_presence, name

@@ -3,7 +3,10 @@
 Honest in what the servicer relies on: it streams deltas made by really tokenizing a
 reply with the model's tokenizer (capped at max_tokens, finish "length" or "stop"),
 counts the real prompt tokens, raises the backend's errors before the first delta, and
-records every stream that was closed before it finished and every abort.
+records every stream that was closed before it finished and every abort. With
+SamplingParams.n > 1 it interleaves n completions a token each in turn, as an engine's
+steps do: completion i is the reply less its last i tokens (see `completion_ids`), so
+they finish at different steps.
 """
 
 from __future__ import annotations
@@ -77,6 +80,13 @@ class FakeBackend:
         event.set()
         return True
 
+    def completion_ids(self, params: SamplingParams, index: int) -> tuple[list[int], str]:
+        """-> (completion `index`'s output token ids, its finish reason)."""
+        reply_ids = self.tokenizer.encode(self.reply)
+        own = reply_ids[: max(1, len(reply_ids) - index)]
+        # As an engine would: reaching max_tokens first is "length", the reply's own end "stop".
+        return own[: params.max_tokens], "length" if params.max_tokens <= len(own) else "stop"
+
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[StreamDelta]:
         if self.closed_event is None:
             self.closed_event = asyncio.Event()
@@ -87,34 +97,42 @@ class FakeBackend:
             yield StreamDelta(request_id=request_id, token_ids=[], text="", finish_reason="abort",
                               num_prompt_tokens=len(prompt_token_ids), num_output_tokens=0, error=self.fail_with)
             return
-        reply_ids = self.tokenizer.encode(self.reply)
-        output = reply_ids[: params.max_tokens]
-        # As an engine would: reaching max_tokens first is "length", the reply's own end "stop".
-        reason = "length" if params.max_tokens <= len(reply_ids) else "stop"
+        outputs = [self.completion_ids(params, i) for i in range(params.n)]
+        # One token of each unfinished completion per step: (index, position) in stream order.
+        steps = [(i, k) for k in range(max(len(ids) for ids, _ in outputs))
+                 for i, (ids, _) in enumerate(outputs) if k < len(ids)]
         fail_at = self.worker_failures.pop(0) if self.worker_failures else None
         abort_event = self.running.setdefault(request_id, asyncio.Event())
         done = False
         try:
-            text_so_far = ""
-            for i, token_id in enumerate(output):
-                if i == fail_at:
+            texts_so_far = [""] * params.n
+            unfinished = set(range(params.n))
+            for j, (i, k) in enumerate(steps):
+                if j == fail_at:
                     raise WorkerFailed(f"the worker serving {request_id} died")
                 if self.step_delay_s:
                     await asyncio.sleep(self.step_delay_s)
                 if abort_event.is_set():
                     done = True
-                    yield StreamDelta(request_id=request_id, token_ids=[], text="", finish_reason="abort",
-                                      num_prompt_tokens=len(prompt_token_ids), num_output_tokens=i)
+                    for index in sorted(unfinished):  # each unfinished completion ends "abort"
+                        unfinished.discard(index)
+                        yield StreamDelta(request_id=request_id, token_ids=[], text="", finish_reason="abort",
+                                          num_prompt_tokens=len(prompt_token_ids), num_output_tokens=j,
+                                          index=index, num_unfinished=len(unfinished))
                     return
-                text = self.tokenizer.decode(output[: i + 1])
-                last = i == len(output) - 1
+                output, reason = outputs[i]
+                text = self.tokenizer.decode(output[: k + 1])
+                last = k == len(output) - 1
+                if last:
+                    unfinished.discard(i)
                 delta = StreamDelta(
-                    request_id=request_id, token_ids=[token_id], text=text[len(text_so_far):],
+                    request_id=request_id, token_ids=[output[k]], text=text[len(texts_so_far[i]):],
                     finish_reason=reason if last else None, num_prompt_tokens=len(prompt_token_ids),
-                    num_output_tokens=i + 1, logprobs=[-0.5] if params.logprobs else None,
+                    num_output_tokens=j + 1, logprobs=[-0.5] if params.logprobs else None,
+                    index=i, num_unfinished=len(unfinished),
                 )
-                text_so_far = text
-                done = last
+                texts_so_far[i] = text
+                done = not unfinished
                 yield delta
         finally:
             self.running.pop(request_id, None)

@@ -1,0 +1,202 @@
+"""Several completions per request (sampling.n, beam search) and preemption by swap on the
+real clusters, through the gRPC router, in both modes: the prefill worker samples each
+completion's first token (or the beams' first candidates) and the decode worker forks them;
+the colocated worker does both."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+
+import pytest
+
+from metrics_text import parse_samples, total
+from reference import english_token_ids, hf_beam_search
+from tandem.proto import generation_pb2 as pb
+from tandem.router.cluster import ClusterConfig, start_cluster, stop_cluster
+from tandem.router.server import bound_port, drain, metrics_port, serve
+from worker_checks import assert_workers_empty
+
+pytestmark = pytest.mark.slow
+
+MODES = ["disaggregated", "colocated"]
+FINISHED = (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+
+
+def sampled_request(prompt: list[int], seed: int, n: int, max_tokens: int, buffered: bool = False
+                    ) -> pb.GenerateRequest:
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), buffered=buffered,
+                              sampling=pb.SamplingParams(temperature=0.8, seed=seed, n=n, max_tokens=max_tokens))
+
+
+def by_index(responses: list[pb.GenerateResponse]) -> dict[int, list[pb.GenerateResponse]]:
+    found: dict[int, list[pb.GenerateResponse]] = {}
+    for r in responses:
+        found.setdefault(r.index, []).append(r)
+    return found
+
+
+def completions(responses: list[pb.GenerateResponse], n: int) -> list[tuple[list[int], str, int]]:
+    """A call's responses -> each completion's (token ids, text, finish_reason), by index,
+    checking the framing: indexes 0..n-1, one finish_reason per completion on its last
+    message, usage only on the call's last message, counting every completion's tokens."""
+    groups = by_index(responses)
+    assert sorted(groups) == list(range(n))
+    result = []
+    for index in range(n):
+        messages = groups[index]
+        assert [r.finish_reason for r in messages[:-1]] == [pb.FINISH_REASON_UNSPECIFIED] * (len(messages) - 1)
+        assert messages[-1].finish_reason in FINISHED, (index, messages[-1])
+        result.append(([t for r in messages for t in r.token_ids], "".join(r.text for r in messages),
+                       messages[-1].finish_reason))
+    assert [r.HasField("usage") for r in responses] == [False] * (len(responses) - 1) + [True]
+    assert responses[-1].usage.completion_tokens == sum(len(ids) for ids, _, _ in result)
+    assert all(r.request_id == responses[0].request_id for r in responses)
+    return result
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_n_sampled_completions_equal_requests_seeded_seed_plus_index(clusters, tokenizer, mode):
+    """n=4 at temperature 0.8: completion i is, token for token and in text, the request with
+    seed + i and n=1 on the same cluster. Two prompts, and the eight single requests, at once."""
+    cluster = clusters[mode]
+    stub = cluster.stub()
+    n, max_tokens = 4, 14
+    prompts = {7: english_token_ids(tokenizer, 23, skip=200), 1000: english_token_ids(tokenizer, 41, skip=530)}
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        many = {seed: pool.submit(lambda s=seed: list(stub.Generate(sampled_request(prompts[s], s, n, max_tokens),
+                                                                    timeout=120)))
+                for seed in prompts}
+        single = {(seed, i): pool.submit(lambda s=seed, i=i: list(stub.Generate(
+                      sampled_request(prompts[s], s + i, 1, max_tokens), timeout=120)))
+                  for seed in prompts for i in range(n)}
+        many = {seed: f.result() for seed, f in many.items()}
+        single = {key: completions(f.result(), 1)[0] for key, f in single.items()}
+    for seed, responses in many.items():
+        got = completions(responses, n)
+        assert got == [single[seed, i] for i in range(n)], seed
+        assert responses[-1].usage.prompt_tokens == len(prompts[seed])
+        for ids, text, reason in got:
+            assert 1 <= len(ids) <= max_tokens and text == tokenizer.decode(ids, skip_special_tokens=True)
+            assert (reason == pb.FINISH_REASON_LENGTH) == (len(ids) == max_tokens)
+        # Sampled at 0.8 with different seeds, the completions differ (else forking proved nothing).
+        assert len({tuple(ids) for ids, _, _ in got}) > 1
+    assert_workers_empty(cluster)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_beam_search_equals_transformers(clusters, tokenizer, hf_model, loaded, mode):
+    """beam_width 3, n 2: the two best beams are transformers' two best, in order; one prompt
+    whose beams run to max_tokens, one (a chat prompt) whose best beams end with EOS early."""
+    cluster = clusters[mode]
+    stub = cluster.stub()
+    eos = loaded.config.eos_token_ids
+    beam_width, n, max_tokens = 3, 2, 12
+    prompts = [tokenizer.encode("The capital of France is"),
+               tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                             add_generation_prompt=True)]
+
+    def beams(prompt: list[int]) -> list[pb.GenerateResponse]:
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
+            temperature=0.0, use_beam_search=True, beam_width=beam_width, n=n, max_tokens=max_tokens))
+        return list(stub.Generate(request, timeout=120))
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(beams, prompts))
+    for prompt, responses in zip(prompts, results):
+        expected = hf_beam_search(hf_model, prompt, max_tokens, eos, beam_width, 1.0, n)
+        got = completions(responses, n)
+        assert [ids for ids, _, _ in got] == expected, tokenizer.decode(prompt)
+        assert [reason for _, _, reason in got] == [pb.FINISH_REASON_STOP if ids[-1] in eos else pb.FINISH_REASON_LENGTH
+                                                   for ids in expected]
+        assert [text for _, text, _ in got] == [tokenizer.decode(ids, skip_special_tokens=True) for ids in expected]
+    # The chat prompt's best beam ends with EOS before max_tokens: finished beams are kept apart.
+    assert any(reason == pb.FINISH_REASON_STOP for _, _, reason in completions(results[1], n))
+    assert_workers_empty(cluster)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_buffered_n_gives_one_response_per_completion(clusters, tokenizer, mode):
+    cluster = clusters[mode]
+    stub = cluster.stub()
+    n, max_tokens = 3, 12
+    prompt = english_token_ids(tokenizer, 30, skip=777)
+    streamed = completions(list(stub.Generate(sampled_request(prompt, 42, n, max_tokens), timeout=120)), n)
+    responses = list(stub.Generate(sampled_request(prompt, 42, n, max_tokens, buffered=True), timeout=120))
+    assert [r.index for r in responses] == list(range(n)), "one response per completion, in index order"
+    assert completions(responses, n) == streamed
+    assert responses[-1].usage.prompt_tokens == len(prompt)
+    assert_workers_empty(cluster)
+
+
+# -- preemption by swap ------------------------------------------------------------------
+
+BLOCK_SIZE = 16
+NUM_KV_BLOCKS = 8
+"""128 tokens: one request (<= 95 tokens, 6 blocks) fits alone, no two at their full length."""
+SWAP_WORKER_ARGS = dict(num_kv_blocks=NUM_KV_BLOCKS, block_size=BLOCK_SIZE, preemption_mode="swap",
+                        max_num_batched_tokens=256, num_threads=1)
+SWAP_MAX_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def swap_clusters(clusters):
+    """Both modes again, each worker's KV pool 8 blocks and preemption_mode="swap", behind
+    routers of their own (on the session's Ray and router event loop)."""
+    running_cluster = type(clusters["colocated"])
+    loop = clusters["colocated"].loop
+
+    async def start(cfg: ClusterConfig):
+        backend = await start_cluster(cfg)
+        backend.start_polling()
+        return backend, await serve(backend, "127.0.0.1", 0, metrics_port=0)
+
+    configs = {"disaggregated": ClusterConfig(num_prefill=1, num_decode=1, worker_args=SWAP_WORKER_ARGS,
+                                              name_prefix="swap-d-"),
+               "colocated": ClusterConfig(colocated=1, worker_args=SWAP_WORKER_ARGS, name_prefix="swap-c-")}
+    started = {name: asyncio.run_coroutine_threadsafe(start(cfg), loop) for name, cfg in configs.items()}
+    running = {}
+    try:
+        for name, future in started.items():
+            backend, server = future.result(timeout=600)
+            running[name] = (running_cluster(backend, bound_port(server), metrics_port(server), loop), server)
+        yield {name: c for name, (c, _) in running.items()}
+    finally:
+        for c, server in running.values():
+            asyncio.run_coroutine_threadsafe(drain(server, grace=1.0), loop).result(timeout=30)
+            stop_cluster(c.backend)
+
+
+def greedy_request(prompt: list[int]) -> pb.GenerateRequest:
+    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
+        temperature=0.0, max_tokens=SWAP_MAX_TOKENS, ignore_eos=True))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_swap_preemption_keeps_greedy_output(clusters, swap_clusters, tokenizer, mode):
+    """Four greedy requests at once on a worker whose pool holds one of them at its full
+    length: the newest running ones are swapped out to host memory and back, and each gets
+    exactly the tokens of an unconstrained run (the session cluster of the same mode)."""
+    small, roomy = swap_clusters[mode], clusters[mode]
+    prompts = [english_token_ids(tokenizer, 20 + 3 * i, skip=60 + 97 * i) for i in range(4)]
+    before = parse_samples(small.scrape())
+
+    def run(cluster, prompt):
+        (ids, _, reason), = completions(list(cluster.stub().Generate(greedy_request(prompt), timeout=300)), 1)
+        assert reason == pb.FINISH_REASON_LENGTH
+        return ids
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        expected = list(pool.map(lambda p: run(roomy, p), prompts))
+        got = list(pool.map(lambda p: run(small, p), prompts))
+    assert all(len(ids) == SWAP_MAX_TOKENS for ids in expected)
+    assert got == expected
+    after = parse_samples(small.scrape())
+    role = "decode" if mode == "disaggregated" else "colocated"
+    swapped = (total(after, "tandem_num_swapped_out_blocks_total", role=role)
+               - total(before, "tandem_num_swapped_out_blocks_total", role=role))
+    preempted = (total(after, "tandem_num_preemptions_total", role=role)
+                 - total(before, "tandem_num_preemptions_total", role=role))
+    assert swapped >= 1 and preempted >= 1, (swapped, preempted)
+    assert_workers_empty(small)
+    assert_workers_empty(roomy)
