@@ -31,13 +31,15 @@ class ModelRunner:
         self.sampler = Sampler()
 
     def swap(self, batch: ScheduledBatch) -> None:
-        """Copy shared blocks the step writes (copy-on-write), then the blocks the scheduler
-        swaps out, then those it swaps in; before the step's forward, which may write into
-        device blocks that were just swapped out. NOTE: in that order: a preemption later in
-        the same schedule may free (and hand out again) a copy's source, or swap out its
-        destination."""
-        self.swapper.copy(batch.copies)
+        """Copy the blocks the scheduler swaps out, then shared blocks the step writes
+        (copy-on-write), then the blocks it swaps in; all before the step's forward.
+
+        NOTE: in that order. A swap-out reads blocks its victim just gave up, which this very
+        step may hand out again as a copy's destination or a swap-in's; a copy's source is
+        still held by another sequence, so nothing before the forward writes it; and
+        a step that preempts swaps nothing in."""
         self.swapper.swap_out(batch.swap_out)
+        self.swapper.copy(batch.copies)
         self.swapper.swap_in(batch.swap_in)
 
     def run(self, batch: ScheduledBatch, on_layer_stored: Callable[[int], None] | None = None) -> StepOutput:

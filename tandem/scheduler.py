@@ -27,8 +27,9 @@ class ScheduledBatch:
     uncomputed token on, then its ``draft_token_ids[i]`` (a speculative decode: the drafts
     count in ``num_new_tokens[i]``). Single-token entries (decodes) come first.
 
-    Before the step's forward, the runner copies ``swap_out`` then ``swap_in``: the device
-    blocks a swapped-out sequence gave up may be written by this very step.
+    Before the step's forward, the runner copies ``swap_out``, then ``copies``, then
+    ``swap_in``: the device blocks a swapped-out sequence gave up may be written by this
+    very step (see ModelRunner.swap).
     """
 
     seqs: list[Sequence]

@@ -78,7 +78,7 @@ def test_n_sampled_completions_equal_requests_seeded_seed_plus_index(clusters, t
         assert responses[-1].usage.prompt_tokens == len(prompts[seed])
         for ids, text, reason in got:
             assert 1 <= len(ids) <= max_tokens and text == tokenizer.decode(ids, skip_special_tokens=True)
-            assert (reason == pb.FINISH_REASON_LENGTH) == (len(ids) == max_tokens)
+            assert reason == pb.FINISH_REASON_STOP or len(ids) == max_tokens
         # Sampled at 0.8 with different seeds, the completions differ (else forking proved nothing).
         assert len({tuple(ids) for ids, _, _ in got}) > 1
     assert_workers_empty(cluster)
@@ -93,8 +93,9 @@ def test_beam_search_equals_transformers(clusters, tokenizer, hf_model, loaded, 
     eos = loaded.config.eos_token_ids
     beam_width, n, max_tokens = 3, 2, 12
     prompts = [tokenizer.encode("The capital of France is"),
-               tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
-                                             add_generation_prompt=True)]
+               tokenizer.encode(tokenizer.apply_chat_template(
+                   [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True,
+                   tokenize=False), add_special_tokens=False)]
 
     def beams(prompt: list[int]) -> list[pb.GenerateResponse]:
         request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
@@ -133,10 +134,10 @@ def test_buffered_n_gives_one_response_per_completion(clusters, tokenizer, mode)
 
 BLOCK_SIZE = 16
 NUM_KV_BLOCKS = 8
-"""128 tokens: one request (<= 95 tokens, 6 blocks) fits alone, no two at their full length."""
+"""128 tokens: one request (at most 29 + 48 tokens, 5 blocks) fits alone, no two at their full length."""
 SWAP_WORKER_ARGS = dict(num_kv_blocks=NUM_KV_BLOCKS, block_size=BLOCK_SIZE, preemption_mode="swap",
                         max_num_batched_tokens=256, num_threads=1)
-SWAP_MAX_TOKENS = 64
+SWAP_MAX_TOKENS = 48
 
 
 @pytest.fixture(scope="module")
@@ -167,36 +168,53 @@ def swap_clusters(clusters):
             stop_cluster(c.backend)
 
 
-def greedy_request(prompt: list[int]) -> pb.GenerateRequest:
-    return pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
-        temperature=0.0, max_tokens=SWAP_MAX_TOKENS, ignore_eos=True))
+def swap_prompts(tokenizer) -> list[list[int]]:
+    return [english_token_ids(tokenizer, 20 + 3 * i, skip=60 + 97 * i) for i in range(4)]
+
+
+def swap_counters(cluster, mode: str) -> tuple[float, float]:
+    """(blocks swapped out, preemptions) of the worker that decodes, from the router's /metrics."""
+    samples = parse_samples(cluster.scrape())
+    role = "decode" if mode == "disaggregated" else "colocated"
+    return (total(samples, "tandem_num_swapped_out_blocks_total", role=role),
+            total(samples, "tandem_num_preemptions_total", role=role))
+
+
+def run_on(cluster, request: pb.GenerateRequest) -> list[tuple[list[int], str, int]]:
+    return completions(list(cluster.stub().Generate(request, timeout=300)), request.sampling.n or 1)
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_swap_preemption_keeps_greedy_output(clusters, swap_clusters, tokenizer, mode):
     """Four greedy requests at once on a worker whose pool holds one of them at its full
     length: the newest running ones are swapped out to host memory and back, and each gets
-    exactly the tokens of an unconstrained run (the session cluster of the same mode)."""
+    exactly the tokens (and text) of an unconstrained run (the session cluster of the same mode)."""
     small, roomy = swap_clusters[mode], clusters[mode]
-    prompts = [english_token_ids(tokenizer, 20 + 3 * i, skip=60 + 97 * i) for i in range(4)]
-    before = parse_samples(small.scrape())
-
-    def run(cluster, prompt):
-        (ids, _, reason), = completions(list(cluster.stub().Generate(greedy_request(prompt), timeout=300)), 1)
-        assert reason == pb.FINISH_REASON_LENGTH
-        return ids
-
+    requests = [pb.GenerateRequest(token_ids=pb.TokenIds(ids=p), sampling=pb.SamplingParams(
+        temperature=0.0, max_tokens=SWAP_MAX_TOKENS, ignore_eos=True)) for p in swap_prompts(tokenizer)]
+    swapped_before, preempted_before = swap_counters(small, mode)
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        expected = list(pool.map(lambda p: run(roomy, p), prompts))
-        got = list(pool.map(lambda p: run(small, p), prompts))
-    assert all(len(ids) == SWAP_MAX_TOKENS for ids in expected)
+        expected = list(pool.map(lambda r: run_on(roomy, r), requests))
+        got = list(pool.map(lambda r: run_on(small, r), requests))
+    assert all([(len(ids), reason)] == [(SWAP_MAX_TOKENS, pb.FINISH_REASON_LENGTH)] for (ids, _, reason), in expected)
     assert got == expected
-    after = parse_samples(small.scrape())
-    role = "decode" if mode == "disaggregated" else "colocated"
-    swapped = (total(after, "tandem_num_swapped_out_blocks_total", role=role)
-               - total(before, "tandem_num_swapped_out_blocks_total", role=role))
-    preempted = (total(after, "tandem_num_preemptions_total", role=role)
-                 - total(before, "tandem_num_preemptions_total", role=role))
-    assert swapped >= 1 and preempted >= 1, (swapped, preempted)
+    swapped, preempted = swap_counters(small, mode)
+    assert swapped > swapped_before and preempted > preempted_before, (swapped, preempted)
     assert_workers_empty(small)
     assert_workers_empty(roomy)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_swap_preemption_keeps_forked_completions(clusters, swap_clusters, tokenizer, mode):
+    """The same with n=2 sampled completions (forks sharing their prompt's blocks): each
+    equals the unconstrained run's."""
+    small, roomy = swap_clusters[mode], clusters[mode]
+    requests = [pb.GenerateRequest(token_ids=pb.TokenIds(ids=p), sampling=pb.SamplingParams(
+        temperature=0.8, seed=i, n=2, max_tokens=40, ignore_eos=True)) for i, p in enumerate(swap_prompts(tokenizer))]
+    swapped_before, _ = swap_counters(small, mode)
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        expected = list(pool.map(lambda r: run_on(roomy, r), requests))
+        got = list(pool.map(lambda r: run_on(small, r), requests))
+    assert swap_counters(small, mode)[0] > swapped_before
+    assert_workers_empty(small)
+    assert got == expected

@@ -61,6 +61,19 @@ def test_completions_survive_preemption(make_llm, tokenizer, preemption_mode):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+@pytest.mark.parametrize("preemption_mode", ["swap", "auto"])
+def test_forks_and_swaps_in_one_step_keep_every_completion(make_llm, tokenizer, preemption_mode):
+    """Forked requests on an 8-block pool: a step swaps a sequence out and hands its freed
+    blocks to another's copy-on-write in the same step (the swap-out must read them first)."""
+    prompts = [english_token_ids(tokenizer, 20 + 3 * i, skip=60 + 97 * i) for i in range(4)]
+    params = [SamplingParams(temperature=0.8, seed=i, n=2, max_tokens=40, ignore_eos=True) for i in range(4)]
+    small = make_llm(num_kv_blocks=8, block_size=16, preemption_mode=preemption_mode, max_num_batched_tokens=256)
+    got = small.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert small.engine.scheduler.num_swapped_out_blocks > 0
+    expected = make_llm(num_kv_blocks=160).generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in expected]
+
+
 def test_every_completion_stops_on_its_own(make_llm):
     llm = make_llm(num_kv_blocks=64)
     params = SamplingParams(n=5, seed=3, temperature=1.0, max_tokens=30, stop=["."])
