@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import logging
@@ -95,7 +94,7 @@ class LLMEngine:
             return None if candidates is None else FirstSample(*candidates, [])
         if not seq.output_token_ids:
             return None
-        targets = [seq] if seq.group is None else seq.group.completions
+        targets = LLMEngine._first_sample_targets(seq)
         return FirstSample([s.output_token_ids[0] for s in targets], [s.output_logprobs[0] for s in targets],
                            [None if s.generator is None else s.generator.get_state() for s in targets])
 
@@ -162,7 +161,7 @@ class LLMEngine:
             self.block_manager.free(seq)
             seq.status = SequenceStatus.FINISHED_ABORTED
         self._remove(seq)
-        return dataclasses.replace(self._delta(seq, [], "", []), num_unfinished=0)
+        return self._delta(seq, [], "", [], num_unfinished=0)
 
     @property
     def has_unfinished(self) -> bool:
@@ -182,7 +181,7 @@ class LLMEngine:
     def _deltas(self, updates: list[SequenceUpdate]) -> list[RequestDelta]:
         deltas = []
         for u in updates:
-            delta = self._delta(u.seq, u.new_token_ids, u.new_text, u.new_logprobs)
+            delta = self._delta(u.seq, u.new_token_ids, u.new_text, u.new_logprobs, self._count_open(u.seq))
             deltas.append(delta)
             # A speculative step may add the first token and more after it.
             if self.observer is not None and u.seq.index == 0 and u.seq.num_output_tokens == len(u.new_token_ids):
@@ -197,13 +196,18 @@ class LLMEngine:
         if self.observer is not None:
             self.observer.on_finished(seq)
 
-    def _delta(self, seq: Sequence, token_ids: list[int], text: str, logprobs: list[float]) -> RequestDelta:
+    @staticmethod
+    def _count_open(seq: Sequence) -> int:
+        """-> the completions of ``seq``'s request still going, counting this update of
+        ``seq`` as gone out (each completion's last update comes once)."""
+        if seq.group is None:
+            return 0 if seq.status.is_finished else 1
+        seq.group.num_open -= seq.status.is_finished
+        return seq.group.num_open
+
+    def _delta(self, seq: Sequence, token_ids: list[int], text: str, logprobs: list[float],
+               num_unfinished: int) -> RequestDelta:
         group = seq.group
-        num_unfinished = 0 if seq.status.is_finished else 1
-        if group is not None:
-            group.num_open -= seq.status.is_finished
-            num_unfinished = group.num_open
-            group.done = group.num_open == 0
         return RequestDelta(
             request_id=seq.request_id,
             new_token_ids=token_ids,

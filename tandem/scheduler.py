@@ -267,7 +267,6 @@ class Scheduler(PreemptionMixin):
         if group is not None:
             for seq in group.take_forks():
                 seq.status = SequenceStatus.FINISHED_ABORTED
-            group.done = True
         return found[0]
 
     def end_of(self, seq: Sequence, token_id: int) -> SequenceStatus | None:

@@ -30,8 +30,6 @@ class SequenceGroup:
         self.first_candidates: tuple[list[int], list[float]] | None = None
         """Beam search: the root's candidates after the prompt (what a prefill worker hands on)."""
         self.new_detokenizer = new_detokenizer
-        self.done = False
-        """The request has ended: every completion finished, or it was aborted."""
         self.num_open = root.params.n
         """Completions whose last delta has not gone out yet (the engine counts them down)."""
         for seq in self.completions:
@@ -65,5 +63,4 @@ class SequenceGroup:
             seq.group = self
             results.append(seq)
         self.completions = results
-        self.done = True
         return results

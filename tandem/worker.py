@@ -76,6 +76,7 @@ class Worker:
             num_sequences=len(engine.sequences), num_open_streams=len(self.loop._streams),
             num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
             num_referenced_blocks=sum(1 for c in bm.ref_counts if c != 0),
+            num_swapped_blocks=sched.swap_pool.num_used_blocks,
             **self._held(engine),
         )
 

@@ -148,12 +148,15 @@ class WorkerInventory:
     """The KV sender's (prefill) or receiver's (decode) requests not yet ended."""
     num_kept: int = 0
     """Prefill: sequences whose blocks are kept until their transfer ends."""
+    num_swapped_blocks: int = 0
+    """Host blocks holding swapped-out KV."""
 
     def leaks(self) -> list[str]:
         """What this worker still holds, e.g. ["num_running=1", "3 of 40 blocks in use"]; [] at rest."""
         held = [f"{name}={getattr(self, name)}" for name in (
             "num_waiting", "num_running", "num_sequences", "num_reserved", "num_first_tokens", "num_arrived",
-            "num_pending_transfers", "num_open_streams", "num_referenced_blocks", "num_kept")
+            "num_pending_transfers", "num_open_streams", "num_referenced_blocks", "num_kept",
+            "num_swapped_blocks")
             if getattr(self, name)]
         if self.num_free_blocks != self.num_blocks:
             held.append(f"{self.num_blocks - self.num_free_blocks} of {self.num_blocks} blocks in use")
