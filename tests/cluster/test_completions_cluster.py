@@ -5,7 +5,6 @@ the colocated worker does both."""
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 
 import pytest
@@ -13,8 +12,8 @@ import pytest
 from metrics_text import parse_samples, total
 from reference import english_token_ids, hf_beam_search
 from tandem.proto import generation_pb2 as pb
-from tandem.router.cluster import ClusterConfig, start_cluster, stop_cluster
-from tandem.router.server import bound_port, drain, metrics_port, serve
+from tandem.router.cluster import ClusterConfig
+from running_cluster import running_clusters
 from worker_checks import assert_workers_empty
 
 pytestmark = pytest.mark.slow
@@ -142,30 +141,13 @@ SWAP_MAX_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def swap_clusters(clusters):
-    """Both modes again, each worker's KV pool 8 blocks and preemption_mode="swap", behind
-    routers of their own (on the session's Ray and router event loop)."""
-    running_cluster = type(clusters["colocated"])
-    loop = clusters["colocated"].loop
-
-    async def start(cfg: ClusterConfig):
-        backend = await start_cluster(cfg)
-        backend.start_polling()
-        return backend, await serve(backend, "127.0.0.1", 0, metrics_port=0)
-
-    configs = {"disaggregated": ClusterConfig(num_prefill=1, num_decode=1, worker_args=SWAP_WORKER_ARGS,
-                                              name_prefix="swap-d-"),
-               "colocated": ClusterConfig(colocated=1, worker_args=SWAP_WORKER_ARGS, name_prefix="swap-c-")}
-    started = {name: asyncio.run_coroutine_threadsafe(start(cfg), loop) for name, cfg in configs.items()}
-    running = {}
-    try:
-        for name, future in started.items():
-            backend, server = future.result(timeout=600)
-            running[name] = (running_cluster(backend, bound_port(server), metrics_port(server), loop), server)
-        yield {name: c for name, (c, _) in running.items()}
-    finally:
-        for c, server in running.values():
-            asyncio.run_coroutine_threadsafe(drain(server, grace=1.0), loop).result(timeout=30)
-            stop_cluster(c.backend)
+    """Both modes again, each worker's KV pool 8 blocks and preemption_mode="swap"."""
+    with running_clusters({
+            "disaggregated": ClusterConfig(num_prefill=1, num_decode=1, worker_args=SWAP_WORKER_ARGS,
+                                           name_prefix="swap-d-"),
+            "colocated": ClusterConfig(colocated=1, worker_args=SWAP_WORKER_ARGS, name_prefix="swap-c-")},
+            clusters["colocated"].loop) as started:
+        yield started
 
 
 def swap_prompts(tokenizer) -> list[list[int]]:
