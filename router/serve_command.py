@@ -16,6 +16,9 @@ from tandem.router.policy import POLICIES
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_HTTP_PORT = 8000
+"""vLLM's and SGLang's habit: OpenAI clients pointed at a local server often try :8000 first."""
+
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
@@ -28,6 +31,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                         help=f"Prometheus /metrics on --host (default {DEFAULT_METRICS_PORT}): the router's and every worker's")
+    parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+                        help=f"the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
+                             f"/health) on --host (default {DEFAULT_HTTP_PORT}; -1: off)")
     parser.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
     parser.add_argument("--pool-resources", action="store_true",
                         help="each worker asks Ray for the custom resource tandem_prefill/tandem_decode/tandem_colocated, "
@@ -75,7 +81,7 @@ async def _serve(args: argparse.Namespace) -> int:
     import ray
 
     from tandem.router.cluster import ClusterConfig, start_cluster, stop_cluster
-    from tandem.router.server import bound_port, drain, metrics_port, serve
+    from tandem.router.server import bound_port, drain, http_port, metrics_port, serve
 
     limits = limits_from_args(args)  # refuse bad limits before any worker starts
     cfg = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, colocated=args.colocated,
@@ -87,11 +93,13 @@ async def _serve(args: argparse.Namespace) -> int:
     backend.start_polling()
     token = auth_token_from_env()
     server = await serve(backend, args.host, args.port, metrics_port=args.metrics_port, auth_token=token,
-                        limits=limits)
+                        limits=limits, http_port=None if args.http_port < 0 else args.http_port)
     where = f"{args.host}:{bound_port(server)}"
     print(f"tandem: serving {backend.tokenizer_spec.model_name} on {where} (gRPC tandem.v1.Generation)"
           f"{f', token from ${AUTH_TOKEN_ENV} required' if token else ''}\n"
           f"  metrics: http://{args.host}:{metrics_port(server)}/metrics\n"
+          + (f"  OpenAI API: http://{args.host}:{http_port(server)}/v1 (e.g. openai.OpenAI(base_url=..., api_key=...))\n"
+             if http_port(server) is not None else "") +
           f"  try:  tandem generate --server {where} \"What is the capital of France?\" --chat\n"
           f"  or:   grpcurl -plaintext -d '{{\"prompt\": \"Hello\"}}' {where} tandem.v1.Generation/Generate\n"
           "  Ctrl-C stops", file=sys.stderr, flush=True)

@@ -7,6 +7,8 @@ end-to-end latency (mean, p50, p90, p99) and goodput under --goodput SLOs. Witho
 (1 prefill + 1 decode worker) and a colocated one on the same total cores, each behind a
 router on a free port, runs the same workload against both and prints the ratios; it also
 measures the router hop's added latency. Writes results.json and PNG plots to --out-dir.
+It drives the gRPC API, or with --api openai (and --server at the HTTP port) the
+OpenAI-compatible one: streamed POST /v1/completions, measured the same way.
 """
 
 from __future__ import annotations
@@ -50,9 +52,13 @@ QUICK = Settings([2.0], 6, (8, 32), (100, 200), (4, 8), 0.2, 0.1, 4)
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     """Options of ``tandem bench serve``; unset ones take FULL's (or QUICK's) value."""
+    from tandem.bench.serve_load import APIS
+
     a = parser.add_argument
     a("--server", default=None, metavar="HOST:PORT",
-      help="drive this running router (one mode) instead of starting clusters")
+      help="drive this running router (one mode) instead of starting clusters; with --api openai its HTTP port")
+    a("--api", choices=APIS, default="grpc", help="what to drive: the gRPC API (default) or the OpenAI-compatible "
+      "HTTP API (streamed POST /v1/completions, the token ids as prompt; needs --server)")
     a("--model", default=None, help="local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     a("--quick", action="store_true", help="tiny run: 6 short requests at 2 req/s, small KV pools")
     a("--request-rate", type=float, nargs="+", default=None,
@@ -93,6 +99,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     )
     if min(s.rates) <= 0 or s.num_prompts < 1 or s.overhead_requests < 1:
         raise ValueError("request rates must be > 0, --num-prompts and --overhead-requests >= 1")
+    if args.api == "openai" and not args.server:
+        raise ValueError("--api openai needs --server HOST:PORT (a running `tandem serve`'s HTTP port): the "
+                         "clusters this bench starts itself serve the gRPC API only")
     return s
 
 
@@ -135,6 +144,8 @@ class Bench:
         self.pool = None
         self.runs: list[dict] = []
         self.overhead: dict[str, dict] = {}
+        self.model: str | None = None
+        """With --api openai, the model every body names (the server's, from GET /v1/models)."""
 
     def build_workload(self, pool) -> None:
         from tandem.bench.serve_load import make_requests
@@ -153,7 +164,8 @@ class Bench:
         mix = replace(self.mix, output_len=(4, 4), long_fraction=0.5)
         warm = make_requests(2 * num_workers, self.pool, mix, [self.args.seed, SEED_WARM_UP])
         results, _ = await run_load(target, warm, [0.0] * len(warm), tag=f"warm-{mode}", desc="warm-up",
-                                    timeout=self.args.request_timeout, progress=False)
+                                    timeout=self.args.request_timeout, progress=False, api=self.args.api,
+                                    model=self.model)
         for result in results:
             if not result.success:
                 raise RuntimeError(f"{mode}: warm-up request failed: {result.error}")
@@ -177,7 +189,8 @@ class Bench:
             offsets = arrival_offsets(len(requests), rate, self.args.burstiness, [self.args.seed, SEED_ARRIVALS])
             results, duration = await run_load(
                 target, requests, offsets, tag=f"{mode}-r{rate:g}", desc=f"{mode} @ {rate:g} req/s",
-                timeout=self.args.request_timeout, max_concurrency=self.args.max_concurrency)
+                timeout=self.args.request_timeout, max_concurrency=self.args.max_concurrency, api=self.args.api,
+                model=self.model)
             metrics = summarize(results, duration, self.slo)
             logger.info("%s @ %g req/s: %d/%d completed in %.1f s, p99 TPOT %s ms, goodput %.3f req/s", mode, rate,
                         metrics["completed"], len(results), duration, metrics["tpot_ms"]["p99"], metrics["goodput"])
@@ -188,9 +201,10 @@ class Bench:
 
         s = self.settings
         return {
-            "config": {**config, "seed": self.args.seed, "rates": s.rates, "num_prompts": s.num_prompts,
-                       "burstiness": self.args.burstiness, "max_concurrency": self.args.max_concurrency,
-                       "slo_ms": self.slo, "quick": self.args.quick, "kv_cache_memory_gib": s.kv_cache_memory_gib,
+            "config": {**config, "api": self.args.api, "served_model": self.model, "seed": self.args.seed,
+                       "rates": s.rates, "num_prompts": s.num_prompts, "burstiness": self.args.burstiness,
+                       "max_concurrency": self.args.max_concurrency, "slo_ms": self.slo, "quick": self.args.quick,
+                       "kv_cache_memory_gib": s.kv_cache_memory_gib,
                        "max_num_batched_tokens": self.args.max_num_batched_tokens},
             "workload": {"prompts": "uniform random token ids (added, special and EOS ids excluded), "
                                     "no shared prefixes",
@@ -218,7 +232,7 @@ async def run_local(bench: Bench, configs: dict) -> None:
     """Each mode in turn: start its cluster and router, warm up, overhead pairs, every rate, stop."""
     from tokenizers import Tokenizer
 
-    from tandem.bench.serve_load import router_overhead
+    from tandem.bench.serve_overhead import router_overhead
     from tandem.router.cluster import start_cluster, stop_cluster
     from tandem.router.server import bound_port, drain, serve
 
@@ -249,6 +263,10 @@ async def run_server(bench: Bench) -> None:
 
     tok = load_tokenizer(resolve_model_source(bench.args.model))
     bench.build_workload(token_pool(tok.backend_tokenizer, len(tok), tok.eos_token))
+    if bench.args.api == "openai":
+        from tandem.bench.serve_openai import served_model
+
+        bench.model = await served_model(bench.args.server)
     await bench.warm_up(bench.args.server, "server")
     await bench.run_rates(bench.args.server, "server")
 

@@ -1,12 +1,15 @@
 """The load generator of ``tandem bench serve``: a seeded chat/long-prompt mix, gamma
-arrivals, one grpc.aio stream per request, and the metrics with ``vllm bench serve``'s
-definitions (TTFT, TPOT, ITL, E2EL, goodput), computed from client timestamps."""
+arrivals, one grpc.aio stream per request (or, with ``api="openai"``, one streamed HTTP
+request to the OpenAI-compatible API: serve_openai.py), and the metrics with ``vllm bench
+serve``'s definitions (TTFT, TPOT, ITL, E2EL, goodput), computed from client timestamps."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import asdict, dataclass, field, replace
 
 import grpc
@@ -17,6 +20,8 @@ from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc
 
 PERCENTILES = (50, 90, 99)
+APIS = ("grpc", "openai")
+"""What the load drives: the gRPC API, or the OpenAI-compatible HTTP API (streamed)."""
 SLO_METRICS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2el_ms"}
 """``--goodput`` keys -> the per-request value (ms) each bounds, as vllm bench serve."""
 
@@ -106,13 +111,15 @@ class RequestResult:
     """When it was sent, from the start of the run."""
     success: bool = False
     code: str | None = None
-    """The call's gRPC status code by name ("OK", "RESOURCE_EXHAUSTED", ...); None until it ends."""
+    """The call's gRPC status code by name ("OK", "RESOURCE_EXHAUSTED", ...); None until it ends.
+    Over HTTP, the status's gRPC equivalent (429 -> "RESOURCE_EXHAUSTED": serve_openai.py)."""
     error: str | None = None
     output_tokens: int = 0
     usage_completion_tokens: int | None = None
     finish_reason: str | None = None
     ttft_ms: float | None = None
-    """Send -> first response with non-empty token_ids or text."""
+    """Send -> first response with non-empty token_ids or text (over HTTP: the first chunk
+    with non-empty content)."""
     e2el_ms: float | None = None
     """Send -> the stream's end (or its error status)."""
     tpot_ms: float | None = None
@@ -153,6 +160,12 @@ async def send_one(stub: pb_grpc.GenerationStub, request: Request, index: int, r
         result.code = grpc.StatusCode.OK.name
     except grpc.aio.AioRpcError as e:
         result.code, result.error = e.code().name, f"{e.code().name}: {e.details()}"
+    return conclude(result, start)
+
+
+def conclude(result: RequestResult, start: float) -> RequestResult:
+    """Stamp the end of a call sent at ``start`` (perf_counter): its E2EL and, unless it
+    failed already, success (a stop or length finish after a first token) with its TPOT."""
     result.e2el_ms = (time.perf_counter() - start) * 1e3
     if result.error is not None:
         return result
@@ -165,15 +178,42 @@ async def send_one(stub: pb_grpc.GenerationStub, request: Request, index: int, r
     return result
 
 
-async def run_load(target: str, requests: list[Request], offsets: list[float], *, tag: str, desc: str,
-                   timeout: float | None = None, max_concurrency: int | None = None,
-                   progress: bool = True) -> tuple[list[RequestResult], float]:
-    """Send ``requests[i]`` at ``offsets[i]`` s (open loop; at most ``max_concurrency`` in
-    flight when set) -> (results in request order, seconds from the first send to the last end)."""
-    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    bar = tqdm(total=len(requests), desc=desc, unit="req", leave=False, disable=not progress)
+Send = Callable[[Request, int, str], Awaitable[RequestResult]]
+"""(request, its index, its request id) -> its result: one call through an open client."""
+
+
+@asynccontextmanager
+async def grpc_client(target: str, timeout: float | None) -> AsyncIterator[Send]:
+    """A channel to the router at ``target`` (HOST:PORT) for the run, ``send_one`` per call."""
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationStub(channel)
+        yield lambda request, index, request_id: send_one(stub, request, index, request_id, timeout)
+
+
+def open_client(api: str, target: str, *, timeout: float | None, connections: int,
+                model: str | None = None) -> AbstractAsyncContextManager[Send]:
+    """The client of one run on ``api`` (see APIS); ``connections`` (HTTP only): at least the
+    most calls in flight at once; ``model`` (HTTP only): the body's model, default the server's."""
+    if api == "grpc":
+        return grpc_client(target, timeout)
+    if api == "openai":
+        from tandem.bench.serve_openai import openai_client
+
+        return openai_client(target, timeout=timeout, connections=connections, model=model)
+    raise ValueError(f"unknown api {api!r}: one of {', '.join(APIS)}")
+
+
+async def run_load(target: str, requests: list[Request], offsets: list[float], *, tag: str, desc: str,
+                   timeout: float | None = None, max_concurrency: int | None = None,
+                   progress: bool = True, api: str = "grpc",
+                   model: str | None = None) -> tuple[list[RequestResult], float]:
+    """Send ``requests[i]`` at ``offsets[i]`` s (open loop; at most ``max_concurrency`` in
+    flight when set) through ``api`` (one channel or HTTP session for the run) -> (results
+    in request order, seconds from the first send to the last end)."""
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    bar = tqdm(total=len(requests), desc=desc, unit="req", leave=False, disable=not progress)
+    connections = max(1, max_concurrency or len(requests))
+    async with open_client(api, target, timeout=timeout, connections=connections, model=model) as send:
         start = time.perf_counter()
 
         async def one(i: int) -> RequestResult:
@@ -182,7 +222,7 @@ async def run_load(target: str, requests: list[Request], offsets: list[float], *
                 await limit.acquire()
             try:
                 sent = time.perf_counter() - start
-                result = await send_one(stub, requests[i], i, f"{tag}-{i}", timeout)
+                result = await send(requests[i], i, f"{tag}-{i}")
                 result.send_s = sent
                 return result
             finally:
@@ -240,42 +280,3 @@ def summarize(results: list[RequestResult], duration: float, slo: dict[str, floa
 
 def result_dicts(results: list[RequestResult]) -> list[dict]:
     return [asdict(r) for r in results]
-
-
-async def router_overhead(target: str, backend, prompts: list[list[int]], tag: str) -> dict:
-    """1-token requests, half sent through the router (gRPC), half straight to the backend in
-    this process (``backend.generate``: the worker calls the router makes, minus gRPC,
-    validation and tokenization), in pairs that alternate which goes first -> per-pair
-    latency differences (ms). ``prompts``: 2 per pair plus 2 for warm-up, all different."""
-    from tandem.sampling_params import SamplingParams
-
-    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    via_router, direct = [], []
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = pb_grpc.GenerationStub(channel)
-
-        async def routed(i: int) -> float:
-            t = time.perf_counter()
-            async for _ in stub.Generate(greedy_request(f"{tag}-router-{i}", prompts[i], 1), timeout=120):
-                pass
-            return (time.perf_counter() - t) * 1e3
-
-        async def straight(i: int) -> float:
-            t = time.perf_counter()
-            async for _ in backend.generate(f"{tag}-direct-{i}", prompts[i], params):
-                pass
-            return (time.perf_counter() - t) * 1e3
-
-        await routed(0)  # warm both paths
-        await straight(1)
-        for pair in range(1, len(prompts) // 2):
-            a, b = 2 * pair, 2 * pair + 1
-            if pair % 2:
-                via_router.append(await routed(a))
-                direct.append(await straight(b))
-            else:
-                direct.append(await straight(b))
-                via_router.append(await routed(a))
-    added = [r - d for r, d in zip(via_router, direct)]
-    return {"num_pairs": len(added), "router_ms": stats(via_router), "direct_ms": stats(direct),
-            "added_ms": stats(added), "added_ms_values": added}

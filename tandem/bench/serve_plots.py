@@ -19,6 +19,9 @@ logger = logging.getLogger(__name__)
 SECTIONS = (("ttft_ms", "Time to First Token", "TTFT"), ("tpot_ms", "Time per Output Token (excl. 1st token)", "TPOT"),
             ("itl_ms", "Inter-token Latency", "ITL"), ("e2el_ms", "End-to-end Latency", "E2EL"))
 STYLES = {"disaggregated": "-", "colocated": "--", "server": "-"}
+API_LINES = {"grpc": "the gRPC API (Generation.Generate, one stream per request)",
+             "openai": "the OpenAI-compatible HTTP API (one streamed POST /v1/completions per request, the "
+                       "token ids as prompt; output tokens from the usage chunk)"}
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -86,6 +89,9 @@ def print_report(results: dict) -> None:
     slo = " ".join(f"{k}<={v:g}ms" for k, v in cfg["slo_ms"].items())
     print(f"\n== tandem bench serve: {cfg['num_prompts']} requests per rate, burstiness {cfg['burstiness']:g}, "
           f"seed {cfg['seed']} ==")
+    api = cfg.get("api", "grpc")  # results written before --api existed drove gRPC
+    model = f", model {cfg['served_model']!r}" if cfg.get("served_model") else ""
+    print(f"api: {api}: {API_LINES.get(api, api)}{model}")
     print(f"workload: {1 - w['long_fraction']:.0%} chats (prompt {w['short_prompt_len']}) + {w['long_fraction']:.0%} "
           f"long prompts ({w['long_prompt_len']}), output {w['output_len']} tokens; {w['sampling']}")
     print("TTFT = send -> first non-empty response; TPOT = (E2EL - TTFT) / (output tokens - 1); ITL = gaps "

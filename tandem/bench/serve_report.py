@@ -60,13 +60,14 @@ def write_html(results: dict, out_dir: Path, images: list[Path]) -> Path:
         rows.append(f"<tr><td>{html.escape(run['mode'])}</td><td>{run['rate']:g}</td>"
                     f"<td>{m['completed']}</td><td>{m['goodput']:.3f}</td>{cells}</tr>")
     slo = ", ".join(f"{k} &le; {v:g} ms" for k, v in results["config"]["slo_ms"].items())
+    api = {"grpc": "gRPC", "openai": "OpenAI-compatible HTTP"}.get(results["config"].get("api", "grpc"), "?")
     imgs = "".join(f'<img src="{html.escape(p.name)}" alt="{html.escape(p.stem)}">' for p in images)
     page = f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>tandem bench serve</title>
 <style>body{{font-family:sans-serif;margin:2em}}table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}img{{max-width:100%;display:block;margin:1em 0}}</style>
 </head><body><h1>tandem bench serve</h1>
-<p>Latencies in ms; goodput in requests/s under {slo}.</p>
+<p>Driven through the {html.escape(api)} API. Latencies in ms; goodput in requests/s under {slo}.</p>
 <table><tr><th>mode</th><th>req/s</th><th>done</th><th>goodput</th>{head}</tr>
 {''.join(rows)}</table>{imgs}</body></html>
 """

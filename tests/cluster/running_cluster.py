@@ -14,7 +14,7 @@ import grpc
 from tandem.proto import generation_pb2_grpc as pb_grpc
 from tandem.router.cluster import ClusterConfig, start_cluster, stop_cluster
 from tandem.router.ray_backend import RayBackend
-from tandem.router.server import bound_port, drain, metrics_port, serve
+from tandem.router.server import bound_port, drain, http_port, metrics_port, serve
 
 
 @dataclass
@@ -23,6 +23,8 @@ class RunningCluster:
     port: int
     metrics_port: int
     """Where the router serves /metrics."""
+    http_port: int
+    """Where the router serves the OpenAI-compatible API."""
     loop: asyncio.AbstractEventLoop
 
     def run(self, coro) -> Any:
@@ -31,6 +33,9 @@ class RunningCluster:
 
     def stub(self) -> pb_grpc.GenerationStub:
         return pb_grpc.GenerationStub(grpc.insecure_channel(f"127.0.0.1:{self.port}"))
+
+    def openai_url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}/v1"
 
     def scrape(self) -> str:
         """The router's /metrics, as Prometheus would read it."""
@@ -46,14 +51,15 @@ def running_clusters(configs: dict[str, ClusterConfig], loop: asyncio.AbstractEv
     async def start(cfg: ClusterConfig):
         backend = await start_cluster(cfg)
         backend.start_polling()
-        return backend, await serve(backend, "127.0.0.1", 0, metrics_port=0)
+        return backend, await serve(backend, "127.0.0.1", 0, metrics_port=0, http_port=0)
 
     started = {name: asyncio.run_coroutine_threadsafe(start(cfg), loop) for name, cfg in configs.items()}
     running = {}
     try:
         for name, future in started.items():
             backend, server = future.result(timeout=600)
-            running[name] = (RunningCluster(backend, bound_port(server), metrics_port(server), loop), server)
+            running[name] = (RunningCluster(backend, bound_port(server), metrics_port(server), http_port(server), loop),
+                             server)
         yield {name: c for name, (c, _) in running.items()}
     finally:
         for c, server in running.values():

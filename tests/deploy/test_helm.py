@@ -18,6 +18,7 @@ import kubernetes_validate
 import pytest
 from packaging.version import Version
 
+from tandem.model.source import DEFAULT_MODEL_NAME, resolve_model_source
 from tandem.router import serve_command
 from tandem.router.policy import POLICIES
 
@@ -141,7 +142,7 @@ def test_router_defaults():
     assert args[0] == "serve" and "--pool-resources" in args
     assert (flag(args, "--prefill"), flag(args, "--decode")) == ("1", "1")
     assert flag(args, "--address") == HEAD and flag(args, "--host") == "0.0.0.0"
-    assert (flag(args, "--port"), flag(args, "--metrics-port")) == ("50051", "9464")
+    assert (flag(args, "--port"), flag(args, "--metrics-port"), flag(args, "--http-port")) == ("50051", "9464", "8000")
     assert flag(args, "--kv-transfer-host") == "node-ip" and flag(args, "--policy") == "least_loaded"
     assert flag(args, "--dtype") == "float32" and flag(args, "--block-size") == "16"
     assert flag(args, "--num-threads") == "2"  # the pools' CPU count
@@ -154,8 +155,11 @@ def test_router_defaults():
     assert "TANDEM_AUTH_TOKEN" not in {e["name"] for e in c["env"]}
     annotations = router["spec"]["template"]["metadata"]["annotations"]
     assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": "9464", "prometheus.io/path": "/metrics"}
-    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50051, "metrics": 9464}
-    assert find(docs, "Service", "router")["spec"]["type"] == "ClusterIP"
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50051, "metrics": 9464, "http": 8000}
+    svc = find(docs, "Service", "router")
+    assert svc["spec"]["type"] == "ClusterIP"
+    assert {p["name"]: (p["port"], p["targetPort"], p["appProtocol"]) for p in svc["spec"]["ports"]} == {
+        "grpc": (50051, "grpc", "grpc"), "metrics": (9464, "metrics", "http"), "http": (8000, "http", "http")}
     assert not [d for d in docs if d["kind"] in ("Secret", "ServiceMonitor")]
 
 
@@ -168,7 +172,48 @@ def test_router_args_parse_as_tandem_serve(rendered):
     parsed, unknown = parser.parse_known_args(args[1:])
     assert not unknown
     assert parsed.pool_resources and parsed.kv_transfer_host == "node-ip" and parsed.address == HEAD
-    assert (parsed.host, parsed.port, parsed.metrics_port) == ("0.0.0.0", 50051, 9464)
+    assert (parsed.host, parsed.port, parsed.metrics_port, parsed.http_port) == ("0.0.0.0", 50051, 9464, 8000)
+
+
+def test_router_ports_follow_their_values():
+    docs = render({"router": {"grpcPort": 50052, "metricsPort": 9100, "httpPort": 8080}})
+    args = router_args(docs)
+    assert (flag(args, "--port"), flag(args, "--metrics-port"), flag(args, "--http-port")) == ("50052", "9100", "8080")
+    router = find(docs, "Deployment", "router")
+    c = container(router)
+    assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50052, "metrics": 9100, "http": 8080}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert c[probe]["grpc"] == {"port": 50052, "service": ""}  # the probes stay on gRPC
+    assert router["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "9100"
+    svc = find(docs, "Service", "router")
+    assert {p["name"]: (p["port"], p["targetPort"]) for p in svc["spec"]["ports"]} == {
+        "grpc": (50052, "grpc"), "metrics": (9100, "metrics"), "http": (8080, "http")}
+    notes = manifests({"router": {"grpcPort": 50052, "metricsPort": 9100, "httpPort": 8080}})["tandem/templates/NOTES.txt"]
+    assert "port-forward service/demo-tandem-router 8080:8080" in notes
+    assert "curl -s 127.0.0.1:8080/v1/chat/completions " in notes and ":8000" not in notes
+
+
+def notes_curl(values: dict) -> tuple[str, dict]:
+    """The install notes' curl line for the OpenAI API, and the JSON body it sends."""
+    [line] = [l.strip() for l in manifests(values)["tandem/templates/NOTES.txt"].splitlines()
+              if l.strip().startswith("curl ")]
+    return line, json.loads(line.rsplit(" -d ", 1)[1].strip("'"))
+
+
+def test_notes_show_the_openai_api(tmp_path):
+    notes = manifests()["tandem/templates/NOTES.txt"]
+    assert "port-forward service/demo-tandem-router 8000:8000" in notes
+    line, body = notes_curl({})
+    assert line.startswith("curl -s 127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' -d ")
+    assert "Authorization" not in line
+    # The served model's name: the tokenizer spec's model_name, as tandem names the model it loads.
+    assert body == {"model": DEFAULT_MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 20}
+    (tmp_path / "Qwen2-0.5B-Instruct").mkdir()
+    (tmp_path / "tiny-llama.Q4_0.gguf").write_bytes(b"")
+    for model in (tmp_path / "Qwen2-0.5B-Instruct", f"{tmp_path}/Qwen2-0.5B-Instruct/", tmp_path / "tiny-llama.Q4_0.gguf"):
+        assert notes_curl({"model": str(model)})[1]["model"] == resolve_model_source(str(model)).name
+    for auth in (SCENARIOS["auth-created"], SCENARIOS["auth-existing"]):
+        assert ' -H "Authorization: Bearer $TANDEM_AUTH_TOKEN" ' in notes_curl(auth)[0]
 
 
 @pytest.mark.parametrize("policy", POLICIES)

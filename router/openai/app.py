@@ -1,0 +1,162 @@
+"""The OpenAI-compatible HTTP API: an aiohttp application on the router's own event loop.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (streamed as server-sent
+events or not), ``GET /v1/models`` (and ``/v1/models/{model}``), ``GET /health``. With an
+auth token every route but ``/health`` needs ``Authorization: Bearer <token>``. Errors
+come in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, aiohttp's own
+(unknown route, wrong method) included.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from tandem.router.backend import Backend
+from tandem.router.limits import RequestLimits
+from tandem.router.metrics import RouterMetrics
+from tandem.router.openai.errors import APIError
+from tandem.router.openai.generation import Generation
+from tandem.router.openai.protocol import CHAT, COMPLETION
+from tandem.router.openai.responses import model_card, models_list
+from tandem.router.tokenizer import RouterTokenizer
+
+logger = logging.getLogger(__name__)
+
+OPEN_PATHS = ("/health",)
+"""What needs no token (load balancers and Kubernetes probes carry none)."""
+STOP_GRACE_S = 5.0
+"""How long stop() lets running requests finish before cancelling them."""
+_MiB = 2**20
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class OpenAIEndpoint:
+    """A started OpenAI-compatible API (from start_openai_endpoint)."""
+
+    def __init__(self, runner: web.AppRunner, port: int) -> None:
+        self._runner = runner
+        self.port = port
+        """The port it listens on (what port 0 became)."""
+
+    async def stop(self) -> None:
+        """Stop listening, let running requests finish (up to the grace given at start),
+        then cancel the rest: a cancelled request is aborted on the workers."""
+        await self._runner.cleanup()
+        logger.info("OpenAI-compatible API on port %d stopped", self.port)
+
+
+async def start_openai_endpoint(backend: Backend, tokenizer: RouterTokenizer, metrics: RouterMetrics,
+                                limits: RequestLimits, host: str, port: int,
+                                auth_token: str | None = None, *, grace_s: float = STOP_GRACE_S) -> OpenAIEndpoint:
+    """Serve the OpenAI-compatible API on host:port (0: a free port) on the running loop.
+
+    Requests share the gRPC API's admission bound (``metrics.num_running`` against
+    ``limits.max_concurrent_requests``), validation and request metrics. auth_token: the
+    ``Authorization: Bearer`` token every route but /health needs (None: open). grace_s:
+    how long stop() waits for running requests. A busy port raises OSError.
+    """
+    if auth_token is not None and not auth_token:
+        raise ValueError("the auth token must not be empty")
+    generation = Generation(backend, tokenizer, metrics, limits)
+    app = _application(generation, backend, auth_token, _client_max_size(limits))
+    # handler_cancellation: a client that disconnects cancels its handler at once, wherever
+    # it waits (the admission queue, the workers), and the cancel aborts its request.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=grace_s)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as e:
+        await runner.cleanup()
+        raise OSError(f"cannot serve the OpenAI-compatible API on {host}:{port}: {e}") from e
+    bound = runner.addresses[0][1]
+    logger.info("OpenAI-compatible API on http://%s:%d/v1 (model %s%s)", host, bound, generation.model,
+                ", token required" if auth_token else "")
+    return OpenAIEndpoint(runner, bound)
+
+
+def _client_max_size(limits: RequestLimits) -> int:
+    """The largest body read: room for max_prompt_chars of text even when JSON escapes every
+    character (``\\uXXXX``, 6 bytes), plus the other fields; at least gRPC's 4 MiB."""
+    return max(4 * _MiB, 6 * limits.max_prompt_chars + _MiB)
+
+
+def _application(generation: Generation, backend: Backend, auth_token: str | None,
+                 client_max_size: int) -> web.Application:
+    middlewares = [_errors] + ([_auth(auth_token)] if auth_token else [])
+    app = web.Application(middlewares=middlewares, client_max_size=client_max_size)
+    created = int(time.time())
+    model = generation.model
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        return await generation.handle(COMPLETION, request)
+
+    async def chat_completions(request: web.Request) -> web.StreamResponse:
+        return await generation.handle(CHAT, request)
+
+    async def list_models(request: web.Request) -> web.Response:
+        return web.json_response(models_list(model, created))
+
+    async def get_model(request: web.Request) -> web.Response:
+        if request.match_info["model"] != model:
+            raise APIError(404, f"The model {request.match_info['model'][:100]!r} does not exist: this server "
+                                f"serves {model!r}", param="model", code="model_not_found")
+        return web.json_response(model_card(model, created))
+
+    async def health(request: web.Request) -> web.Response:
+        try:
+            ready = bool(backend.is_ready())
+        except Exception:  # noqa: BLE001 - a failing readiness check means not ready
+            logger.exception("backend.is_ready() failed")
+            ready = False
+        return web.json_response({"status": "ok" if ready else "unavailable"}, status=200 if ready else 503)
+
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_get("/v1/models/{model}", get_model)
+    app.router.add_get("/health", health)
+    return app
+
+
+def _error_response(error: APIError) -> web.Response:
+    return web.json_response(error.body(), status=error.status, headers=error.headers)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """APIError, and aiohttp's own HTTP errors, as OpenAI's error JSON."""
+    try:
+        return await handler(request)
+    except APIError as e:
+        return _error_response(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        headers = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None
+        kind = "invalid_request_error" if e.status < 500 else "server_error"
+        return _error_response(APIError(e.status, f"{request.method} {request.path[:200]}: {e.reason}", type=kind,
+                                        headers=headers))
+
+
+def _auth(token: str) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path in OPEN_PATHS:
+            return await handler(request)
+        given = request.headers.get("Authorization", "")
+        if hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected):
+            return await handler(request)
+        logger.warning("refused %s %s: %s", request.method, request.path[:200],
+                       "no token" if not given else "wrong token")
+        raise APIError(401, "Incorrect API key provided: send 'Authorization: Bearer <token>' with the server's token",
+                       code="invalid_api_key")
+
+    return auth

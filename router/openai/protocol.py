@@ -1,0 +1,329 @@
+"""OpenAI request bodies -> ``tandem.v1.GenerateRequest``, checked by the gRPC API's own validation.
+
+``parse_request`` reads a JSON body of ``/v1/completions`` or ``/v1/chat/completions`` into a
+protobuf request plus the options that only shape the response (stream, usage, logprobs);
+``validated`` then runs ``router.validation.validate_request`` on it, so both APIs accept and
+refuse exactly the same requests. Every refusal is an ``APIError`` in OpenAI's shape whose
+``param`` names the OpenAI parameter (``sampling.temperature`` -> ``temperature``).
+
+Parameters OpenAI knows but tandem does not implement are refused unless they hold their
+neutral value (``presence_penalty: 0``, ``logit_bias: {}``, ``tools: []``, ...): a client
+that asks for a penalty must not silently get none. ``null`` means "not given", as in OpenAI.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.proto import generation_pb2 as pb
+from tandem.router.limits import RequestLimits
+from tandem.router.openai.errors import APIError, invalid
+from tandem.router.tokenizer import RouterTokenizer
+from tandem.router.validation import ValidRequest, shown, validate_request
+
+COMPLETION = "completion"
+CHAT = "chat"
+_INT32 = 2**31 - 1
+_INT64 = 2**63 - 1
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A body read into the gRPC request, and what shapes the answer."""
+
+    kind: str
+    """COMPLETION or CHAT."""
+    request: pb.GenerateRequest
+    stream: bool
+    include_usage: bool
+    """stream_options.include_usage: a last chunk with the usage."""
+    logprobs: bool
+    max_tokens_param: str | None
+    """The parameter that set sampling.max_tokens (max_tokens or max_completion_tokens); None: unset."""
+
+    @property
+    def input_param(self) -> str:
+        return "prompt" if self.kind == COMPLETION else "messages"
+
+
+def _json_kind(value: object) -> str:
+    """What a JSON value is, for messages (never the client's value itself)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    return "an array" if isinstance(value, list) else "an object"
+
+
+def _integer(name: str, value: object, most: int = _INT32) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise invalid(name, f"must be an integer, got {_json_kind(value)}")
+    if not -most - 1 <= value <= most:
+        raise invalid(name, f"must be between {-most - 1} and {most}")
+    return value
+
+
+def _int64(name: str, value: object) -> int:
+    return _integer(name, value, _INT64)
+
+
+def _number(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise invalid(name, f"must be a number, got {_json_kind(value)}")
+    try:
+        return float(value)
+    except OverflowError:  # an integer with hundreds of digits
+        raise invalid(name, "is out of range") from None
+
+
+def _boolean(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise invalid(name, f"must be a boolean, got {_json_kind(value)}")
+    return value
+
+
+# Body parameter -> (GenerateRequest.sampling field, reader). Past OpenAI's own, tandem's
+# extensions as extra body fields (openai: extra_body={"top_k": 20}), vLLM's names.
+_SAMPLING: dict[str, tuple[str, Callable[[str, object], Any]]] = {
+    "temperature": ("temperature", _number),
+    "top_p": ("top_p", _number),
+    "n": ("n", _integer),
+    "seed": ("seed", _int64),
+    "top_k": ("top_k", _integer),
+    "min_p": ("min_p", _number),
+    "ignore_eos": ("ignore_eos", _boolean),
+    "use_beam_search": ("use_beam_search", _boolean),
+    "beam_width": ("beam_width", _integer),
+    "length_penalty": ("length_penalty", _number),
+}
+_COMMON = {"model", "stream", "stream_options", "max_tokens", "stop", "stop_token_ids", "logprobs", *_SAMPLING}
+# Identifiers for the caller's own bookkeeping: accepted, and without effect on the output.
+_IGNORED = {"user", "safety_identifier", "prompt_cache_key"}
+_ALLOWED = {COMPLETION: _COMMON | _IGNORED | {"prompt"},
+            CHAT: _COMMON | _IGNORED | {"messages", "max_completion_tokens", "top_logprobs"}}
+
+
+# Known parameters that tandem does not implement: accepted only with a value that changes
+# nothing (what a client library may send by default); any other value is refused.
+_NEUTRAL_BOTH: dict[str, Callable[[object, dict[str, Any]], bool]] = {
+    "presence_penalty": lambda v, b: v == 0 and not isinstance(v, bool),
+    "frequency_penalty": lambda v, b: v == 0 and not isinstance(v, bool),
+    "logit_bias": lambda v, b: v == {},
+}
+_NEUTRAL = {
+    COMPLETION: {**_NEUTRAL_BOTH,
+                 "echo": lambda v, b: v is False,
+                 "suffix": lambda v, b: v == "",
+                 "best_of": lambda v, b: type(v) is int and v == (b.get("n") or 1)},
+    CHAT: {**_NEUTRAL_BOTH,
+           "tools": lambda v, b: v == [],
+           "functions": lambda v, b: v == [],
+           "tool_choice": lambda v, b: v == "none",
+           "function_call": lambda v, b: v == "none",
+           "parallel_tool_calls": lambda v, b: isinstance(v, bool),  # no tools, so nothing runs in parallel
+           "response_format": lambda v, b: v == {"type": "text"},
+           "modalities": lambda v, b: v == ["text"],
+           "store": lambda v, b: v is False,
+           "metadata": lambda v, b: isinstance(v, dict),  # only kept with store, which is off
+           "service_tier": lambda v, b: v in ("auto", "default")},
+}
+
+
+def parse_request(kind: str, body: object, model_name: str, request_id: str) -> ParsedRequest:
+    """A decoded JSON body of the ``kind`` endpoint -> the request (APIError when refused).
+
+    A ``model`` other than ``model_name`` is a 404 ``model_not_found`` (as OpenAI answers);
+    an absent one means the served model.
+    """
+    try:
+        return _parse(kind, body, model_name, request_id)
+    except UnicodeEncodeError as e:  # protobuf strings must be UTF-8; JSON can spell "\ud800"
+        raise invalid(None, "the request holds a lone surrogate (\\ud800-\\udfff), which is not text") from e
+
+
+def _parse(kind: str, body: object, model_name: str, request_id: str) -> ParsedRequest:
+    if not isinstance(body, dict):
+        raise invalid(None, f"the request body must be a JSON object, got {_json_kind(body)}")
+    _check_parameter_names(kind, body)
+    given = {name: value for name, value in body.items() if value is not None}
+    model = given.get("model", model_name)
+    if model != model_name:
+        shown_model = shown(model) if isinstance(model, str) else _json_kind(model)
+        raise APIError(404, f"The model {shown_model} does not exist: this server serves {model_name!r}",
+                       param="model", code="model_not_found")
+    request = pb.GenerateRequest(request_id=request_id)
+    sampling = request.sampling
+    for name, (field, read) in _SAMPLING.items():
+        if name in given:
+            setattr(sampling, field, read(name, given[name]))
+    max_tokens_param = None
+    for name in ("max_tokens", "max_completion_tokens"):  # the latter (chat's newer name) wins
+        if name in given:
+            max_tokens_param = name
+    if max_tokens_param is not None:
+        sampling.max_tokens = _integer(max_tokens_param, given[max_tokens_param])
+    sampling.stop.extend(_stop(given.get("stop")))
+    sampling.stop_token_ids.extend(_token_ids("stop_token_ids", given.get("stop_token_ids", [])))
+    stream = _boolean("stream", given.get("stream", False))
+    include_usage = _stream_options(given.get("stream_options"), stream)
+    logprobs = _logprobs(kind, given)
+    if logprobs:
+        sampling.logprobs = True
+    if kind == COMPLETION:
+        _set_prompt(request, given.get("prompt"))
+    else:
+        request.messages.messages.extend(_messages(given.get("messages")))
+    return ParsedRequest(kind, request, stream, include_usage, logprobs, max_tokens_param)
+
+
+def _check_parameter_names(kind: str, body: dict[str, Any]) -> None:
+    for name, value in body.items():
+        if value is None or name in _ALLOWED[kind]:
+            continue
+        neutral = _NEUTRAL[kind].get(name)
+        param = name[:100]
+        if neutral is None:
+            raise APIError(400, f"Unrecognized request argument supplied: {shown(name)}", param=param)
+        if not neutral(value, body):
+            raise invalid(param, "is not supported by this server (only its neutral value is accepted)")
+
+
+def _stop(value: object) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise invalid("stop", "must be a string or an array of strings")
+    return value
+
+
+def _token_ids(name: str, value: object) -> list[int]:
+    if not isinstance(value, list):
+        raise invalid(name, f"must be an array of token ids, got {_json_kind(value)}")
+    for i, token_id in enumerate(value):
+        _integer(f"{name}[{i}]", token_id)
+    return value
+
+
+def _stream_options(value: object, stream: bool) -> bool:
+    """-> include_usage."""
+    if value is None:
+        return False
+    if not stream:
+        raise invalid("stream_options", "is only allowed when stream is true")
+    if not isinstance(value, dict):
+        raise invalid("stream_options", f"must be an object, got {_json_kind(value)}")
+    for key in value:
+        if key not in ("include_usage", "include_obfuscation"):  # no obfuscation here: nothing to turn off
+            raise invalid("stream_options", f"unknown option {shown(str(key))}")
+    include_usage = value.get("include_usage")
+    return False if include_usage is None else _boolean("stream_options.include_usage", include_usage)
+
+
+def _logprobs(kind: str, given: dict[str, Any]) -> bool:
+    """Whether to return the chosen tokens' log-probabilities (the only ones the workers compute)."""
+    if kind == CHAT:
+        top = given.get("top_logprobs")
+        if top is not None and _integer("top_logprobs", top) != 0:
+            raise invalid("top_logprobs", "only 0 is supported: this server returns the chosen token's "
+                                          "log-probability, no alternatives")
+        return _boolean("logprobs", given.get("logprobs", False))
+    if "logprobs" not in given:
+        return False
+    count = _integer("logprobs", given["logprobs"])
+    if count != 0:
+        raise invalid("logprobs", f"only 0 is supported (the chosen token's log-probability, no alternatives), "
+                                  f"got {count}")
+    return True
+
+
+def _set_prompt(request: pb.GenerateRequest, prompt: object) -> None:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one prompt
+    if isinstance(prompt, str):
+        request.prompt = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        raise invalid("prompt", f"{len(prompt)} prompts: this server takes one prompt per request")
+    elif isinstance(prompt, list) and prompt:
+        request.token_ids.ids.extend(_token_ids("prompt", prompt))
+    else:
+        raise invalid("prompt", "must be a string or an array of token ids" if prompt is not None else "is required")
+
+
+def _messages(value: object) -> list[pb.ChatMessage]:
+    if value is None:
+        raise invalid("messages", "is required")
+    if not isinstance(value, list):
+        raise invalid("messages", f"must be an array of messages, got {_json_kind(value)}")
+    messages = []
+    for i, message in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise APIError(400, f"{where}: must be an object, got {_json_kind(message)}", param="messages")
+        for key, field in message.items():
+            if key not in ("role", "content", "name") and field is not None and field != []:
+                raise APIError(400, f"{where}.{shown(str(key), 40)}: is not supported (text messages only)",
+                               param="messages")
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise APIError(400, f"{where}.role: must be a string, got {_json_kind(role)}", param="messages")
+        # OpenAI's newer name for system instructions; chat templates know only "system".
+        messages.append(pb.ChatMessage(role="system" if role == "developer" else role,
+                                       content=_content(message.get("content"), where)))
+    return messages
+
+
+def _content(content: object, where: str) -> str:
+    """A message's content: a string, or text parts (joined by newlines, as vLLM does)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise APIError(400, f"{where}.content: must be a string or an array of text parts, got "
+                            f"{_json_kind(content)}", param="messages")
+    texts = []
+    for j, part in enumerate(content):
+        if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+            raise APIError(400, f"{where}.content[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}}) "
+                                f"are supported", param="messages")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+# "sampling.stop[2]: ..." -> ("stop", "[2]"); "messages[1].role: ..." -> ("messages", "[1].role").
+_FIELD_RE = re.compile(r"^(?:sampling\.)?(\w*)(.*)$", re.DOTALL)
+
+
+def validated(parsed: ParsedRequest, tokenizer: RouterTokenizer, limits: RequestLimits) -> ValidRequest:
+    """``validate_request`` on the parsed request (tokenizes: run it off the event loop).
+
+    Its ValueError becomes a 400 naming the OpenAI parameter. A chat request with no
+    max_tokens may use all the room the context leaves (OpenAI's "no limit").
+    """
+    try:
+        valid = validate_request(parsed.request, tokenizer, limits)
+    except ValueError as e:
+        raise _from_validation(str(e), parsed) from e
+    if parsed.kind == CHAT and parsed.max_tokens_param is None:
+        room = tokenizer.max_model_len - len(valid.prompt_token_ids)
+        valid = valid._replace(params=dataclasses.replace(valid.params, max_tokens=room))
+    return valid
+
+
+def _from_validation(message: str, parsed: ParsedRequest) -> APIError:
+    field, _, rest = message.partition(": ")
+    name, suffix = _FIELD_RE.match(field).groups()
+    renamed = {"token_ids": "prompt", "input": parsed.input_param, "sampling": "",
+               "max_tokens": parsed.max_tokens_param or "max_tokens"}
+    param = renamed.get(name, name) or None
+    if param is None or not rest:
+        return APIError(400, message, param=param)
+    return APIError(400, f"{param}{suffix}: {rest}", param=param)

@@ -1,0 +1,81 @@
+"""The OpenAI-compatible API on a real cluster, through OpenAI's official client: the streamed
+and the whole greedy answers are the same, and the same as the gRPC API's."""
+
+from __future__ import annotations
+
+import asyncio
+
+import openai
+import pytest
+
+from tandem.proto import generation_pb2 as pb
+from worker_checks import assert_workers_empty
+
+pytestmark = pytest.mark.slow
+
+MODES = ["disaggregated", "colocated"]
+QUESTION = "What is the capital of France?"
+
+
+def _grpc_text(cluster, **input_fields) -> str:
+    request = pb.GenerateRequest(sampling=pb.SamplingParams(temperature=0, max_tokens=24), **input_fields)
+    return "".join(r.text for r in cluster.stub().Generate(request, timeout=120))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_chat_streamed_whole_and_grpc_agree(clusters, mode):
+    cluster = clusters[mode]
+    client = openai.OpenAI(base_url=cluster.openai_url(), api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": QUESTION}]
+    whole = client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=24)
+    chunks = list(client.chat.completions.create(model=model, messages=messages, temperature=0, max_tokens=24,
+                                                 stream=True, stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    expected = _grpc_text(cluster, messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content=QUESTION)]))
+    assert whole.choices[0].message.content == streamed == expected
+    assert "Paris" in expected
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens > 0
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    assert_workers_empty(cluster)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_async_completions_agree_with_grpc(clusters, mode):
+    cluster = clusters[mode]
+
+    async def run() -> tuple[str, str]:
+        client = openai.AsyncOpenAI(base_url=cluster.openai_url(), api_key="unused", max_retries=0)
+        model = (await client.models.list()).data[0].id
+        whole = await client.completions.create(model=model, prompt="The capital of France is", temperature=0,
+                                                max_tokens=24)
+        stream = await client.completions.create(model=model, prompt="The capital of France is", temperature=0,
+                                                 max_tokens=24, stream=True)
+        streamed = "".join([c.choices[0].text async for c in stream if c.choices])
+        await client.close()
+        return whole.choices[0].text, streamed
+
+    whole, streamed = asyncio.run(run())
+    assert whole == streamed == _grpc_text(cluster, prompt="The capital of France is")
+    assert_workers_empty(cluster)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_n_choices_and_bad_input_on_a_cluster(clusters, mode):
+    cluster = clusters[mode]
+    client = openai.OpenAI(base_url=cluster.openai_url(), api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    out = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Name a colour."}],
+                                         n=3, seed=5, temperature=0.9, max_tokens=12)
+    request = pb.GenerateRequest(
+        messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="Name a colour.")]),
+        sampling=pb.SamplingParams(n=3, seed=5, temperature=0.9, max_tokens=12))
+    grpc_texts = ["", "", ""]
+    for r in cluster.stub().Generate(request, timeout=120):
+        grpc_texts[r.index] += r.text
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    assert [c.message.content for c in sorted(out.choices, key=lambda c: c.index)] == grpc_texts
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], temperature=-1)
+    assert caught.value.body["param"] == "temperature"
+    assert_workers_empty(cluster)
