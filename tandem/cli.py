@@ -1,5 +1,5 @@
 """The ``tandem`` command: ``serve`` (the cluster), ``generate`` (a gRPC client), ``chat``
-(one engine in this process) and ``bench``."""
+(one engine in this process), ``plan`` (KV capacity before loading) and ``bench``."""
 
 from __future__ import annotations
 
@@ -121,6 +121,27 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def plan(args: argparse.Namespace) -> int:
+    """Print one rank's weights, KV memory and KV capacity, from the model's config alone."""
+    from tandem.plan import make_plan
+
+    weights = None if args.weights_memory == "auto" else float(args.weights_memory)
+    try:
+        result = make_plan(args.model, args.memory, tp=args.tp, dtype=args.dtype, block_size=args.block_size,
+                           max_model_len=args.max_model_len, weights_memory_gib=weights)
+    except OSError as e:  # no such model, or an unreadable config
+        raise ValueError(str(e)) from None
+    print("\n".join(result.lines()))
+    return 0
+
+
+def auto_or_gib(value: str) -> str:
+    """--weights-memory: "auto", or a number of GiB."""
+    if value != "auto":
+        float(value)  # argparse reports a ValueError here as an invalid value
+    return value
+
+
 BENCH_HELP = {
     "engine": "tandem vs transformers generate: throughput and single-stream TPOT",
     "kernels": "attention kernels vs scaled_dot_product_attention",
@@ -174,6 +195,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     p.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
     p.set_defaults(func=generate)
+
+    p = commands.add_parser("plan", help="KV capacity per rank for a memory budget, before loading anything",
+                            description=plan.__doc__)
+    p.add_argument("--model", default=None, help="local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--memory", type=float, required=True, metavar="GIB", help="memory per rank for weights and KV, in GiB")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    p.add_argument("--weights-memory", type=auto_or_gib, default="auto", metavar="auto|GIB",
+                   help="weights per rank in GiB (default auto: parameters from the shapes x dtype bytes / tp)")
+    p.set_defaults(func=plan)
 
     bench = commands.add_parser("bench", help="benchmarks (ratios measured side by side)")
     bench_commands = bench.add_subparsers(dest="bench", required=True)

@@ -12,6 +12,7 @@ from tandem.block_manager import BlockManager
 from tandem.config import EngineConfig
 from tandem.detokenizer import IncrementalDetokenizer
 from tandem.engine_observer import EngineObserver
+from tandem.kv_capacity import KVCapacity
 from tandem.model.llama import LlamaModel
 from tandem.model_runner import ModelRunner
 from tandem.outputs import FirstSample, RequestDelta
@@ -39,12 +40,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, model)
         self.sequences: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
-        logger.info(
-            "KV pool: %d blocks of %d tokens (%d tokens, %.0f MiB); max_model_len %d",
-            config.num_kv_blocks, config.block_size, config.num_kv_blocks * config.block_size,
-            self.runner.kv_cache.numel() * self.runner.kv_cache.element_size() / 2**20,
-            config.max_model_len,
-        )
+        logger.info("KV pool: %s", KVCapacity.of_engine_config(config).describe())
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         """Queue a request; raises ValueError at once when it could never run."""
