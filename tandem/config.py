@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.model.quantization import QUANTIZATION_METHODS
 from tandem.preemption import PREEMPTION_MODES
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,8 @@ class EngineConfig:
     """Longest n-gram matched against the sequence's earlier tokens to find drafts."""
     prompt_lookup_min: int = 2
     """Shortest n-gram tried before giving up on drafts for a step."""
+    quantization: str | None = None
+    """Weight-only quantization of the projections and LM head, done at start (None: float weights; int8)."""
 
     @classmethod
     def build(
@@ -133,6 +136,7 @@ class EngineConfig:
         num_speculative_tokens: int = 0,
         prompt_lookup_max: int = 4,
         prompt_lookup_min: int = 2,
+        quantization: str | None = None,
     ) -> EngineConfig:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -155,6 +159,8 @@ class EngineConfig:
         _require(prompt_lookup_min >= 1, "prompt_lookup_min", prompt_lookup_min, ">= 1")
         _require(prompt_lookup_max >= prompt_lookup_min, "prompt_lookup_max", prompt_lookup_max,
                  f">= prompt_lookup_min ({prompt_lookup_min})")
+        _require(quantization is None or quantization in QUANTIZATION_METHODS, "quantization", quantization,
+                 f"None or one of {', '.join(QUANTIZATION_METHODS)}")
         # NOTE: swapped blocks never outnumber the device pool, so more host blocks go unused.
         num_swap_blocks = min(num_swap_blocks, num_kv_blocks)
 
@@ -185,6 +191,7 @@ class EngineConfig:
             num_speculative_tokens=num_speculative_tokens,
             prompt_lookup_max=prompt_lookup_max,
             prompt_lookup_min=prompt_lookup_min,
+            quantization=quantization,
         )
 
 

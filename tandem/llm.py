@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from tandem.config import DTYPES, EngineConfig
 from tandem.engine import LLMEngine
 from tandem.model.llama import LlamaModel
-from tandem.model.loader import LoadedModel, load_model
+from tandem.model.loader import LoadedModel, load_model, quantized
 from tandem.model.source import resolve_model_source
 from tandem.outputs import RequestDelta, RequestOutput
 from tandem.sampling_params import SamplingParams
@@ -32,7 +32,7 @@ class LLM:
     Other keyword arguments go to :meth:`EngineConfig.build` (block_size,
     kv_cache_memory_gib, num_kv_blocks, max_model_len, max_num_seqs,
     max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill,
-    swap_space_gib, num_swap_blocks, preemption_mode).
+    swap_space_gib, num_swap_blocks, preemption_mode, quantization).
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "float32",
@@ -53,6 +53,7 @@ class LLM:
     def _start(self, loaded: LoadedModel, dtype: str, engine_args: dict[str, Any]) -> None:
         self.tokenizer = loaded.tokenizer
         config = EngineConfig.build(loaded.config, dtype=dtype, **engine_args)
+        loaded = quantized(loaded, config.quantization)
         model = LlamaModel(loaded.config, loaded.weights, config.max_model_len)
         self.engine = LLMEngine(config, model, self.tokenizer)
         self._request_ids = itertools.count()

@@ -12,7 +12,7 @@ from tandem.config import DTYPES, EngineConfig
 from tandem.engine import LLMEngine
 from tandem.engine_loop import EngineLoop
 from tandem.model.llama import LlamaModel
-from tandem.model.loader import LoadedModel, load_model
+from tandem.model.loader import LoadedModel, load_model, quantized
 from tandem.model.source import resolve_model_source
 from tandem.router.tokenizer import tokenizer_spec_from
 from tandem.worker_api import Role, TokenizerSpec, WorkerInventory, WorkerLoad
@@ -34,8 +34,9 @@ class Worker:
         self.instance = instance
         if loaded is None:
             loaded = load_model(resolve_model_source(model), DTYPES[dtype])
-        self.loaded = loaded
         config = EngineConfig.build(loaded.config, dtype=dtype, **engine_args)
+        loaded = quantized(loaded, config.quantization)
+        self.loaded = loaded
         tokenizer = loaded.tokenizer if self.role is not Role.PREFILL else None  # prefill emits no text
         self.engine = LLMEngine(config, LlamaModel(loaded.config, loaded.weights, config.max_model_len), tokenizer)
         self.metrics = WorkerMetrics(self.role, instance, loaded.config.name, self.engine)

@@ -1,7 +1,8 @@
 """Our forward pass for Llama-family decoders (Llama, Qwen2, Mistral, SmolLM2) over a paged KV cache.
 
-Weights are plain tensors taken from a transformers model; q/k/v and gate/up are fused
-so that each layer runs four matrix products.
+Weights are plain tensors taken from a transformers model (the projections may be int8:
+see quantization.py); q/k/v and gate/up are fused so that each layer runs four matrix
+products.
 """
 
 from __future__ import annotations
@@ -15,15 +16,16 @@ import torch.nn.functional as F
 from tandem.config import ModelConfig
 from tandem.kernels import ops
 from tandem.kernels.attention_metadata import AttentionMetadata
+from tandem.model.quantization import Weight, linear, weight_bytes, weight_key
 
 
 @dataclass
 class LayerWeights:
-    qkv_proj: torch.Tensor  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
+    qkv_proj: Weight  # [(num_heads + 2 * num_kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor  # [hidden, num_heads * head_dim]
-    gate_up_proj: torch.Tensor  # [2 * intermediate, hidden]
-    down_proj: torch.Tensor  # [hidden, intermediate]
+    o_proj: Weight  # [hidden, num_heads * head_dim]
+    gate_up_proj: Weight  # [2 * intermediate, hidden]
+    down_proj: Weight  # [hidden, intermediate]
     input_norm: torch.Tensor  # [hidden]
     post_attention_norm: torch.Tensor  # [hidden]
 
@@ -33,19 +35,20 @@ class ModelWeights:
     embed_tokens: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as embed_tokens when tied
+    lm_head: Weight  # [vocab, hidden]; the same tensor as embed_tokens when tied (and not quantized)
     rope_inv_freq: torch.Tensor  # [head_dim // 2] float32
     rope_attention_scaling: float
 
     @property
     def num_bytes(self) -> int:
-        """Bytes of weights one decode step reads (each distinct tensor once)."""
+        """Bytes of weights one decode step reads (each distinct tensor once; int8 + scales
+        for a quantized one)."""
         seen: dict[int, int] = {}
         tensors = [self.lm_head, self.norm] + [
             t for layer in self.layers for t in vars(layer).values() if t is not None
         ]
         for t in tensors:
-            seen[t.data_ptr()] = t.numel() * t.element_size()
+            seen[weight_key(t)] = weight_bytes(t)
         return sum(seen.values())
 
 
@@ -106,7 +109,7 @@ class LlamaModel:
         h = w.embed_tokens[input_ids]
         for layer_idx, lw in enumerate(w.layers):
             x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
-            qkv = F.linear(x, lw.qkv_proj, lw.qkv_bias)
+            qkv = linear(x, lw.qkv_proj, lw.qkv_bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
             q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
@@ -119,10 +122,10 @@ class LlamaModel:
             if on_layer_stored is not None:
                 on_layer_stored(layer_idx)
             attn = ops.attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            h = h + F.linear(attn.reshape(num_tokens, self.q_size), lw.o_proj)
+            h = h + linear(attn.reshape(num_tokens, self.q_size), lw.o_proj)
             x = rms_norm(h, lw.post_attention_norm, cfg.rms_norm_eps)
-            gate, up = F.linear(x, lw.gate_up_proj).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, lw.down_proj)
+            gate, up = linear(x, lw.gate_up_proj).chunk(2, dim=-1)
+            h = h + linear(F.silu(gate) * up, lw.down_proj)
         # Only the rows that are sampled go through the final norm and the LM head.
         h = rms_norm(h[logits_indices], w.norm, cfg.rms_norm_eps)
-        return F.linear(h, w.lm_head).float()
+        return linear(h, w.lm_head).float()

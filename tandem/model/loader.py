@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 from tandem.config import ModelConfig, check_architecture
 from tandem.model.gguf_cache import cached_source, save_converted
 from tandem.model.llama import LayerWeights, ModelWeights
+from tandem.model.quantization import quantize_weights
 from tandem.model.source import ModelSource, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,20 @@ def load_model(source: ModelSource, dtype: torch.dtype) -> LoadedModel:
     logger.info("loaded %s in %.1f s (%.0f MB of weights)", source.name,
                 time.perf_counter() - start, loaded.weights.num_bytes / 1e6)
     return loaded
+
+
+def quantized(loaded: LoadedModel, quantization: str | None) -> LoadedModel:
+    """``loaded`` with its projections quantized (see quantization.quantize_weights), as a
+    new LoadedModel: the float weights stay as they are for whoever else shares them."""
+    if quantization is None:
+        return loaded
+    start = time.perf_counter()
+    weights = quantize_weights(loaded.weights, quantization)
+    if weights is loaded.weights:  # quantized already
+        return loaded
+    logger.info("quantized %s to %s in %.1f s (%.0f MB of weights, from %.0f MB)", loaded.config.name, quantization,
+                time.perf_counter() - start, weights.num_bytes / 1e6, loaded.weights.num_bytes / 1e6)
+    return LoadedModel(loaded.config, weights, loaded.tokenizer)
 
 
 def weights_from_hf_model(hf_model, config: ModelConfig, dtype: torch.dtype) -> ModelWeights:
