@@ -14,8 +14,8 @@ from tandem.engine import LLMEngine
 from tandem.engine_loop import EngineLoop
 from tandem.kvtransfer.protocol import Destination, TransferStatus
 from tandem.kvtransfer.receiver import DEFAULT_ADDRESS, KVReceiver
-from tandem.model.fingerprint import model_fingerprint
 from tandem.outputs import FirstSample
+from tandem.parallel.runner import TensorParallelRunner
 from tandem.worker import Worker
 from tandem.worker_api import PoolFull, PrefillResult, Role, StreamDelta, WorkerRequest, checked
 
@@ -40,8 +40,12 @@ class DecodeWorker(Worker):
         super().__init__(instance, **kwargs)
 
     def _start_loop(self) -> EngineLoop:
-        self.receiver = KVReceiver(self.engine.runner.kv_cache, self._transfer_address, self._transfer_timeout_s,
-                                   model=model_fingerprint(self.loaded))
+        runner = self.engine.runner
+        # Tensor-parallel: arriving KV waits on the first rank for the next step, which
+        # carries it to every rank (see parallel.kv_writes).
+        sink = runner.kv_writes if isinstance(runner, TensorParallelRunner) else None
+        self.receiver = KVReceiver(runner.kv_cache, self._transfer_address, self._transfer_timeout_s,
+                                   model=self.fingerprint, sink=sink)
         self.metrics.kv_bytes["received"] = lambda: self.receiver.num_bytes_received
         self.metrics.num_transferring = lambda: self.receiver.num_pending
         return EngineLoop(self.engine, tick=self._tick)

@@ -15,6 +15,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -44,16 +45,42 @@ class _Expected:
     """ZMQ identity of the sender, once it has sent a layer."""
 
 
+class KVSink(Protocol):
+    """Where arriving KV rows go, when not straight into one pool tensor (a tensor-parallel
+    worker's ranks each hold some of the heads)."""
+
+    layout: KVLayout
+    """The pool as senders see it: every KV head of the model."""
+
+    def write(self, layer: int, kv: int, slots: np.ndarray, parts: list[torch.Tensor]) -> None:
+        """Rows for ``slots`` of ``layer``'s K (kv=0) or V (kv=1), as pieces [n_i, heads, dim]
+        in slot order; the pieces are views of a message, valid only during the call."""
+
+
+class PoolSink:
+    """Rows written in place into a pool tensor."""
+
+    def __init__(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+        self.layout = layout_of(kv_cache)
+
+    def write(self, layer: int, kv: int, slots: np.ndarray, parts: list[torch.Tensor]) -> None:
+        write_rows(layer_rows(self.kv_cache, layer, kv), slots, parts)
+
+
 class KVReceiver:
-    def __init__(self, kv_cache: torch.Tensor, address: str = DEFAULT_ADDRESS, timeout_s: float = 30.0,
-                 dist_payload: DistPayload | None = None, model: str | None = None) -> None:
-        """kv_cache: the pool written into, [layers, 2, blocks, block_size, kv_heads, head_dim].
+    def __init__(self, kv_cache: torch.Tensor | None, address: str = DEFAULT_ADDRESS, timeout_s: float = 30.0,
+                 dist_payload: DistPayload | None = None, model: str | None = None,
+                 sink: KVSink | None = None) -> None:
+        """kv_cache: the pool written into, [layers, 2, blocks, block_size, kv_heads, head_dim]
+        (or None with a sink that takes the rows instead).
         timeout_s: a request fails when its KV has not all arrived this long after `expect`.
         model: the weights' identity (model_fingerprint): senders must name the same one.
         """
         self.model = model
         self.kv_cache = kv_cache
-        self.layout: KVLayout = layout_of(kv_cache)
+        self.sink: KVSink = sink if sink is not None else PoolSink(kv_cache)
+        self.layout: KVLayout = self.sink.layout
         self.timeout_s = timeout_s
         self.dist_payload = dist_payload
         self.dropped: collections.Counter[str] = collections.Counter()
@@ -195,7 +222,7 @@ class KVReceiver:
             slots = self._check(h, exp)
             exp.sender = sender
             for kv, parts in ((0, k_parts), (1, v_parts)):
-                write_rows(layer_rows(self.kv_cache, h.layer, kv), slots, parts)
+                self.sink.write(h.layer, kv, slots, parts)
             exp.received[h.layer] += h.num_tokens
             self.num_bytes_received += 2 * h.num_tokens * self.layout.row_bytes
             complete = all(n == exp.destination.num_tokens for n in exp.received)

@@ -51,8 +51,10 @@ class _Outgoing:
 
 class KVSender:
     def __init__(self, kv_cache: torch.Tensor, timeout_s: float = 30.0, dist_payload: DistPayload | None = None,
-                 model: str | None = None, checksum: bool = False) -> None:
+                 model: str | None = None, checksum: bool = False, layout: KVLayout | None = None) -> None:
         """kv_cache: the pool read from, [layers, 2, blocks, block_size, kv_heads, head_dim].
+        layout: the pool as receivers see it, when send_layer is given every row (a
+        tensor-parallel worker's pool holds only some heads per rank; default: kv_cache's).
         timeout_s: a request fails when its receiver has not acked it this long after `begin`.
         model: the weights' identity (model_fingerprint), which a receiver that names one
         must share. checksum: a CRC-32 of every layer's payload goes with it (ZMQ frames only).
@@ -60,7 +62,7 @@ class KVSender:
         self.model = model
         self.checksum = checksum
         self.kv_cache = kv_cache
-        self.layout = layout_of(kv_cache)
+        self.layout = layout if layout is not None else layout_of(kv_cache)
         self.timeout_s = timeout_s
         self.dist_payload = dist_payload
         self._peers: dict[str, _Peer] = {}
@@ -117,10 +119,12 @@ class KVSender:
             destination, list(src_block_ids), time.monotonic() + self.timeout_s)
 
     def send_layer(self, request_id: str, layer: int, token_start: int | None = None, token_end: int | None = None,
-                   src_block_ids: list[int] | None = None) -> bool:
+                   src_block_ids: list[int] | None = None,
+                   rows: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
         """Send layer `layer`'s K and V of tokens [token_start, token_end) (default: from the
         first token the receiver does not hold, to the end), read from `src_block_ids`
-        (default: those given before).
+        (default: those given before), or given as `rows` (K, V: [tokens, kv_heads,
+        head_dim], ZMQ frames only; they must not change until the request's event).
 
         -> False when the request is no longer being sent (aborted or failed): skip it.
         """
@@ -152,7 +156,10 @@ class KVSender:
             self.num_bytes_sent += num_bytes
             return True
         runs = contiguous_runs(src_slots)
-        if len(runs) <= MAX_VIEW_FRAMES:  # a few long runs: frames are views of the pool itself
+        if rows is not None:
+            header["frame_tokens"] = [end - start]
+            frames = [frame_of(r) for r in rows]
+        elif len(runs) <= MAX_VIEW_FRAMES:  # a few long runs: frames are views of the pool itself
             header["frame_tokens"] = [n for _, n in runs]
             frames = [frame_of(rows[first:first + n]) for rows in (k_rows, v_rows) for first, n in runs]
         else:  # scattered blocks: one gathered frame each for K and V beats many small ones

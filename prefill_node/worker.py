@@ -10,12 +10,15 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from tandem.engine import LLMEngine
 from tandem.engine_loop import EngineLoop
 from tandem.kvtransfer.protocol import Destination, TransferStatus
 from tandem.kvtransfer.sender import KVSender
-from tandem.model.fingerprint import model_fingerprint
+from tandem.kvtransfer.slots import token_slots
 from tandem.outputs import RequestDelta
+from tandem.parallel.runner import TensorParallelRunner
 from tandem.scheduler import ScheduledBatch
 from tandem.sequence import Sequence
 from tandem.worker import Worker
@@ -47,11 +50,16 @@ class PrefillWorker(Worker):
         super().__init__(instance, **kwargs)
 
     def _start_loop(self) -> EngineLoop:
-        self.sender = KVSender(self.engine.runner.kv_cache, timeout_s=self._transfer_timeout_s,
-                               model=model_fingerprint(self.loaded), checksum=self._kv_checksum)
+        runner = self.engine.runner
+        # Tensor-parallel: each rank holds some heads; the first collects every head of the
+        # rows sent (send_plan tells the ranks which) and sends them as one pool would.
+        self._tp_runner = runner if isinstance(runner, TensorParallelRunner) else None
+        self.sender = KVSender(runner.kv_cache, timeout_s=self._transfer_timeout_s, model=self.fingerprint,
+                               checksum=self._kv_checksum, layout=None if self._tp_runner is None else runner.layout)
         self.metrics.kv_bytes["sent"] = lambda: self.sender.num_bytes_sent
         self.metrics.num_transferring = lambda: self.sender.num_pending
-        return EngineLoop(self.engine, tick=self._tick, layer_hook=self._send_layer, on_delta=self._on_delta)
+        return EngineLoop(self.engine, tick=self._tick, layer_hook=self._send_layer, on_delta=self._on_delta,
+                          send_plan=None if self._tp_runner is None else self._send_plan)
 
     def _held(self, engine: LLMEngine) -> dict[str, int]:
         return dict(num_pending_transfers=self.sender.num_pending, num_kept=len(self._prefills))
@@ -95,17 +103,37 @@ class PrefillWorker(Worker):
         # The receiver's cached prefix is never sent: start counting after it.
         self._prefills[request.request_id] = _Prefill(seq, result, result.get_loop(), num_sent_tokens=num_cached)
 
-    def _send_layer(self, batch: ScheduledBatch, layer: int) -> None:
-        last_layer = layer == self.engine.config.model.num_layers - 1
+    def _sends(self, batch: ScheduledBatch) -> list[tuple[_Prefill, int]]:
+        """The step's prefills whose KV goes out, each with the end of the tokens it sends
+        (from its num_sent_tokens)."""
+        sends = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             p = self._prefills.get(seq.request_id)
-            if p is None:
-                continue
             end = seq.num_computed_tokens + n  # a cached prefix goes out with the first chunk
-            if end > p.num_sent_tokens:
-                self.sender.send_layer(seq.request_id, layer, p.num_sent_tokens, end, src_block_ids=seq.block_ids)
-            if last_layer:  # a chunk inside the receiver's cached prefix leaves the count as it is
-                p.num_sent_tokens = max(p.num_sent_tokens, end)
+            if p is not None and end > p.num_sent_tokens:
+                sends.append((p, end))
+        return sends
+
+    def _send_plan(self, batch: ScheduledBatch) -> np.ndarray:
+        """The cache slots _send_layer sends, in its order (for a tensor-parallel runner)."""
+        bs = self.engine.config.block_size
+        slots = [token_slots(p.seq.block_ids, bs, p.num_sent_tokens, end) for p, end in self._sends(batch)]
+        return np.concatenate(slots) if slots else np.zeros(0, dtype=np.int64)
+
+    def _send_layer(self, batch: ScheduledBatch, layer: int) -> None:
+        offset = 0
+        sends = self._sends(batch)
+        for p, end in sends:
+            rows = None
+            if self._tp_runner is not None:
+                rows = self._tp_runner.gathered_rows(offset, end - p.num_sent_tokens)
+                offset += end - p.num_sent_tokens
+            self.sender.send_layer(p.seq.request_id, layer, p.num_sent_tokens, end, src_block_ids=p.seq.block_ids,
+                                   rows=rows)
+        if layer == self.engine.config.model.num_layers - 1:
+            # A chunk inside the receiver's cached prefix leaves the count as it is.
+            for p, end in sends:
+                p.num_sent_tokens = end
 
     def _on_delta(self, d: RequestDelta) -> None:
         p = self._prefills.get(d.request_id)

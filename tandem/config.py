@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.kv_capacity import kv_bytes_per_token
 from tandem.model.quantization import QUANTIZATION_METHODS
 from tandem.preemption import PREEMPTION_MODES
 
@@ -80,9 +81,9 @@ class ModelConfig:
             eos_token_ids=eos_token_ids,
         )
 
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """K and V of one token across all layers."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
+    def kv_bytes_per_token(self, dtype: torch.dtype, tp: int = 1) -> int:
+        """K and V of one token across all layers, on one of ``tp`` tensor-parallel ranks."""
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, dtype.itemsize, tp)
 
 
 @dataclass(frozen=True)
@@ -115,6 +116,8 @@ class EngineConfig:
     """Shortest n-gram tried before giving up on drafts for a step."""
     quantization: str | None = None
     """Weight-only quantization of the projections and LM head, done at start (None: float weights; int8)."""
+    tensor_parallel_size: int = 1
+    """Ranks the model is split over (each holds its heads' KV: the pool sizes are per rank)."""
 
     @classmethod
     def build(
@@ -137,6 +140,7 @@ class EngineConfig:
         prompt_lookup_max: int = 4,
         prompt_lookup_min: int = 2,
         quantization: str | None = None,
+        tensor_parallel_size: int = 1,
     ) -> EngineConfig:
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -144,16 +148,18 @@ class EngineConfig:
         _require(block_size >= 1, "block_size", block_size, ">= 1")
         _require(max_num_seqs >= 1, "max_num_seqs", max_num_seqs, ">= 1")
         _require(max_num_batched_tokens >= 1, "max_num_batched_tokens", max_num_batched_tokens, ">= 1")
+        _require(tensor_parallel_size >= 1, "tensor_parallel_size", tensor_parallel_size, ">= 1")
+        tp = tensor_parallel_size
         if num_kv_blocks is None:
             _require(kv_cache_memory_gib > 0, "kv_cache_memory_gib", kv_cache_memory_gib, "> 0")
-            block_bytes = block_size * model.kv_bytes_per_token(torch_dtype)
+            block_bytes = block_size * model.kv_bytes_per_token(torch_dtype, tp)
             num_kv_blocks = int(kv_cache_memory_gib * 2**30) // block_bytes
         _require(num_kv_blocks >= 1, "num_kv_blocks", num_kv_blocks, ">= 1 (a bigger kv_cache_memory_gib?)")
         _require(preemption_mode in PREEMPTION_MODES, "preemption_mode", preemption_mode,
                  f"one of {', '.join(PREEMPTION_MODES)}")
         if num_swap_blocks is None:
             _require(swap_space_gib >= 0, "swap_space_gib", swap_space_gib, ">= 0")
-            num_swap_blocks = int(swap_space_gib * 2**30) // (block_size * model.kv_bytes_per_token(torch_dtype))
+            num_swap_blocks = int(swap_space_gib * 2**30) // (block_size * model.kv_bytes_per_token(torch_dtype, tp))
         _require(num_swap_blocks >= 0, "num_swap_blocks", num_swap_blocks, ">= 0")
         _require(num_speculative_tokens >= 0, "num_speculative_tokens", num_speculative_tokens, ">= 0")
         _require(prompt_lookup_min >= 1, "prompt_lookup_min", prompt_lookup_min, ">= 1")
@@ -192,6 +198,7 @@ class EngineConfig:
             prompt_lookup_max=prompt_lookup_max,
             prompt_lookup_min=prompt_lookup_min,
             quantization=quantization,
+            tensor_parallel_size=tp,
         )
 
 

@@ -7,6 +7,8 @@ import itertools
 import logging
 from typing import Callable
 
+import numpy as np
+
 from tandem import beam_search
 from tandem.block_manager import BlockManager
 from tandem.config import EngineConfig
@@ -31,13 +33,14 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer=None,
-                 observer: EngineObserver | None = None) -> None:
+                 observer: EngineObserver | None = None, runner: ModelRunner | None = None) -> None:
+        """runner: runs ``model`` (default: a ModelRunner over it; a tensor-parallel one is given)."""
         self.config = config
         self.tokenizer = tokenizer
         self.observer = observer
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
-        self.runner = ModelRunner(config, model)
+        self.runner = runner if runner is not None else ModelRunner(config, model)
         self.sequences: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         logger.info("KV pool: %s", KVCapacity.of_engine_config(config).describe())
@@ -163,15 +166,18 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
-    def step(self, layer_hook: Callable[[ScheduledBatch, int], None] | None = None) -> list[RequestDelta]:
-        """layer_hook(batch, layer) runs as each layer's KV is stored (see LlamaModel.forward)."""
+    def step(self, layer_hook: Callable[[ScheduledBatch, int], None] | None = None,
+             send_plan: Callable[[ScheduledBatch], np.ndarray] | None = None) -> list[RequestDelta]:
+        """layer_hook(batch, layer) runs as each layer's KV is stored (see LlamaModel.forward);
+        send_plan(batch): the cache slots whose KV it sends (see ModelRunner.run)."""
         batch = self.scheduler.schedule()
         self.runner.swap(batch)  # even with no sequence to run: the swap-outs must not wait
         if batch.is_empty:
             return []
         if self.observer is not None:
             self.observer.on_step(batch)
-        sampled = self.runner.run(batch, None if layer_hook is None else functools.partial(layer_hook, batch))
+        sampled = self.runner.run(batch, None if layer_hook is None else functools.partial(layer_hook, batch),
+                                  None if send_plan is None else send_plan(batch))
         return self._deltas(self.scheduler.update(batch, sampled))
 
     def _deltas(self, updates: list[SequenceUpdate]) -> list[RequestDelta]:

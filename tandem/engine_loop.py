@@ -14,6 +14,8 @@ import threading
 import time
 from typing import Any, Callable
 
+import numpy as np
+
 from tandem.engine import LLMEngine
 from tandem.outputs import RequestDelta
 from tandem.scheduler import ScheduledBatch
@@ -33,12 +35,14 @@ def stream_delta(d: RequestDelta, error: str | None = None) -> StreamDelta:
 class EngineLoop:
     def __init__(self, engine: LLMEngine, tick: Callable[[], None] | None = None,
                  layer_hook: Callable[[ScheduledBatch, int], None] | None = None,
-                 on_delta: Callable[[RequestDelta], None] | None = None) -> None:
-        """tick: runs every iteration, busy or idle (transfer events); layer_hook: see
-        LLMEngine.step; on_delta: sees every delta on the loop thread before it is streamed."""
+                 on_delta: Callable[[RequestDelta], None] | None = None,
+                 send_plan: Callable[[ScheduledBatch], np.ndarray] | None = None) -> None:
+        """tick: runs every iteration, busy or idle (transfer events); layer_hook, send_plan:
+        see LLMEngine.step; on_delta: sees every delta on the loop thread before it is streamed."""
         self.engine = engine
         self._tick = tick
         self._layer_hook = layer_hook
+        self._send_plan = send_plan
         self._on_delta = on_delta
         self._commands: queue.Queue[tuple[Callable[[LLMEngine], Any], concurrent.futures.Future]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[StreamDelta]]] = {}
@@ -117,7 +121,7 @@ class EngineLoop:
             if self._tick is not None:
                 self._tick()
             if engine.has_unfinished:
-                for d in engine.step(self._layer_hook):
+                for d in engine.step(self._layer_hook, self._send_plan):
                     self.publish_engine_delta(d)
             else:
                 self._wake.wait(IDLE_WAIT_S)

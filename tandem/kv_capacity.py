@@ -109,11 +109,11 @@ class KVCapacity:
 
     @classmethod
     def of_engine_config(cls, config: EngineConfig) -> KVCapacity:
-        """The pool an engine built from ``config`` holds (one rank: tandem's engine has no tp)."""
-        model = config.model
+        """The pool an engine built from ``config`` holds (on each rank, under tensor parallelism)."""
+        model, tp = config.model, config.tensor_parallel_size
         bytes_per_token = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
-                                             config.dtype.itemsize)
-        return cls(bytes_per_token, config.block_size, config.num_kv_blocks, config.max_model_len)
+                                             config.dtype.itemsize, tp)
+        return cls(bytes_per_token, config.block_size, config.num_kv_blocks, config.max_model_len, tp)
 
     def full_length_text(self) -> str:
         """'N sequence(s) at full length': max_full_length_seqs in words."""

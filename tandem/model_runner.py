@@ -22,9 +22,10 @@ class ModelRunner:
         self.config = config
         self.model = model
         m = config.model
-        # kv_cache: [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim]
+        # kv_cache: [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim], the
+        # model's own KV heads (a tensor-parallel rank's share)
         self.kv_cache = torch.zeros(
-            m.num_layers, 2, config.num_kv_blocks, config.block_size, m.num_kv_heads, m.head_dim,
+            m.num_layers, 2, config.num_kv_blocks, config.block_size, model.num_kv_heads, m.head_dim,
             dtype=config.dtype,
         )
         self.swapper = KVSwapper(self.kv_cache, config.num_swap_blocks)
@@ -42,10 +43,22 @@ class ModelRunner:
         self.swapper.copy(batch.copies)
         self.swapper.swap_in(batch.swap_in)
 
-    def run(self, batch: ScheduledBatch, on_layer_stored: Callable[[int], None] | None = None) -> StepOutput:
-        """on_layer_stored: see LlamaModel.forward."""
+    def run(self, batch: ScheduledBatch, on_layer_stored: Callable[[int], None] | None = None,
+            send_slots: np.ndarray | None = None) -> StepOutput:
+        """on_layer_stored: see LlamaModel.forward. send_slots: the cache slots whose KV
+        on_layer_stored sends on (only a tensor-parallel runner, which must collect them from
+        its ranks, uses them)."""
+        logits = self.forward(batch, on_layer_stored, send_slots)
+        return self.sample(batch, logits)
+
+    def forward(self, batch: ScheduledBatch, on_layer_stored: Callable[[int], None] | None,
+                send_slots: np.ndarray | None) -> torch.Tensor:
+        """-> the logits of the batch's sampled rows (see prepare)."""
         input_ids, positions, meta, logits_indices = self.prepare(batch)
-        logits = self.model.forward(input_ids, positions, self.kv_cache, meta, logits_indices, on_layer_stored)
+        return self.model.forward(input_ids, positions, self.kv_cache, meta, logits_indices, on_layer_stored)
+
+    def sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> StepOutput:
+        """Draw every sample target's tokens from the forward's logits."""
         # Each sample target draws from its entry's rows: a root's forks share the root's.
         rows: list[int] = []
         params: list[SamplingParams] = []

@@ -11,9 +11,14 @@ import torch
 from tandem.config import DTYPES, EngineConfig
 from tandem.engine import LLMEngine
 from tandem.engine_loop import EngineLoop
+from tandem.model.fingerprint import model_fingerprint
 from tandem.model.llama import LlamaModel
 from tandem.model.loader import LoadedModel, load_model, quantized
 from tandem.model.source import resolve_model_source
+from tandem.model_runner import ModelRunner
+from tandem.parallel.executor import rank_model
+from tandem.parallel.ranks import RankGroup
+from tandem.parallel.runner import TensorParallelRunner
 from tandem.router.tokenizer import tokenizer_spec_from
 from tandem.worker_api import Role, TokenizerSpec, WorkerInventory, WorkerLoad
 from tandem.worker_metrics import WorkerMetrics
@@ -27,8 +32,11 @@ class Worker:
     role: Role
 
     def __init__(self, instance: str, model: str | None = None, dtype: str = "float32",
-                 num_threads: int | None = None, loaded: LoadedModel | None = None, **engine_args: Any) -> None:
-        """loaded: weights already in this process (tests); otherwise `model` is loaded here."""
+                 num_threads: int | None = None, loaded: LoadedModel | None = None,
+                 placement_group: Any = None, **engine_args: Any) -> None:
+        """loaded: weights already in this process (tests); otherwise `model` is loaded here
+        (and by the other ranks with tensor_parallel_size > 1, which `placement_group`, a Ray
+        placement group with a bundle per rank, places; see parallel.ranks.RankGroup)."""
         if num_threads is not None:
             torch.set_num_threads(num_threads)  # pinned: workers sharing a host do not fight
         self.instance = instance
@@ -36,9 +44,24 @@ class Worker:
             loaded = load_model(resolve_model_source(model), DTYPES[dtype])
         config = EngineConfig.build(loaded.config, dtype=dtype, **engine_args)
         loaded = quantized(loaded, config.quantization)
+        self.fingerprint = model_fingerprint(loaded)
+        """The weights' identity, which KV transfer peers must share (the whole model's, on any tp)."""
+        self.ranks: RankGroup | None = None
+        tp = config.tensor_parallel_size
+        if tp > 1:
+            rank_args = dict(dtype=dtype, block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
+                             num_swap_blocks=config.num_swap_blocks, max_model_len=config.max_model_len,
+                             quantization=config.quantization, tensor_parallel_size=tp)
+            self.ranks = RankGroup(tp, model, rank_args, num_threads, placement_group)
+            part = rank_model(loaded, tp, 0, config.max_model_len)
+            loaded = LoadedModel(loaded.config, part.weights, loaded.tokenizer)  # the whole model's go
+            runner: ModelRunner = TensorParallelRunner(config, part)
+        else:
+            part = LlamaModel(loaded.config, loaded.weights, config.max_model_len)
+            runner = ModelRunner(config, part)
         self.loaded = loaded
         tokenizer = loaded.tokenizer if self.role is not Role.PREFILL else None  # prefill emits no text
-        self.engine = LLMEngine(config, LlamaModel(loaded.config, loaded.weights, config.max_model_len), tokenizer)
+        self.engine = LLMEngine(config, part, tokenizer, runner=runner)
         self.metrics = WorkerMetrics(self.role, instance, loaded.config.name, self.engine)
         self.engine.observer = self.metrics
         self.loop = self._start_loop()
@@ -97,3 +120,5 @@ class Worker:
 
     def shutdown(self) -> None:
         self.loop.stop()
+        if self.ranks is not None:
+            self.ranks.stop()

@@ -65,14 +65,24 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class LlamaModel:
-    """A Llama-family decoder whose attention reads and writes a paged KV cache."""
+    """A Llama-family decoder whose attention reads and writes a paged KV cache.
 
-    def __init__(self, config: ModelConfig, weights: ModelWeights, max_model_len: int) -> None:
+    Under tensor parallelism it is one rank's part: ``weights`` hold ``num_heads`` query and
+    ``num_kv_heads`` KV heads (and their share of the MLP), and ``all_reduce`` sums the
+    ranks' partial outputs of the row-parallel o and down projections.
+    """
+
+    def __init__(self, config: ModelConfig, weights: ModelWeights, max_model_len: int,
+                 num_heads: int | None = None, num_kv_heads: int | None = None,
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.config = config
         self.weights = weights
+        self.num_heads = config.num_heads if num_heads is None else num_heads
+        self.num_kv_heads = config.num_kv_heads if num_kv_heads is None else num_kv_heads
+        self.all_reduce = all_reduce if all_reduce is not None else (lambda t: t)
         self.scale = config.head_dim ** -0.5
-        self.q_size = config.num_heads * config.head_dim
-        self.kv_size = config.num_kv_heads * config.head_dim
+        self.q_size = self.num_heads * config.head_dim
+        self.kv_size = self.num_kv_heads * config.head_dim
         dtype = weights.embed_tokens.dtype
         # cos, sin: [max_model_len, head_dim], computed as transformers does (float32).
         positions = torch.arange(max_model_len, dtype=torch.float32)
@@ -88,9 +98,9 @@ class LlamaModel:
         positions: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-        logits_indices: torch.Tensor,
+        logits_indices: torch.Tensor | None,
         on_layer_stored: Callable[[int], None] | None = None,
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """Run one packed step and return the logits of the tokens at ``logits_indices``.
 
         on_layer_stored(layer) runs as soon as a layer's new K and V are in the cache, while
@@ -98,7 +108,8 @@ class LlamaModel:
 
         input_ids, positions: [num_tokens]
         kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
-        logits_indices: [num_logits] -> returns [num_logits, vocab_size] float32
+        logits_indices: [num_logits] -> returns [num_logits, vocab_size] float32 (None: no
+        logits, for a rank other than the first)
         """
         cfg, w = self.config, self.weights
         num_tokens = input_ids.shape[0]
@@ -112,9 +123,9 @@ class LlamaModel:
             qkv = linear(x, lw.qkv_proj, lw.qkv_bias)
             q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
             # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-            q = q.view(num_tokens, cfg.num_heads, cfg.head_dim)
-            k = k.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-            v = v.view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+            q = q.view(num_tokens, self.num_heads, cfg.head_dim)
+            k = k.view(num_tokens, self.num_kv_heads, cfg.head_dim)
+            v = v.view(num_tokens, self.num_kv_heads, cfg.head_dim)
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             k_cache, v_cache = kv_cache[layer_idx]
@@ -122,10 +133,12 @@ class LlamaModel:
             if on_layer_stored is not None:
                 on_layer_stored(layer_idx)
             attn = ops.attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            h = h + linear(attn.reshape(num_tokens, self.q_size), lw.o_proj)
+            h = h + self.all_reduce(linear(attn.reshape(num_tokens, self.q_size), lw.o_proj))
             x = rms_norm(h, lw.post_attention_norm, cfg.rms_norm_eps)
             gate, up = linear(x, lw.gate_up_proj).chunk(2, dim=-1)
-            h = h + linear(F.silu(gate) * up, lw.down_proj)
+            h = h + self.all_reduce(linear(F.silu(gate) * up, lw.down_proj))
+        if logits_indices is None:
+            return None
         # Only the rows that are sampled go through the final norm and the LM head.
         h = rms_norm(h[logits_indices], w.norm, cfg.rms_norm_eps)
         return linear(h, w.lm_head).float()

@@ -1,0 +1,89 @@
+"""One rank's part of a tensor-parallel step: write arrived KV, copy blocks, run the forward."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from tandem.kv_swap import KVSwapper
+from tandem.model.llama import LlamaModel
+from tandem.model.loader import LoadedModel
+from tandem.parallel.shard import RankShard, rank_shards, shard_weights
+from tandem.parallel.step_message import StepMessage
+
+
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """The ranks' partial sums of a row-parallel projection, added up (in place)."""
+    dist.all_reduce(t)
+    return t
+
+
+def rank_model(loaded: LoadedModel, tp: int, rank: int, max_model_len: int) -> LlamaModel:
+    """Rank ``rank``'s part of ``loaded`` (its weights are views or copies of loaded's)."""
+    shard = rank_shards(loaded.config, tp)[rank]
+    weights = shard_weights(loaded.weights, loaded.config, shard)
+    return LlamaModel(loaded.config, weights, max_model_len, shard.num_heads, shard.num_kv_heads, all_reduce_sum)
+
+
+class RankExecutor:
+    """A rank's model (its shard of the weights), KV cache (its heads) and host swap space.
+
+    Every rank executes the same messages in the same order, so their caches hold the same
+    blocks at all times, each with its own heads.
+    """
+
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, swapper: KVSwapper, tp: int, rank: int) -> None:
+        """kv_cache: [num_layers, 2, num_blocks, block_size, the rank's KV heads, head_dim]."""
+        self.model = model
+        self.kv_cache = kv_cache
+        self.swapper = swapper
+        self.shards = rank_shards(model.config, tp)
+        self.shard = self.shards[rank]
+        self.gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+        """On the first rank, after a layer is stored: the K and V rows ([num_slots, all KV
+        heads, head_dim]) of that step's gather_slots."""
+
+    def execute(self, msg: StepMessage, logits_indices: torch.Tensor | None = None,
+                on_layer_stored: Callable[[int], None] | None = None) -> torch.Tensor | None:
+        """Apply ``msg``: KV writes first, then swaps out, copies, swaps in (see
+        ModelRunner.swap for why in that order), then the forward. -> logits on the first
+        rank (given logits_indices), None elsewhere."""
+        if msg.writes is not None:
+            heads = self.shard.kv_heads
+            # cache rows: [num_layers * 2 * num_slots, num_kv_heads (this rank's), head_dim]
+            flat = self.kv_cache.view(-1, self.shard.num_kv_heads, self.kv_cache.shape[-1])
+            flat.index_copy_(0, msg.writes.index, msg.writes.rows[:, heads.start:heads.stop])
+        self.swapper.swap_out(msg.swap_out)
+        self.swapper.copy(msg.copies)
+        self.swapper.swap_in(msg.swap_in)
+        f = msg.forward
+        if f is None:
+            return None
+        hook = on_layer_stored
+        if f.gather_slots is not None:
+            def hook(layer: int) -> None:
+                self._gather(layer, f.gather_slots)
+                if on_layer_stored is not None:
+                    on_layer_stored(layer)
+        return self.model.forward(f.input_ids, f.positions, self.kv_cache, f.meta, logits_indices, hook)
+
+    def _gather(self, layer: int, slots: torch.Tensor) -> None:
+        """Collect every head of ``slots``' K and V at ``layer`` on the first rank."""
+        head_dim = self.kv_cache.shape[-1]
+        max_heads = max(s.num_kv_heads for s in self.shards)
+        # mine: [2, num_slots, max_heads, head_dim], padded: gather wants one shape from every rank
+        mine = torch.zeros(2, len(slots), max_heads, head_dim, dtype=self.kv_cache.dtype)
+        for kv in range(2):
+            mine[kv, :, :self.shard.num_kv_heads] = self.kv_cache[layer, kv].flatten(0, 1).index_select(0, slots)
+        if self.shard.rank != 0:
+            dist.gather(mine, None, dst=0)
+            return
+        parts = [torch.empty_like(mine) for _ in self.shards]
+        dist.gather(mine, parts, dst=0)
+        num_kv_heads = max(s.kv_head_start + s.num_kv_heads for s in self.shards)
+        full = torch.empty(2, len(slots), num_kv_heads, head_dim, dtype=self.kv_cache.dtype)
+        for shard, part in zip(self.shards, parts):  # a replicated head: any holder's copy
+            full[:, :, shard.kv_heads.start:shard.kv_heads.stop] = part[:, :, :shard.num_kv_heads]
+        self.gathered = (full[0], full[1])
