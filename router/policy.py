@@ -31,6 +31,8 @@ class WorkerState:
     """Prompt tokens the router sent it that have not finished prefill yet."""
     healthy: bool = True
     """Whether requests are routed to it."""
+    placement_group: Any = None
+    """A tensor-parallel worker's Ray placement group (removed with the worker)."""
     num_failures: int = 0
     """Times it went down, each within STABLE_S of its last recovery."""
     retry_at: float = 0.0

@@ -26,6 +26,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     parser.add_argument("--colocated", type=int, nargs="?", const=1, default=0, metavar="N",
                         help="N workers that both prefill and decode, instead of the two pools (the baseline)")
+    parser.add_argument("--prefill-tp", type=int, default=1, metavar="N",
+                        help="tensor-parallel ranks per prefill worker, one device each (default 1)")
+    parser.add_argument("--decode-tp", type=int, default=1, metavar="N",
+                        help="tensor-parallel ranks per decode or colocated worker (default 1)")
     parser.add_argument("--policy", default="least_loaded", choices=POLICIES, help="how workers are picked")
     parser.add_argument("--host", default="127.0.0.1", help="the router's address (default: loopback only)")
     parser.add_argument("--port", type=int, default=50051)
@@ -90,7 +94,7 @@ async def _serve(args: argparse.Namespace) -> int:
     limits = limits_from_args(args)  # refuse bad limits before any worker starts
     cfg = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, colocated=args.colocated,
                         policy=args.policy, address=args.address, worker_args=worker_args(args),
-                        pool_resources=args.pool_resources)
+                        pool_resources=args.pool_resources, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
     mode = f"{cfg.colocated} colocated" if cfg.colocated else f"{cfg.num_prefill} prefill + {cfg.num_decode} decode"
     print(f"tandem: starting {mode} worker(s); each loads the model...", file=sys.stderr, flush=True)
     backend = await start_cluster(cfg)

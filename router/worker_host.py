@@ -8,6 +8,8 @@ import os
 from typing import Any, AsyncIterator
 
 import ray
+from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tandem.kvtransfer.protocol import Destination
 from tandem.worker_api import (PrefillResult, Role, StreamDelta, TokenizerSpec, WorkerInventory, WorkerLoad,
@@ -92,12 +94,24 @@ def pool_resource(role: Role) -> str:
     return f"tandem_{role.value}"
 
 
+def worker_placement_group(role: Role, tp: int, *, num_cpus: float, num_gpus: float,
+                           pool_resources: bool = False) -> PlacementGroup:
+    """One bundle per tensor-parallel rank, all on one node (the ranks' collectives run on
+    its loopback); the worker itself takes bundle 0, its other ranks the rest."""
+    bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
+    first = {**bundle, **({pool_resource(role): 1} if pool_resources else {})}
+    return placement_group([first] + [bundle] * (tp - 1), strategy="STRICT_PACK")
+
+
 def start_worker(role: Role, instance: str, *, num_cpus: float, num_gpus: float, pool_resources: bool = False,
-                 **worker_args: Any):
+                 placement_group: PlacementGroup | None = None, **worker_args: Any):
     """-> the actor handle of a new worker (Ray restarts it if its process dies).
-    pool_resources: the worker runs only on nodes that offer its pool's resource."""
+    pool_resources: the worker runs only on nodes that offer its pool's resource.
+    placement_group: a tensor-parallel worker's (see worker_placement_group)."""
+    options: dict[str, Any] = dict(resources={pool_resource(role): 1} if pool_resources else None)
+    if placement_group is not None:
+        options = dict(scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=0))
+        worker_args["placement_group"] = placement_group
     actor = ray.remote(concurrency_groups={"control": 2})(WorkerHost).options(
-        name=instance, num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=-1, max_concurrency=1000,
-        resources={pool_resource(role): 1} if pool_resources else None,
-    )
+        name=instance, num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=-1, max_concurrency=1000, **options)
     return actor.remote(role, instance=instance, **worker_args)

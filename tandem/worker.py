@@ -19,6 +19,7 @@ from tandem.model_runner import ModelRunner
 from tandem.parallel.executor import rank_model
 from tandem.parallel.ranks import RankGroup
 from tandem.parallel.runner import TensorParallelRunner
+from tandem.parallel.shard import rank_shards
 from tandem.router.tokenizer import tokenizer_spec_from
 from tandem.worker_api import Role, TokenizerSpec, WorkerInventory, WorkerLoad
 from tandem.worker_metrics import WorkerMetrics
@@ -49,6 +50,7 @@ class Worker:
         self.ranks: RankGroup | None = None
         tp = config.tensor_parallel_size
         if tp > 1:
+            rank_shards(loaded.config, tp)  # refuses a tp the heads do not split by, before any rank starts
             rank_args = dict(dtype=dtype, block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
                              num_swap_blocks=config.num_swap_blocks, max_model_len=config.max_model_len,
                              quantization=config.quantization, tensor_parallel_size=tp)

@@ -85,12 +85,14 @@ class RankGroup:
         self.placement_group = placement_group_
         first_bundle = 0 if self._own_group else 1
         actor = ray.remote(RankProcess)
-        self.actors = [
-            actor.options(num_cpus=num_cpus, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                placement_group_, placement_group_bundle_index=first_bundle + rank - 1)
-            ).remote(rank, tp, init_method, model, engine_args, num_threads)
-            for rank in range(1, tp)
-        ]
+        self.actors = []
+        for rank in range(1, tp):
+            index = first_bundle + rank - 1
+            bundle = placement_group_.bundle_specs[index]
+            self.actors.append(actor.options(
+                num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group_, placement_group_bundle_index=index),
+            ).remote(rank, tp, init_method, model, engine_args, num_threads))
         logger.info("joining %d more tensor-parallel ranks at %s (each loads the model)", tp - 1, init_method)
         join_group(init_method, 0, tp)
         self._serving = [a.serve.remote() for a in self.actors]
