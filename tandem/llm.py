@@ -12,9 +12,9 @@ from tqdm.auto import tqdm
 
 from tandem.config import DTYPES, EngineConfig
 from tandem.engine import LLMEngine
-from tandem.model.llama import LlamaModel
 from tandem.model.loader import LoadedModel, load_model, quantized
 from tandem.model.source import resolve_model_source
+from tandem.parallel.launch import start_engine_model
 from tandem.outputs import RequestDelta, RequestOutput
 from tandem.sampling_params import SamplingParams
 
@@ -32,7 +32,9 @@ class LLM:
     Other keyword arguments go to :meth:`EngineConfig.build` (block_size,
     kv_cache_memory_gib, num_kv_blocks, max_model_len, max_num_seqs,
     max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill,
-    swap_space_gib, num_swap_blocks, preemption_mode, quantization).
+    swap_space_gib, num_swap_blocks, preemption_mode, quantization, tensor_parallel_size).
+    With tensor_parallel_size > 1 the other ranks are Ray actors (call :meth:`shutdown` to
+    stop them).
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "float32",
@@ -41,7 +43,7 @@ class LLM:
             torch.set_num_threads(num_threads)
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        self._start(load_model(resolve_model_source(model), DTYPES[dtype]), dtype, engine_args)
+        self._start(load_model(resolve_model_source(model), DTYPES[dtype]), dtype, engine_args, model, num_threads)
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, *, dtype: str = "float32", **engine_args: Any) -> LLM:
@@ -50,13 +52,22 @@ class LLM:
         llm._start(loaded, dtype, engine_args)
         return llm
 
-    def _start(self, loaded: LoadedModel, dtype: str, engine_args: dict[str, Any]) -> None:
+    def _start(self, loaded: LoadedModel, dtype: str, engine_args: dict[str, Any], model: str | None = None,
+               num_threads: int | None = None) -> None:
+        """model: where the other ranks load the weights from, with tensor_parallel_size > 1
+        (Ray actors, on a local Ray unless one is running; see parallel.ranks)."""
         self.tokenizer = loaded.tokenizer
         config = EngineConfig.build(loaded.config, dtype=dtype, **engine_args)
-        loaded = quantized(loaded, config.quantization)
-        model = LlamaModel(loaded.config, loaded.weights, config.max_model_len)
-        self.engine = LLMEngine(config, model, self.tokenizer)
+        started = start_engine_model(quantized(loaded, config.quantization), config, model, num_threads)
+        self._ranks = started.ranks
+        self.engine = LLMEngine(config, started.model, self.tokenizer, runner=started.runner)
         self._request_ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do at tp=1); generate no more after."""
+        if self._ranks is not None:
+            self._ranks.stop()
+            self._ranks = None
 
     @property
     def config(self) -> EngineConfig:

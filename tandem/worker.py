@@ -12,14 +12,9 @@ from tandem.config import DTYPES, EngineConfig
 from tandem.engine import LLMEngine
 from tandem.engine_loop import EngineLoop
 from tandem.model.fingerprint import model_fingerprint
-from tandem.model.llama import LlamaModel
 from tandem.model.loader import LoadedModel, load_model, quantized
 from tandem.model.source import resolve_model_source
-from tandem.model_runner import ModelRunner
-from tandem.parallel.executor import rank_model
-from tandem.parallel.ranks import RankGroup
-from tandem.parallel.runner import TensorParallelRunner
-from tandem.parallel.shard import rank_shards
+from tandem.parallel.launch import start_engine_model
 from tandem.router.tokenizer import tokenizer_spec_from
 from tandem.worker_api import Role, TokenizerSpec, WorkerInventory, WorkerLoad
 from tandem.worker_metrics import WorkerMetrics
@@ -47,23 +42,13 @@ class Worker:
         loaded = quantized(loaded, config.quantization)
         self.fingerprint = model_fingerprint(loaded)
         """The weights' identity, which KV transfer peers must share (the whole model's, on any tp)."""
-        self.ranks: RankGroup | None = None
-        tp = config.tensor_parallel_size
-        if tp > 1:
-            rank_shards(loaded.config, tp)  # refuses a tp the heads do not split by, before any rank starts
-            rank_args = dict(dtype=dtype, block_size=config.block_size, num_kv_blocks=config.num_kv_blocks,
-                             num_swap_blocks=config.num_swap_blocks, max_model_len=config.max_model_len,
-                             quantization=config.quantization, tensor_parallel_size=tp)
-            self.ranks = RankGroup(tp, model, rank_args, num_threads, placement_group)
-            part = rank_model(loaded, tp, 0, config.max_model_len)
-            loaded = LoadedModel(loaded.config, part.weights, loaded.tokenizer)  # the whole model's go
-            runner: ModelRunner = TensorParallelRunner(config, part)
-        else:
-            part = LlamaModel(loaded.config, loaded.weights, config.max_model_len)
-            runner = ModelRunner(config, part)
+        started = start_engine_model(loaded, config, model, num_threads, placement_group)
+        self.ranks = started.ranks
+        if started.ranks is not None:  # keep rank 0's part only: the whole model's weights go
+            loaded = LoadedModel(loaded.config, started.model.weights, loaded.tokenizer)
         self.loaded = loaded
         tokenizer = loaded.tokenizer if self.role is not Role.PREFILL else None  # prefill emits no text
-        self.engine = LLMEngine(config, part, tokenizer, runner=runner)
+        self.engine = LLMEngine(config, started.model, tokenizer, runner=started.runner)
         self.metrics = WorkerMetrics(self.role, instance, loaded.config.name, self.engine)
         self.engine.observer = self.metrics
         self.loop = self._start_loop()

@@ -76,6 +76,8 @@ class RankGroup:
                  placement_group_: PlacementGroup | None = None, num_cpus: float = 1.0) -> None:
         """placement_group_: the worker's, with one bundle per rank, bundle 0 its own; None:
         a group of tp - 1 bundles is made here for ranks 1 .. tp-1 (removed by stop)."""
+        if not ray.is_initialized():  # the LLM API on its own: a local Ray
+            ray.init(include_dashboard=False, logging_level=logging.WARNING)
         with socket.socket() as s:  # NOTE: loopback: the placement group keeps every rank on this node
             s.bind(("127.0.0.1", 0))
             init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"

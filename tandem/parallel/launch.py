@@ -1,0 +1,43 @@
+"""An engine's model and runner: in this process alone, or as rank 0 of tensor-parallel ranks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tandem.config import DTYPES, EngineConfig
+from tandem.model.llama import LlamaModel
+from tandem.model.loader import LoadedModel
+from tandem.model_runner import ModelRunner
+from tandem.parallel.executor import rank_model
+from tandem.parallel.ranks import RankGroup
+from tandem.parallel.runner import TensorParallelRunner
+from tandem.parallel.shard import rank_shards
+
+
+@dataclass
+class EngineModel:
+    """What LLMEngine runs: ``model`` through ``runner``; ``ranks`` holds the other
+    tensor-parallel ranks (None at tp=1), to stop when the engine goes."""
+
+    model: LlamaModel
+    runner: ModelRunner
+    ranks: RankGroup | None
+
+
+def start_engine_model(loaded: LoadedModel, config: EngineConfig, model: str | None, num_threads: int | None,
+                       placement_group: Any = None) -> EngineModel:
+    """``loaded`` (quantized as config says) as this process's model, and with
+    config.tensor_parallel_size > 1 the ranks beside it, which load ``model`` themselves
+    (placed in ``placement_group``'s bundles 1.., see RankGroup)."""
+    tp = config.tensor_parallel_size
+    if tp == 1:
+        part = LlamaModel(loaded.config, loaded.weights, config.max_model_len)
+        return EngineModel(part, ModelRunner(config, part), None)
+    rank_shards(loaded.config, tp)  # refuses a tp the heads do not split by, before any rank starts
+    rank_args = dict(dtype=next(k for k, v in DTYPES.items() if v == config.dtype), block_size=config.block_size,
+                     num_kv_blocks=config.num_kv_blocks, num_swap_blocks=config.num_swap_blocks,
+                     max_model_len=config.max_model_len, quantization=config.quantization, tensor_parallel_size=tp)
+    ranks = RankGroup(tp, model, rank_args, num_threads, placement_group)
+    part = rank_model(loaded, tp, 0, config.max_model_len)
+    return EngineModel(part, TensorParallelRunner(config, part), ranks)
