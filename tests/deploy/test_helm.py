@@ -141,6 +141,7 @@ def test_router_defaults():
     args = router_args(docs)
     assert args[0] == "serve" and "--pool-resources" in args
     assert (flag(args, "--prefill"), flag(args, "--decode")) == ("1", "1")
+    assert (flag(args, "--prefill-tp"), flag(args, "--decode-tp")) == ("1", "1")
     assert flag(args, "--address") == HEAD and flag(args, "--host") == "0.0.0.0"
     assert (flag(args, "--port"), flag(args, "--metrics-port"), flag(args, "--http-port")) == ("50051", "9464", "8000")
     assert flag(args, "--kv-transfer-host") == "node-ip" and flag(args, "--policy") == "least_loaded"
@@ -241,6 +242,12 @@ def test_ray_is_told_whole_cpus(cpu, ray_cpus):
     assert flag(router_args(docs), "--num-threads") == str(min(int(ray_cpus), 2))  # the decode pool has 2
 
 
+def test_tensor_parallel_ranks_reach_the_router():
+    args = router_args(render({"pools": {"prefill": {"tp": 2}}}))
+    assert (flag(args, "--prefill-tp"), flag(args, "--decode-tp")) == ("2", "1")
+    assert flag(router_args(render(merged(SCENARIOS["colocated"], {"colocated": {"tp": 2}}))), "--decode-tp") == "2"
+
+
 def test_colocated_mode():
     docs = render(SCENARIOS["colocated"])
     assert components(docs) == {"ray-head", "colocated", "router"}
@@ -323,6 +330,7 @@ def test_model_volume_is_mounted_into_workers_only():
     ({"mode": "split"}, "mode must be"),
     ({"router": {"replicas": 2}}, "router.replicas must be 1"),
     ({"policy": "random"}, "policy must be"),
+    ({"pools": {"decode": {"tp": 3}}}, "decode tp must be >= 1 and fit its pod"),  # 2 CPUs
 ])
 def test_bad_values_fail_to_render(values, message):
     with pytest.raises(helm_python.HelmRenderError, match=message):
