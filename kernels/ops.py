@@ -1,4 +1,4 @@
-"""The attention operations the model calls: the one place that picks an implementation.
+"""The operations the model calls (attention, the KV store, weight-only GEMVs): the one place that picks an implementation.
 
 `TANDEM_ATTENTION_BACKEND` chooses: `auto` (the default: Triton on CUDA tensors, torch
 elsewhere), `triton` (also on CPU tensors, which needs `TRITON_INTERPRET=1` set before
@@ -14,6 +14,8 @@ import os
 import torch
 
 from tandem.kernels.attention_metadata import AttentionMetadata
+from tandem.kernels.int4_gemv import int4_gemv_torch
+from tandem.kernels.int8_gemv import int8_gemv_torch
 from tandem.kernels.paged_decode_attention import paged_decode_attention_torch
 from tandem.kernels.prefill_attention import prefill_attention_torch
 from tandem.kernels.store_kv import store_kv_torch
@@ -84,3 +86,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
         meta.prefill_query_starts, meta.prefill_query_lens,
         meta.prefill_context_lens, meta.prefill_block_tables, scale)
     return out
+
+
+def int8_gemv(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Weight-only int8 product ``x2 @ (qweight * scale[:, None]).T``.
+
+    x2: [M, K] float16/bfloat16/float32; qweight: [N, K] int8; scale: [N] float32
+    returns: [M, N] float32
+    """
+    if backend_for(x2) is Backend.TRITON:
+        from tandem.kernels.int8_gemv_triton import int8_gemv_triton
+        return int8_gemv_triton(x2, qweight, scale)
+    return int8_gemv_torch(x2, qweight, scale)
+
+
+def int4_gemv(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor,
+              group_size: int) -> torch.Tensor:
+    """Weight-only int4 product ``x2 @ w.T``, ``w = q * scale + offset`` per group of columns.
+
+    x2: [M, K] float16/bfloat16/float32; qweight: [N, K // 2] uint8 (low nibble first)
+    scale, offset: [N, K // group_size] float16
+    returns: [M, N] float32
+    """
+    if backend_for(x2) is Backend.TRITON:
+        from tandem.kernels.int4_gemv_triton import int4_gemv_triton
+        return int4_gemv_triton(x2, qweight, scale, offset, group_size)
+    return int4_gemv_torch(x2, qweight, scale, offset, group_size)

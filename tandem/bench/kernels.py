@@ -1,6 +1,7 @@
 """Attention kernels against torch's scaled_dot_product_attention (and FlashAttention if
 installed) on Llama-8B-like heads: time, achieved memory bandwidth as a fraction of the
-device's measured copy bandwidth, and the ratio to SDPA, side by side in one run.
+device's measured copy bandwidth, and the ratio to SDPA, side by side in one run. Also the
+weight-only int8/int4 decode GEMVs against a dense F.linear on the same weight shape.
 
 On a GPU the kernels under test are the Triton ones; on a CPU the torch paths that the
 dispatch picks there, so the command always works. Also: python -m tandem.bench.kernels
@@ -174,6 +175,38 @@ def bench_store_kv(s: Shapes, num_tokens: int, dtype: torch.dtype, device: torch
     return {"num_tokens": num_tokens, "tandem_s": t, "tandem_bw_fraction": moved / t / copy_bw}
 
 
+# Llama-3-8B's decode projections (qkv, o, gate_up, down) as [N, K]; SmolLM2-135M's qkv on CPU.
+GEMV_SHAPES_GPU = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+GEMV_SHAPES_CPU = ((960, 576),)
+GEMV_GROUP_SIZE = 32
+
+
+def bench_gemv(kind: str, rows: int, n: int, k: int, dtype: torch.dtype, device: torch.device, timed,
+               copy_bw: float) -> dict:
+    """One weight-only product (kind "int8" or "int4") on random values (the time does not depend on them)."""
+    x = torch.randn(rows, k, dtype=dtype, device=device)
+    dense = torch.randn(n, k, dtype=dtype, device=device)
+    if kind == "int8":
+        qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device)
+        scale = torch.rand(n, device=device)
+        ours = lambda: ops.int8_gemv(x, qweight, scale)
+        weight_bytes = qweight.numel() + scale.numel() * scale.element_size()
+    else:
+        qweight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device)
+        scale = torch.rand(n, k // GEMV_GROUP_SIZE, device=device).half()
+        offset = -8 * scale
+        ours = lambda: ops.int4_gemv(x, qweight, scale, offset, GEMV_GROUP_SIZE)
+        weight_bytes = qweight.numel() + 2 * scale.numel() * scale.element_size()
+    dense_bytes = dense.numel() * dense.element_size()
+    row = {"kind": kind, "rows": rows, "n": n, "k": k, "weight_bytes": weight_bytes}
+    for name, fn, num_bytes in (("tandem", ours, weight_bytes), ("dense", lambda: F.linear(x, dense), dense_bytes)):
+        t = timed(fn)
+        row[f"{name}_s"] = t
+        row[f"{name}_bw_fraction"] = num_bytes / t / copy_bw
+    row["speedup_vs_dense"] = row["dense_s"] / row["tandem_s"]
+    return row
+
+
 def defaults(args: argparse.Namespace, on_cuda: bool) -> argparse.Namespace:
     pick = lambda value, gpu, cpu: value if value is not None else (gpu if on_cuda else cpu)
     return argparse.Namespace(
@@ -183,6 +216,8 @@ def defaults(args: argparse.Namespace, on_cuda: bool) -> argparse.Namespace:
         max_kv_tokens=pick(args.max_kv_tokens, 4 * 2**20, 64 * 2**10),
         prefill=pick(None, [(1, 512), (1, 4096), (8, 1024), (16, 2048)], [(1, 128), (1, 1024), (4, 512)]),
         store_kv_tokens=pick(None, [256, 4096, 32768], [256, 4096]),
+        gemv=[(kind, m, n, k) for kind in ("int8", "int4") for m in pick(None, [1, 4, 16], [1])
+              for n, k in pick(None, GEMV_SHAPES_GPU, GEMV_SHAPES_CPU)],
     )
 
 
@@ -203,9 +238,11 @@ def run(args: argparse.Namespace) -> int:
                    for b, n in tqdm(cfg.prefill, desc="prefill attention")]
         store = [bench_store_kv(s, n, cfg.dtype, device, timed, bw.bytes_per_s)
                  for n in tqdm(cfg.store_kv_tokens, desc="store_kv")]
+        gemv = [bench_gemv(kind, m, n, k, cfg.dtype, device, timed, bw.bytes_per_s)
+                for kind, m, n, k in tqdm(cfg.gemv, desc="int8/int4 gemv")]
     results = {"device": name, "backend": ops.backend_for(probe).value, "dtype": str(cfg.dtype).removeprefix("torch."),
                "shapes": s.__dict__, "copy_bandwidth": bw.as_dict(), "decode": decode, "prefill": prefill,
-               "store_kv": store}
+               "store_kv": store, "gemv": gemv}
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
@@ -234,6 +271,14 @@ def print_report(r: dict) -> None:
     print("\nstore_kv")
     for row in r["store_kv"]:
         print(f"{row['num_tokens']:>6} tokens {row['tandem_s'] * 1e3:>9.3f} ms {row['tandem_bw_fraction']:>5.0%} of copy bandwidth")
+    print("\nweight-only gemv (bandwidth: the quantized weight's bytes; dense: F.linear on a float weight)")
+    print(f"{'kind':>5} {'rows':>5} {'N x K':>12} {'tandem ms':>10} {'tandem bw':>10} {'dense ms':>9} "
+          f"{'dense bw':>9} {'speedup':>8}")
+    for row in r.get("gemv", []):
+        shape = f"{row['n']}x{row['k']}"
+        print(f"{row['kind']:>5} {row['rows']:>5} {shape:>12} {row['tandem_s'] * 1e3:>10.3f} "
+              f"{row['tandem_bw_fraction']:>10.0%} {row['dense_s'] * 1e3:>9.3f} {row['dense_bw_fraction']:>9.0%} "
+              f"{row['speedup_vs_dense']:>7.2f}x")
 
 
 def write_plot(r: dict, out_dir: Path) -> Path:
