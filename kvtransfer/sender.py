@@ -147,6 +147,8 @@ class KVSender:
                       dtype=self.layout.dtype, row_shape=[self.layout.num_kv_heads, self.layout.head_dim])
         k_rows, v_rows = layer_rows(self.kv_cache, layer, 0), layer_rows(self.kv_cache, layer, 1)
         num_bytes = 2 * (end - start) * self.layout.row_bytes
+        if rows is not None and (self.dist_payload is not None or any(len(r) != end - start for r in rows)):
+            raise ValueError(f"{request_id}: given rows go in ZMQ frames, exactly {end - start} of them")
         if self.dist_payload is not None:
             header.update(frame_tokens=[], dist_rank=self.dist_payload.rank)
             if not self._send(request_id, peer, [encode(MessageKind.LAYER, request_id, **header)]):

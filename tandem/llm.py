@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from tandem.config import DTYPES, EngineConfig
 from tandem.engine import LLMEngine
 from tandem.model.loader import LoadedModel, load_model, quantized
-from tandem.model.source import resolve_model_source
+from tandem.model.source import ModelSource, resolve_model_source
 from tandem.parallel.launch import start_engine_model
 from tandem.outputs import RequestDelta, RequestOutput
 from tandem.sampling_params import SamplingParams
@@ -43,7 +43,8 @@ class LLM:
             torch.set_num_threads(num_threads)
         if dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        self._start(load_model(resolve_model_source(model), DTYPES[dtype]), dtype, engine_args, model, num_threads)
+        source = resolve_model_source(model)
+        self._start(load_model(source, DTYPES[dtype]), dtype, engine_args, source, model, num_threads)
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, *, dtype: str = "float32", **engine_args: Any) -> LLM:
@@ -52,13 +53,14 @@ class LLM:
         llm._start(loaded, dtype, engine_args)
         return llm
 
-    def _start(self, loaded: LoadedModel, dtype: str, engine_args: dict[str, Any], model: str | None = None,
-               num_threads: int | None = None) -> None:
-        """model: where the other ranks load the weights from, with tensor_parallel_size > 1
-        (Ray actors, on a local Ray unless one is running; see parallel.ranks)."""
+    def _start(self, loaded: LoadedModel, dtype: str, engine_args: dict[str, Any], source: ModelSource | None = None,
+               model: str | None = None, num_threads: int | None = None) -> None:
+        """source: the files ``loaded`` came from (see loader.quantized). model: where the
+        other ranks load the weights from, with tensor_parallel_size > 1 (Ray actors, on a
+        local Ray unless one is running; see parallel.ranks)."""
         self.tokenizer = loaded.tokenizer
         config = EngineConfig.build(loaded.config, dtype=dtype, **engine_args)
-        started = start_engine_model(quantized(loaded, config.quantization), config, model, num_threads)
+        started = start_engine_model(quantized(loaded, config.quantization, source), config, model, num_threads)
         self._ranks = started.ranks
         self.engine = LLMEngine(config, started.model, self.tokenizer, runner=started.runner)
         self._request_ids = itertools.count()

@@ -36,10 +36,11 @@ class Worker:
         if num_threads is not None:
             torch.set_num_threads(num_threads)  # pinned: workers sharing a host do not fight
         self.instance = instance
+        source = resolve_model_source(model)
         if loaded is None:
-            loaded = load_model(resolve_model_source(model), DTYPES[dtype])
+            loaded = load_model(source, DTYPES[dtype])
         config = EngineConfig.build(loaded.config, dtype=dtype, **engine_args)
-        loaded = quantized(loaded, config.quantization)
+        loaded = quantized(loaded, config.quantization, source)
         self.fingerprint = model_fingerprint(loaded)
         """The weights' identity, which KV transfer peers must share (the whole model's, on any tp)."""
         started = start_engine_model(loaded, config, model, num_threads, placement_group)

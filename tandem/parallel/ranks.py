@@ -44,9 +44,10 @@ class RankProcess:
         so that every rank holds the same blocks."""
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        loaded = load_model(resolve_model_source(model), DTYPES[engine_args["dtype"]])
+        source = resolve_model_source(model)
+        loaded = load_model(source, DTYPES[engine_args["dtype"]])
         config = EngineConfig.build(loaded.config, **engine_args)
-        part = rank_model(quantized(loaded, config.quantization), tp, rank, config.max_model_len)
+        part = rank_model(quantized(loaded, config.quantization, source), tp, rank, config.max_model_len)
         del loaded  # the projections are copied into the part: the whole model's go
         runner = ModelRunner(config, part)
         self.executor = RankExecutor(part, runner.kv_cache, runner.swapper, tp, rank)
