@@ -54,8 +54,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    parser.add_argument("--quantization", default=None, choices=["int8"],
-                        help="weight-only int8 with per-channel scales, on every worker (default: the weights as loaded)")
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                        help="weight-only int8 with per-channel scales, or int4 in groups of 32 (a GGUF file's "
+                             "Q4_1 blocks kept as they are), on every worker (default: the weights as loaded)")
     parser.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
                         help="draft tokens per decode step by prompt lookup, on every worker (default 0: off)")
     add_limit_args(parser)

@@ -25,8 +25,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--swap-space-gib", type=float, default=0.5,
                         help="host memory that preempted sequences swap their KV into (0: always recompute)")
     parser.add_argument("--preemption-mode", default="auto", choices=PREEMPTION_MODES)
-    parser.add_argument("--quantization", default=None, choices=["int8"],
-                        help="weight-only int8 with per-channel scales (default: the weights as loaded)")
+    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                        help="weight-only int8 with per-channel scales, or int4 in groups of 32 (GGUF Q4_1's form) "
+                             "(default: the weights as loaded)")
     parser.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
                         help="draft tokens per decode step by prompt lookup (default 0: off)")
 
@@ -153,7 +154,7 @@ BENCH_HELP = {
     "overload": "10x the sustainable rate against a bounded router: outcomes, memory, recovery",
     "swap": "preemption: swapping KV blocks out and in vs recomputing their tokens",
     "spec": "speculative decoding by prompt lookup: tokens/s and acceptance, with vs without",
-    "quant": "weight-only int8 vs float32 and bfloat16: decode tokens/s, weight bytes, agreement",
+    "quant": "weight-only int8 and int4 vs float32 and bfloat16: decode tokens/s, weight bytes, agreement",
 }
 
 

@@ -1,10 +1,14 @@
-"""Weight-only int8 against float32 and bfloat16 on one model, in one run.
+"""Weight-only int8 and int4 against float32 and bfloat16 on one model, in one run.
 
 Variants: float32, bfloat16, int8 (the layers' projections and the LM head in int8, the
-rest of the model in float32) and int8+bf16 (the same on a bfloat16 model). For each: decode
-tokens/s of one greedy batch (--num-seqs chat prompts, --max-tokens each, timed from the
-second decode step on, alternating order over --rounds, a fresh engine each run), the bytes
-of weights one decode step reads and the bytes held, and how close it stays to float32:
+rest of the model in float32), int4 (the same in int4 groups of 32; from a GGUF file, the
+file's own Q4_1 blocks, bit-exact) and int8+bf16 / int4+bf16 (the same on a bfloat16
+model). For each: decode tokens/s of one greedy batch (--num-seqs chat prompts, --max-tokens
+each, timed from the second decode step on, alternating order over --rounds, a fresh engine
+each run), the bytes of weights one decode step reads and the bytes held, the memory-floor
+utilisation (the bytes one decode step reads, weights and the mean KV context, over the copy
+bandwidth measured in the same run, divided by the measured step time), and how close it
+stays to float32:
 the share of float32's greedy tokens it picks given float32's own prefix (teacher-forced
 in chunks of 16 tokens: the decode-sized int8 path), the share of identical tokens when it
 generates on its own (one early near-tie changes all the rest), and the perplexity of a
@@ -25,29 +29,29 @@ import time
 import unittest
 from pathlib import Path
 
-import matplotlib
+import torch
+import torch.nn.functional as F
 
-matplotlib.use("Agg")  # files only: no display on a bench machine
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from tandem.config import EngineConfig  # noqa: E402
-from tandem.llm import LLM  # noqa: E402
-from tandem.model.llama import LlamaModel, ModelWeights  # noqa: E402
-from tandem.model.loader import LoadedModel, load_hf_model, loaded_from_hf_model, quantized  # noqa: E402
-from tandem.model.quantization import weight_bytes, weight_key  # noqa: E402
-from tandem.model.source import resolve_model_source  # noqa: E402
-from tandem.model_runner import ModelRunner  # noqa: E402
-from tandem.sampling_params import SamplingParams  # noqa: E402
-from tandem.scheduler import ScheduledBatch  # noqa: E402
-from tandem.sequence import Sequence  # noqa: E402
+from tandem.bench.bandwidth import measure_copy_bandwidth
+from tandem.bench.quant_report import print_report, write_plot
+from tandem.config import DTYPES, EngineConfig
+from tandem.llm import LLM
+from tandem.model.int4 import Int4Weight
+from tandem.model.llama import LlamaModel, ModelWeights
+from tandem.model.loader import LoadedModel, load_hf_model, loaded_from_hf_model, quantized
+from tandem.model.quantization import weight_bytes, weight_key
+from tandem.model.source import resolve_model_source
+from tandem.model_runner import ModelRunner
+from tandem.sampling_params import SamplingParams
+from tandem.scheduler import ScheduledBatch
+from tandem.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 
 # (name, model dtype, quantization)
 VARIANTS = (("float32", "float32", None), ("bfloat16", "bfloat16", None),
-            ("int8", "float32", "int8"), ("int8+bf16", "bfloat16", "int8"))
+            ("int8", "float32", "int8"), ("int8+bf16", "bfloat16", "int8"),
+            ("int4", "float32", "int4"), ("int4+bf16", "bfloat16", "int4"))
 QUESTIONS = (
     "What are some good ways to stay healthy during a busy week?",
     "Write a short story about a robot who wants to learn how to paint.",
@@ -67,7 +71,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     """Options of ``tandem bench quant``; ``--quick`` changes the defaults of the unset ones."""
     parser.add_argument("--model", default=None, help="local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
-    parser.add_argument("--quick", action="store_true", help="tiny run: 2 sequences, 12 tokens, 1 round, 128 text tokens")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny run: 2 sequences, 12 tokens, 1 round, 128 text tokens, 256 MiB bandwidth copy")
     parser.add_argument("--num-seqs", type=int, default=None,
                         help=f"sequences in the decode batch, at most {len(QUESTIONS)} (default: 8)")
     parser.add_argument("--max-tokens", type=int, default=None, help="greedy tokens per sequence (default: 64)")
@@ -125,6 +130,7 @@ def forced_agreement(loaded: LoadedModel, dtype: str, prompts: list[list[int]], 
                      quantization: str | None = None) -> float:
     """Share of ``outputs`` tokens that are the model's argmax given the prompt and the
     outputs before them (teacher-forced in chunks of TF_CHUNK tokens)."""
+    loaded = quantized(loaded, quantization)  # once: each prompt's engine then finds it quantized
     same = total = 0
     for prompt, out in zip(prompts, outputs):
         logits = teacher_forced_logits(loaded, dtype, prompt + out, TF_CHUNK, quantization)
@@ -159,54 +165,36 @@ def decode_run(loaded: LoadedModel, dtype: str, quantization: str | None, prompt
 
 
 def held_bytes(weights: ModelWeights) -> int:
-    """Bytes of every weight held (num_bytes, plus an embedding table the LM head is not)."""
+    """Bytes of every weight held (num_bytes, plus an embedding table the LM head is not, plus
+    the CPU kernel's copy of each int4 weight)."""
     extra = 0 if weight_key(weights.lm_head) == weight_key(weights.embed_tokens) else weight_bytes(weights.embed_tokens)
-    return weights.num_bytes + extra
+    int4 = {weight_key(w): w for w in [weights.lm_head] + [t for layer in weights.layers for t in vars(layer).values()]
+            if isinstance(w, Int4Weight)}
+    return weights.num_bytes + extra + sum(w.held_bytes - w.num_bytes for w in int4.values())
 
 
-def print_report(results: dict) -> None:
-    """The table of every variant, ratios against float32."""
-    print(f"\n== tandem bench quant: {results['model']}, {results['num_threads']} torch threads, torch "
-          f"{results['torch']}; {results['num_seqs']} sequences x {results['max_tokens']} greedy tokens, "
-          f"{results['rounds']} round(s); perplexity over {results['ppl_tokens']} tokens ==")
-    print("decode tok/s: from the 2nd decode step on; read MB: weights one decode step reads; held MB: all weights;\n"
-          "forced agree: float32's greedy tokens picked given float32's prefix; same tokens: free-running\n")
-    print(f"{'variant':>10} {'decode tok/s':>12} {'vs f32':>7} {'read MB':>8} {'vs f32':>7} {'held MB':>8} "
-          f"{'forced agree':>12} {'same tokens':>11} {'perplexity':>10} {'vs f32':>8}")
-    for r in results["rows"]:
-        print(f"{r['variant']:>10} {r['decode_tok_s']:>12.1f} {r['tok_s_ratio']:>6.2f}x {r['read_bytes'] / 1e6:>8.1f} "
-              f"{r['bytes_ratio']:>6.3f}x {r['held_bytes'] / 1e6:>8.1f} {r['forced_agreement']:>12.1%} "
-              f"{r['same_tokens']:>11.1%} {r['perplexity']:>10.3f} {r['perplexity_rel_diff']:>+8.2%}")
-
-
-def write_plot(results: dict, path: Path) -> None:
-    """Decode tokens/s and weight bytes per variant."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    names = [r["variant"] for r in results["rows"]]
-    left.bar(names, [r["decode_tok_s"] for r in results["rows"]])
-    left.set_title(f"decode tokens/s ({results['num_seqs']} sequences)")
-    right.bar(names, [r["read_bytes"] / 1e6 for r in results["rows"]], label="read per decode step")
-    right.bar(names, [(r["held_bytes"] - r["read_bytes"]) / 1e6 for r in results["rows"]],
-              bottom=[r["read_bytes"] / 1e6 for r in results["rows"]], label="embedding table (held)")
-    right.set_title("weight MB")
-    right.legend()
-    fig.suptitle(f"weight-only int8, {results['model']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+def kv_read_bytes(loaded: LoadedModel, dtype: str, prompts: list[list[int]], max_tokens: int) -> float:
+    """Mean KV bytes one timed decode step reads: decode step k (k = 2 .. max_tokens - 1 are
+    timed) attends over prompt + k tokens of every sequence."""
+    timed = range(2, max_tokens)
+    if not timed:
+        return 0.0
+    mean_context = sum(len(p) for p in prompts) + len(prompts) * sum(timed) / len(timed)
+    return mean_context * loaded.config.kv_bytes_per_token(DTYPES[dtype])
 
 
 def run(args: argparse.Namespace) -> int:
     num_seqs, max_tokens, rounds, ppl_tokens = _settings(args)
     threads = args.num_threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
+    bandwidth = measure_copy_bandwidth(256 if args.quick else 1024, 3 if args.quick else 5)
     source = resolve_model_source(args.model)
     hf_model, tokenizer = load_hf_model(source)
     floats = {d: loaded_from_hf_model(hf_model, tokenizer, source.name, getattr(torch, d)) for d in ("float32", "bfloat16")}
     del hf_model
     models: dict[str, LoadedModel] = {}
     for name, dtype, quant in VARIANTS:  # quantized once; each engine then finds its weights quantized
-        models[name] = quantized(floats[dtype], quant)
+        models[name] = quantized(floats[dtype], quant, source)  # int4 from GGUF: the file's own blocks
     prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                               tokenize=False), add_special_tokens=False)
                for q in QUESTIONS[:num_seqs]]
@@ -225,9 +213,14 @@ def run(args: argparse.Namespace) -> int:
     for name, dtype, quant in VARIANTS:
         weights = models[name].weights
         same = sum(a == b for o, ref in zip(outputs[name], reference) for a, b in zip(o, ref))
+        tok_s = sum(speeds[name]) / len(speeds[name])
+        step_bytes = weights.num_bytes + kv_read_bytes(models[name], dtype, prompts, max_tokens)
+        step_s = num_seqs / tok_s  # every step makes one token of each sequence
         rows.append({"variant": name, "dtype": dtype, "quantization": quant,
-                     "decode_tok_s": sum(speeds[name]) / len(speeds[name]), "decode_tok_s_runs": speeds[name],
+                     "decode_tok_s": tok_s, "decode_tok_s_runs": speeds[name],
                      "read_bytes": weights.num_bytes, "held_bytes": held_bytes(weights),
+                     "step_read_bytes": step_bytes, "step_s": step_s, "floor_s": step_bytes / bandwidth.bytes_per_s,
+                     "floor_utilisation": step_bytes / bandwidth.bytes_per_s / step_s,
                      "forced_agreement": forced_agreement(models[name], dtype, prompts, reference, quant),
                      "same_tokens": same / sum(len(ref) for ref in reference),
                      "perplexity": perplexity(models[name], dtype, text, quant)})
@@ -237,7 +230,8 @@ def run(args: argparse.Namespace) -> int:
         row["bytes_ratio"] = row["read_bytes"] / base["read_bytes"]
         row["perplexity_rel_diff"] = row["perplexity"] / base["perplexity"] - 1
     results = {"model": source.name, "num_threads": threads, "torch": torch.__version__, "quick": args.quick,
-               "num_seqs": num_seqs, "max_tokens": max_tokens, "rounds": rounds, "ppl_tokens": ppl_tokens, "rows": rows}
+               "num_seqs": num_seqs, "max_tokens": max_tokens, "rounds": rounds, "ppl_tokens": ppl_tokens,
+               "gguf_file": source.gguf_file, "bandwidth": bandwidth.as_dict(), "rows": rows}
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))

@@ -3,12 +3,13 @@ garbage to another, even when the shapes agree."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import torch
 
 from tandem.model.loader import LoadedModel
-from tandem.model.quantization import Int8Weight
+
 
 SAMPLE_ELEMENTS = 4096
 
@@ -19,8 +20,10 @@ def model_fingerprint(loaded: LoadedModel) -> str:
     digest = hashlib.blake2b(repr(loaded.config).encode(), digest_size=8)
     w = loaded.weights
     for weight in (w.embed_tokens, *(layer.qkv_proj for layer in w.layers), w.norm):
-        # A quantized weight is its values and scales: workers on different quantizations differ.
-        for tensor in (weight.qweight, weight.scale) if isinstance(weight, Int8Weight) else (weight,):
+        # A quantized weight is its values and scales (and offsets): workers on different quantizations differ.
+        fields = [weight] if isinstance(weight, torch.Tensor) else [getattr(weight, f.name)
+                                                                    for f in dataclasses.fields(weight)]
+        for tensor in (t for t in fields if isinstance(t, torch.Tensor)):
             sample = tensor.detach().flatten()[:SAMPLE_ELEMENTS].to(torch.float32).contiguous()
             digest.update(sample.numpy().tobytes())
     return f"{loaded.config.name}:{digest.hexdigest()}"

@@ -11,6 +11,8 @@ from tqdm.auto import tqdm
 
 from tandem.config import ModelConfig, check_architecture
 from tandem.model.gguf_cache import cached_source, save_converted
+from tandem.model.gguf_q4 import gguf_path, keep_gguf_int4
+from tandem.model.gptq_awq import is_quantized_checkpoint, load_quantized_checkpoint
 from tandem.model.llama import LayerWeights, ModelWeights
 from tandem.model.quantization import quantize_weights
 from tandem.model.source import ModelSource, load_tokenizer
@@ -62,6 +64,9 @@ def load_hf_model(source: ModelSource):
     from transformers import AutoModelForCausalLM
 
     original, source = source, cached_source(source)
+    if is_quantized_checkpoint(source):
+        raise ValueError(f"{source.path} is a quantized checkpoint: transformers needs optimum/gptqmodel/autoawq to "
+                         "load it; tandem's load_model reads GPTQ and AWQ directories itself")
     hf_config = load_hf_config(source)
     logger.info("loading %s (%s) from %s", source.name, hf_config.architectures[0], source.path)
     tokenizer = load_tokenizer(source)
@@ -82,20 +87,31 @@ def loaded_from_hf_model(hf_model, tokenizer, name: str, dtype: torch.dtype) -> 
 def load_model(source: ModelSource, dtype: torch.dtype) -> LoadedModel:
     """Load ``source`` for serving, showing progress."""
     start = time.perf_counter()
-    hf_model, tokenizer = load_hf_model(source)
-    loaded = loaded_from_hf_model(hf_model, tokenizer, source.name, dtype)
+    if is_quantized_checkpoint(source):  # GPTQ / AWQ: projections stay int4 (see gptq_awq.py)
+        loaded = load_quantized_checkpoint(source, dtype)
+    else:
+        hf_model, tokenizer = load_hf_model(source)
+        loaded = loaded_from_hf_model(hf_model, tokenizer, source.name, dtype)
     logger.info("loaded %s in %.1f s (%.0f MB of weights)", source.name,
                 time.perf_counter() - start, loaded.weights.num_bytes / 1e6)
     return loaded
 
 
-def quantized(loaded: LoadedModel, quantization: str | None) -> LoadedModel:
+def quantized(loaded: LoadedModel, quantization: str | None, source: ModelSource | None = None) -> LoadedModel:
     """``loaded`` with its projections quantized (see quantization.quantize_weights), as a
-    new LoadedModel: the float weights stay as they are for whoever else shares them."""
+    new LoadedModel: the float weights stay as they are for whoever else shares them.
+
+    source: the files ``loaded`` came from. For "int4" from a GGUF file, the file's own Q4_1
+    blocks are kept bit-exactly (gguf_q4.py) instead of quantizing their float32 copy again.
+    """
     if quantization is None:
         return loaded
     start = time.perf_counter()
-    weights = quantize_weights(loaded.weights, quantization)
+    path = gguf_path(source) if quantization == "int4" else None
+    if path is not None:
+        weights = keep_gguf_int4(loaded.weights, loaded.config, path)
+    else:
+        weights = quantize_weights(loaded.weights, quantization)
     if weights is loaded.weights:  # quantized already
         return loaded
     logger.info("quantized %s to %s in %.1f s (%.0f MB of weights, from %.0f MB)", loaded.config.name, quantization,

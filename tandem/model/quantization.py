@@ -34,6 +34,13 @@ activations: float32 activations are rounded to bf16), the kernel up to KERNEL_M
 rows (KERNEL_MAX_TOKENS_LARGE for an LM-head-sized weight), the dequantized weight above,
 and the float32 scales multiply the float32 result: ``(x @ q.T) * scale``.
 
+int4 (tandem/model/int4.py: groups of 32 values with a float16 scale and offset, GGUF Q4_1's
+form) takes torch's int4 kernel ``_weight_int4pack_mm_for_cpu`` up to 160 rows and a bf16
+GEMM on the dequantized weight above: measured in int4_matmul.py, side by side with the rows
+above (python -m tandem.bench.quant_kernels). On CUDA (or TANDEM_ATTENTION_BACKEND=triton),
+decode-sized products (up to TRITON_MAX_TOKENS rows) of both run the Triton GEMV kernels of
+tandem.kernels.ops instead. Under int4 the LM head is int8 (LM_HEAD_METHOD, measured).
+
 The LM head is quantized too (tied or not; a tied embedding table stays in float for the
 lookup, which reads a few rows per step). On SmolLM2-135M-Instruct with float32 elsewhere
 (tandem bench quant, 1023 tokens of English text teacher-forced): without the head, top-1
@@ -46,15 +53,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING, Callable, Union
 
 import torch
 import torch.nn.functional as F
 
+from tandem.model.int4 import Int4Weight, quantize_int4
+from tandem.model.int4_matmul import int4_matmul
+
 if TYPE_CHECKING:
     from tandem.model.llama import ModelWeights
 
-QUANTIZATION_METHODS = ("int8",)
+QUANTIZATION_METHODS = ("int8", "int4")
+
+TRITON_MAX_TOKENS = 16
+"""Most rows for which linear() calls the Triton GEMV kernels (decode-sized products)."""
 
 KERNEL_MAX_TOKENS = 24
 """Most rows for which the int8 kernel beats dequantizing a layer's projection (measured: 16 vs 32)."""
@@ -83,8 +96,18 @@ class Int8Weight:
         """-> [out, in] in ``dtype`` (scales multiplied in float32 first)."""
         return (self.qweight.float() * self.scale[:, None]).to(dtype)
 
+    def rows(self, start: int, end: int) -> Int8Weight:
+        """Output channels ``start:end`` (a column-parallel shard) with their scales."""
+        return Int8Weight(self.qweight[start:end].contiguous(), self.scale[start:end].contiguous())
 
-Weight = Union[torch.Tensor, Int8Weight]
+    def cols(self, start: int, end: int) -> Int8Weight:
+        """Input channels ``start:end`` (a row-parallel shard): a channel's scale covers all its
+        columns, so each shard keeps the whole scale vector (the values are unchanged)."""
+        return Int8Weight(self.qweight[:, start:end].contiguous(), self.scale.clone())
+
+
+Weight = Union[torch.Tensor, Int8Weight, Int4Weight]
+QuantizedWeight = Union[Int8Weight, Int4Weight]
 
 
 def quantize_int8(w: torch.Tensor) -> Int8Weight:
@@ -128,52 +151,110 @@ def int8_matmul(x2: torch.Tensor, w: Int8Weight, use_kernel: bool | None = None)
     return out.float() * w.scale
 
 
+def quantized_matmul(x2: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """x2: [M, in] float -> [M, out] float32 for an int8 or int4 weight.
+
+    Decode-sized products (M <= TRITON_MAX_TOKENS) run the Triton GEMV kernels where the
+    kernel dispatch says Triton (CUDA tensors, or TANDEM_ATTENTION_BACKEND=triton); every
+    other product takes the torch paths measured above.
+    """
+    from tandem.kernels import ops  # lazily: the kernels package is not needed to build weights
+
+    if x2.shape[0] <= TRITON_MAX_TOKENS and ops.backend_for(x2) is ops.Backend.TRITON:
+        if isinstance(w, Int4Weight):
+            return ops.int4_gemv(x2, w.qweight, w.scale, w.offset, w.group_size)
+        return ops.int8_gemv(x2, w.qweight, w.scale)
+    if isinstance(w, Int4Weight):
+        return int4_matmul(x2, w)
+    return int8_matmul(x2, w)
+
+
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)`` for a float weight (exactly that), or the int8 product.
+    """``F.linear(x, w, bias)`` for a float weight (exactly that), or the int8/int4 product.
 
     x: [..., in]; w: [out, in]; bias: [out] -> [..., out] in x's dtype.
     """
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
     # out: [M, out] float32
-    out = int8_matmul(x.reshape(-1, x.shape[-1]), w)
+    out = quantized_matmul(x.reshape(-1, x.shape[-1]), w)
     if bias is not None:
         out = out + bias
     return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
 
 
 def weight_bytes(w: Weight) -> int:
-    """Bytes a weight holds (int8 values + scales for a quantized one)."""
-    if isinstance(w, Int8Weight):
+    """Bytes a weight holds (values + scales (+ offsets) for a quantized one; an int4
+    weight's CPU kernel layout is another copy of the same bytes, of which a product reads one)."""
+    if isinstance(w, (Int8Weight, Int4Weight)):
         return w.num_bytes
     return w.numel() * w.element_size()
 
 
 def weight_key(w: Weight) -> int:
     """Identifies the storage of a weight (tied weights share one)."""
-    return (w.qweight if isinstance(w, Int8Weight) else w).data_ptr()
+    return (w.qweight if isinstance(w, (Int8Weight, Int4Weight)) else w).data_ptr()
 
 
-def quantize_weights(weights: ModelWeights, method: str | None, lm_head: bool = True) -> ModelWeights:
+def with_cpu_pack(w: Int4Weight) -> Int4Weight:
+    """``w``, its CPU kernel layout built now (where it has one) so that the first decode step
+    does not pay for it."""
+    if w.has_cpu_kernel:
+        w.cpu_pack  # noqa: B018 (a cached property: built once, kept on the instance)
+    return w
+
+
+QUANTIZERS: dict[str, tuple[type, Callable[[torch.Tensor], QuantizedWeight]]] = {
+    "int8": (Int8Weight, quantize_int8),
+    "int4": (Int4Weight, lambda w: with_cpu_pack(quantize_int4(w))),
+}
+LM_HEAD_METHOD = {"int8": "int8", "int4": "int8"}
+"""How each method quantizes the LM head. int4's is int8: on SmolLM2-135M-Instruct (1024
+tokens of English, float32 elsewhere) an int4 head costs +5.8% perplexity against float32
+and an int8 one -0.05%, for 95 instead of 84 MB read per decode step; GGUF files keep their
+output tensor at 8 bits or more too (the default file: Q8_0)."""
+
+
+def _quantize(w: Weight, method: str) -> QuantizedWeight:
+    kind, quantize = QUANTIZERS[method]
+    if isinstance(w, kind):
+        return w  # already quantized: kept
+    if not isinstance(w, torch.Tensor):
+        raise ValueError(f"cannot quantize a {type(w).__name__} to {method}: start from the float weights")
+    return quantize(w)
+
+
+def quantize_lm_head(w: Weight, method: str) -> Weight:
+    """The LM head as ``method`` quantizes it (LM_HEAD_METHOD); one quantized already is kept."""
+    return w if not isinstance(w, torch.Tensor) else _quantize(w, LM_HEAD_METHOD[method])
+
+
+def quantize_weights(weights: ModelWeights, method: str | None, lm_head: bool | str = True) -> ModelWeights:
     """A copy of ``weights`` whose projections are quantized (``weights`` itself is untouched).
 
-    q/k/v, o, gate/up and down of every layer are quantized; embeddings, norms and biases
-    stay in float, and so does the LM head unless ``lm_head``. ``method`` None: ``weights``.
+    q/k/v, o, gate/up and down of every layer are quantized (int8: per output channel;
+    int4: groups of 32 columns, min/max as GGUF's Q4_1); embeddings, norms and biases stay
+    in float. The LM head is quantized by LM_HEAD_METHOD[method] (lm_head True), by the
+    method ``lm_head`` names, or not at all (False). A weight quantized already is kept as
+    it is (e.g. Q4_1 blocks taken from a GGUF file: see gguf_q4.py). ``method`` None: ``weights``.
     """
     if method is None:
         return weights
-    if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None, got {method!r}")
-
-    def q(w: Weight) -> Int8Weight:
-        return w if isinstance(w, Int8Weight) else quantize_int8(w)  # already quantized: kept
-
+    for m in (method, lm_head if isinstance(lm_head, str) else method):
+        if m not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None, got {m!r}")
+    head_method = (LM_HEAD_METHOD[method] if lm_head is True else lm_head) or None
+    kind = QUANTIZERS[method][0]
     targets = [w for layer in weights.layers for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
-    if all(isinstance(w, Int8Weight) for w in targets + ([weights.lm_head] if lm_head else [])):
+    head_done = head_method is None or not isinstance(weights.lm_head, torch.Tensor)
+    if head_done and all(isinstance(w, kind) for w in targets):
         return weights
     layers = [
-        dataclasses.replace(layer, qkv_proj=q(layer.qkv_proj), o_proj=q(layer.o_proj),
-                            gate_up_proj=q(layer.gate_up_proj), down_proj=q(layer.down_proj))
+        dataclasses.replace(layer, qkv_proj=_quantize(layer.qkv_proj, method), o_proj=_quantize(layer.o_proj, method),
+                            gate_up_proj=_quantize(layer.gate_up_proj, method),
+                            down_proj=_quantize(layer.down_proj, method))
         for layer in weights.layers
     ]
-    return dataclasses.replace(weights, layers=layers, lm_head=q(weights.lm_head) if lm_head else weights.lm_head)
+    # A head quantized already (any kind: a GGUF file's Q4_1 output tensor, say) is kept.
+    head = weights.lm_head if head_done else _quantize(weights.lm_head, head_method)
+    return dataclasses.replace(weights, layers=layers, lm_head=head)

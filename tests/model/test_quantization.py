@@ -87,8 +87,9 @@ def test_engine_config_quantization_is_validated(loaded):
     assert config.quantization == "int8"
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.quantization = None  # type: ignore[misc]
-    for bad in ("int4", "INT8", ""):
-        with pytest.raises(ValueError, match="quantization must be None or one of int8"):
+    assert EngineConfig.build(loaded.config, quantization="int4").quantization == "int4"
+    for bad in ("int2", "INT8", ""):
+        with pytest.raises(ValueError, match="quantization must be None or one of int8, int4"):
             EngineConfig.build(loaded.config, quantization=bad)
 
 
