@@ -3,6 +3,7 @@ ranks' forward (all-reduced between threads) equal to the whole model's in float
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import pytest
@@ -12,6 +13,7 @@ from tandem.block_manager import BlockManager
 from tandem.config import EngineConfig
 from tandem.model.llama import LlamaModel
 from tandem.model.loader import weights_from_hf_model
+from tandem.model.quantization import quantize_weights
 from tandem.model_runner import ModelRunner
 from tandem.parallel.shard import even_split, rank_shards, shard_weights
 from tandem.sampling_params import SamplingParams
@@ -116,3 +118,22 @@ def test_ranks_forward_equals_the_whole_model_in_float64(loaded, float64_weights
         for out in outputs:
             # the logits come back in float32: equal to its rounding of the float64 sums
             assert torch.allclose(out, expected, rtol=0, atol=1e-5), (out - expected).abs().max()
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_weights_shard_along_their_channels(loaded, method):
+    """A rank's quantized projections are exactly the whole quantized weight's rows (q/k/v,
+    gate/up) and columns (o, down) at its heads, dequantized."""
+    config = loaded.config
+    d, h, hkv, inter = config.head_dim, config.num_heads, config.num_kv_heads, config.intermediate_size
+    layer = quantize_weights(dataclasses.replace(loaded.weights, layers=loaded.weights.layers[:1]), method).layers[0]
+    shard = rank_shards(config, 2)[0]  # query heads 0..5, KV heads 0..1, MLP 0..767
+    part = shard_weights(dataclasses.replace(loaded.weights, layers=[layer]), config, shard).layers[0]
+    qkv = layer.qkv_proj.dequantize()
+    q_rows, k_rows = qkv[:6 * d], qkv[h * d:(h + 2) * d]
+    v_rows = qkv[(h + hkv) * d:(h + hkv + 2) * d]
+    assert torch.equal(part.qkv_proj.dequantize(), torch.cat([q_rows, k_rows, v_rows]))
+    assert torch.equal(part.o_proj.dequantize(), layer.o_proj.dequantize()[:, :6 * d])
+    gate_up = layer.gate_up_proj.dequantize()
+    assert torch.equal(part.gate_up_proj.dequantize(), torch.cat([gate_up[:768], gate_up[inter:inter + 768]]))
+    assert torch.equal(part.down_proj.dequantize(), layer.down_proj.dequantize()[:, :768])
