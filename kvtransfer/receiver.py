@@ -15,18 +15,18 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
 import zmq
 
-from tandem.kvtransfer.payload import TORCH_DTYPES, DistPayload, layer_rows, layout_of, rows_of
+from tandem.kvtransfer.payload import TORCH_DTYPES, DistPayload, rows_of
 from tandem.kvtransfer.protocol import (
     Destination, KVLayout, LayerHeader, MessageKind, ProtocolError, TransferEvent, TransferStatus, decode, encode,
     layer_header, payload_crc32,
 )
-from tandem.kvtransfer.slots import contiguous_runs, covering_blocks, token_slots
+from tandem.kvtransfer.sink import KVSink, PoolSink
+from tandem.kvtransfer.slots import covering_blocks, token_slots
 
 logger = logging.getLogger(__name__)
 
@@ -43,29 +43,6 @@ class _Expected:
     """Tokens in place so far, per layer (they arrive in order after the cached prefix)."""
     sender: bytes | None = None
     """ZMQ identity of the sender, once it has sent a layer."""
-
-
-class KVSink(Protocol):
-    """Where arriving KV rows go, when not straight into one pool tensor (a tensor-parallel
-    worker's ranks each hold some of the heads)."""
-
-    layout: KVLayout
-    """The pool as senders see it: every KV head of the model."""
-
-    def write(self, layer: int, kv: int, slots: np.ndarray, parts: list[torch.Tensor]) -> None:
-        """Rows for ``slots`` of ``layer``'s K (kv=0) or V (kv=1), as pieces [n_i, heads, dim]
-        in slot order; the pieces are views of a message, valid only during the call."""
-
-
-class PoolSink:
-    """Rows written in place into a pool tensor."""
-
-    def __init__(self, kv_cache: torch.Tensor) -> None:
-        self.kv_cache = kv_cache
-        self.layout = layout_of(kv_cache)
-
-    def write(self, layer: int, kv: int, slots: np.ndarray, parts: list[torch.Tensor]) -> None:
-        write_rows(layer_rows(self.kv_cache, layer, kv), slots, parts)
 
 
 class KVReceiver:
@@ -323,21 +300,3 @@ class KVReceiver:
         self._ended[request_id] = None
         while len(self._ended) > MAX_ENDED:
             self._ended.popitem(last=False)
-
-
-def write_rows(dst: torch.Tensor, slots: np.ndarray, parts: list[torch.Tensor]) -> None:
-    """dst[slots[i]] = the i-th row of the concatenated parts; slice copies where slots run
-    side by side (faster than index_copy_), one index_copy_ per part where they are scattered."""
-    runs = contiguous_runs(slots)
-    if len(runs) > 8:
-        offset = 0
-        index = torch.from_numpy(slots).to(dst.device)
-        for rows in parts:
-            dst.index_copy_(0, index[offset:offset + len(rows)], rows.to(dst.device))
-            offset += len(rows)
-        return
-    rows = parts[0] if len(parts) == 1 else torch.cat(parts)
-    offset = 0
-    for first, n in runs:
-        dst[first:first + n].copy_(rows[offset:offset + n])
-        offset += n

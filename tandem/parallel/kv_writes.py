@@ -20,7 +20,7 @@ from tandem.parallel.step_message import KVWrites
 
 
 class PendingKVWrites:
-    """A KVReceiver sink (see kvtransfer.receiver.KVSink) that holds rows for the ranks."""
+    """A KVReceiver sink (see kvtransfer.sink.KVSink) that holds rows for the ranks."""
 
     def __init__(self, layout: KVLayout) -> None:
         """layout: every KV head of the model (what senders send), this worker's blocks."""
