@@ -9,15 +9,15 @@ from typing import Any, AsyncIterator
 import numpy as np
 import torch
 
-from tandem.beam_search import num_candidates
-from tandem.engine import LLMEngine
-from tandem.engine_loop import EngineLoop
+from tandem.decoding.beam_search import num_candidates
+from tandem.engine.engine import LLMEngine
 from tandem.kvtransfer.protocol import Destination, TransferStatus
 from tandem.kvtransfer.receiver import DEFAULT_ADDRESS, KVReceiver
 from tandem.outputs import FirstSample
 from tandem.parallel.runner import TensorParallelRunner
-from tandem.worker import Worker
-from tandem.worker_api import PoolFull, PrefillResult, Role, StreamDelta, WorkerRequest, checked
+from tandem.worker.api import PoolFull, PrefillResult, Role, StreamDelta, WorkerRequest, checked
+from tandem.worker.base import Worker
+from tandem.worker.engine_loop import EngineLoop
 
 logger = logging.getLogger(__name__)
 

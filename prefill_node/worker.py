@@ -12,17 +12,17 @@ from typing import Any
 
 import numpy as np
 
-from tandem.engine import LLMEngine
-from tandem.engine_loop import EngineLoop
+from tandem.engine.engine import LLMEngine
+from tandem.engine.scheduler import ScheduledBatch
+from tandem.engine.sequence import Sequence
 from tandem.kvtransfer.protocol import Destination, TransferStatus
 from tandem.kvtransfer.sender import KVSender
 from tandem.kvtransfer.slots import token_slots
 from tandem.outputs import RequestDelta
 from tandem.parallel.runner import TensorParallelRunner
-from tandem.scheduler import ScheduledBatch
-from tandem.sequence import Sequence
-from tandem.worker import Worker
-from tandem.worker_api import PrefillResult, Role, WorkerRequest, checked
+from tandem.worker.api import PrefillResult, Role, WorkerRequest, checked
+from tandem.worker.base import Worker
+from tandem.worker.engine_loop import EngineLoop
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, AsyncGenerator, Protocol
 
 from tandem.router.worker_metrics import WorkerMetricsReport
 from tandem.sampling_params import SamplingParams
-from tandem.worker_api import StreamDelta, TokenizerSpec, WorkerLoad
+from tandem.worker.api import StreamDelta, TokenizerSpec, WorkerLoad
 
 if TYPE_CHECKING:
     from tandem.router.metrics import RouterMetrics

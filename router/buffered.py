@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Callable
 
 from tandem.router.backend import Backend, WorkerFailed
 from tandem.sampling_params import SamplingParams
-from tandem.worker_api import StreamDelta
+from tandem.worker.api import StreamDelta
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from ray.util.placement_group import remove_placement_group
 
 from tandem.router.policy import WorkerState
 from tandem.router.ray_backend import RayBackend
-from tandem.router.worker_host import start_worker, worker_placement_group
-from tandem.worker_api import Role
+from tandem.worker.api import Role
+from tandem.worker.host import start_worker, worker_placement_group
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tandem.metric_buckets import REQUEST_SECONDS, TOKEN_LATENCY_SECONDS, TTFT_SECONDS, token_count_buckets
+from tandem.worker.metric_buckets import REQUEST_SECONDS, TOKEN_LATENCY_SECONDS, TTFT_SECONDS, token_count_buckets
 
 # Refusals before any worker ran the request, by status: tandem_request_rejected_total's reasons.
 REJECTION_REASONS = {

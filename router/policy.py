@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tandem.router.prefix_index import PrefixIndex
-from tandem.worker_api import WorkerLoad
+from tandem.worker.api import WorkerLoad
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 RETRY_BASE_S, RETRY_MAX_S = 1.0, 30.0

@@ -1,7 +1,7 @@
 """The router's approximate index of which worker holds which prefix blocks.
 
 Prompts are hashed in full blocks of each worker's own block size with the block
-manager's chained hash (tandem/block_hash.py), so a match here is the match that the
+manager's chained hash (tandem/kvcache/block_hash.py), so a match here is the match that the
 worker's `find_cached_prefix` would make, as long as the worker has not evicted the
 blocks meanwhile: the index only learns what the router sent where, never evictions.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Sequence
 
-from tandem.block_hash import prefix_hashes
-from tandem.worker_api import WorkerLoad
+from tandem.kvcache.block_hash import prefix_hashes
+from tandem.worker.api import WorkerLoad
 
 MAX_BLOCKS_PER_WORKER = 1_000_000
 """Bound on remembered hashes per worker, whatever pool size it reports."""

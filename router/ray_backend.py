@@ -17,7 +17,7 @@ from tandem.router.policy import Router, WorkerState
 from tandem.router.worker_calls import WORKER_GONE, WorkerCalls
 from tandem.router.worker_metrics import WorkerMetricsReport
 from tandem.sampling_params import SamplingParams
-from tandem.worker_api import PoolFull, Role, StreamDelta, TokenizerSpec, WorkerLoad, WorkerRequest
+from tandem.worker.api import PoolFull, Role, StreamDelta, TokenizerSpec, WorkerLoad, WorkerRequest
 
 if TYPE_CHECKING:
     from tandem.router.metrics import RouterMetrics

@@ -22,7 +22,7 @@ from tandem.router.metrics import RouterMetrics
 from tandem.router.service import Unparsable
 from tandem.router.tokenizer import RouterTokenizer
 from tandem.router.validation import check_request_id, shown, validate_request
-from tandem.worker_api import PoolFull, StreamDelta
+from tandem.worker.api import PoolFull, StreamDelta
 
 logger = logging.getLogger(__name__)
 

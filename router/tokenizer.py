@@ -19,7 +19,7 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
-from tandem.worker_api import TokenizerSpec
+from tandem.worker.api import TokenizerSpec
 
 
 class ChatTemplateError(ValueError):
@@ -84,26 +84,6 @@ class RouterTokenizer:
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
-
-
-def tokenizer_spec_from(tokenizer: Any, model_name: str, vocab_size: int, max_model_len: int) -> TokenizerSpec:
-    """Describe a transformers fast tokenizer for the router (reads attributes only: no heavy imports)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        raise ValueError(f"{type(tokenizer).__name__} is not a fast tokenizer: the router needs its tokenizer.json")
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):  # named templates (e.g. "default", "tool_use"): chat uses the default
-        template = template.get("default")
-    return TokenizerSpec(
-        tokenizer_json=backend.to_str(),
-        chat_template=template if isinstance(template, str) else None,
-        bos_token=tokenizer.bos_token,
-        eos_token=tokenizer.eos_token,
-        add_bos_token=bool(getattr(tokenizer, "add_bos_token", False)),
-        model_name=model_name,
-        vocab_size=vocab_size,
-        max_model_len=max_model_len,
-    )
 
 
 def _raise_exception(message: str) -> None:

@@ -14,7 +14,7 @@ _EXPORTS = {
     "SamplingParams": "tandem.sampling_params",
     "RequestOutput": "tandem.outputs",
     "RequestDelta": "tandem.outputs",
-    "FinishReason": "tandem.sequence",
+    "FinishReason": "tandem.engine.sequence",
 }
 __all__ = list(_EXPORTS)
 

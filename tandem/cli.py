@@ -9,7 +9,7 @@ import importlib
 import logging
 import sys
 
-from tandem.preemption import PREEMPTION_MODES
+from tandem.engine.preemption import PREEMPTION_MODES
 from tandem.sampling_params import SamplingParams
 
 

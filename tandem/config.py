@@ -7,9 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.kv_capacity import kv_bytes_per_token
+from tandem.engine.preemption import PREEMPTION_MODES
+from tandem.kvcache.capacity import kv_bytes_per_token
 from tandem.model.quantization import QUANTIZATION_METHODS
-from tandem.preemption import PREEMPTION_MODES
 
 logger = logging.getLogger(__name__)
 

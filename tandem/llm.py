@@ -11,11 +11,11 @@ import torch
 from tqdm.auto import tqdm
 
 from tandem.config import DTYPES, EngineConfig
-from tandem.engine import LLMEngine
+from tandem.engine.engine import LLMEngine
 from tandem.model.loader import LoadedModel, load_model, quantized
 from tandem.model.source import ModelSource, resolve_model_source
-from tandem.parallel.launch import start_engine_model
 from tandem.outputs import RequestDelta, RequestOutput
+from tandem.parallel.launch import start_engine_model
 from tandem.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tandem.sequence import FinishReason
+from tandem.engine.sequence import FinishReason
 
 if TYPE_CHECKING:
     import torch

@@ -4,13 +4,13 @@ Only the model's config is read (``config.json`` of a Hugging Face directory, or
 file's metadata through ``gguf.GGUFReader``): no weights, no torch, no transformers. The
 fields are read with the defaults transformers applies, so the shape is the one
 :class:`tandem.config.ModelConfig` gets when a worker loads the model, and the KV numbers are
-those it logs at start (``KV pool: ...``), from the same :class:`~tandem.kv_capacity.KVCapacity`.
+those it logs at start (``KV pool: ...``), from the same :class:`~tandem.kvcache.capacity.KVCapacity`.
 
 Per rank, with ``tp`` ranks:
 
     weights   = parameters (counted from the shapes) × bytes per element / tp  (an even split)
     KV memory = memory − weights
-    KV blocks = KV memory // (block_size × bytes_per_token)   (see tandem.kv_capacity)
+    KV blocks = KV memory // (block_size × bytes_per_token)   (see tandem.kvcache.capacity)
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from tandem.kv_capacity import DTYPE_BYTES, KVCapacity, gib_to_bytes, kv_heads_per_rank
+from tandem.kvcache.capacity import DTYPE_BYTES, KVCapacity, gib_to_bytes, kv_heads_per_rank
 from tandem.model.source import resolve_model_source
 
 # Architectures tandem serves (tandem.config.SUPPORTED_ARCHITECTURES), by GGUF/HF model type.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from tandem.worker_api import WorkerInventory
+from tandem.worker.api import WorkerInventory
 
 
 async def inventories(backend) -> list[WorkerInventory]:

@@ -27,7 +27,7 @@ from tandem.router.openai.protocol import CHAT, ParsedRequest, parse_request, va
 from tandem.router.openai.responses import DONE, Responses, new_id, sse, usage
 from tandem.router.tokenizer import RouterTokenizer
 from tandem.router.validation import ValidRequest
-from tandem.worker_api import PoolFull, StreamDelta
+from tandem.worker.api import PoolFull, StreamDelta
 
 logger = logging.getLogger(__name__)
 

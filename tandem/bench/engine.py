@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from tandem.bench import plots
 from tandem.bench.bandwidth import measure_copy_bandwidth
 from tandem.bench.workload import BenchRequest, allowed_token_ids, excluded_token_ids, make_workload
-from tandem.engine import LLMEngine
+from tandem.engine.engine import LLMEngine
 from tandem.llm import LLM
 from tandem.model.loader import LoadedModel, load_hf_model, loaded_from_hf_model
 from tandem.model.source import resolve_model_source

@@ -25,9 +25,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tandem.bench.overload_traffic import Load
-    from tandem.bench.overload_watch import Watch
-    from tandem.bench.serve_load import RequestResult
+    from tandem.bench.overloading.traffic import Load
+    from tandem.bench.overloading.watch import Watch
+    from tandem.bench.serving.load import RequestResult
     from tandem.router.cluster import ClusterConfig
     from tandem.router.policy import WorkerState
 
@@ -113,7 +113,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def _check_complete(results: list[RequestResult], phase: str) -> None:
-    from tandem.bench.overload_summary import complete
+    from tandem.bench.overloading.summary import complete
 
     if failed := [r.error for r in results if not complete(r)]:
         raise RuntimeError(f"{phase}: {len(failed)} of {len(results)} calls failed, e.g. {failed[0]}")
@@ -122,10 +122,10 @@ def _check_complete(results: list[RequestResult], phase: str) -> None:
 async def run_phases(load: Load, watch: Watch, workers: list[WorkerState], settings: Settings,
                      args: argparse.Namespace) -> dict:
     """Warm-up, sustainable rate, baseline, overload, drain, baseline again -> their figures."""
-    from tandem.bench.overload_summary import (LATENCIES, accepted_rate, baseline, closed_loop_rate,
+    from tandem.bench.overloading.summary import (LATENCIES, accepted_rate, baseline, closed_loop_rate,
                                                last_accepted_end_s, outcomes, per_second, recovery, request_records)
-    from tandem.bench.overload_watch import wait_until_empty
-    from tandem.bench.serve_load import stats
+    from tandem.bench.overloading.watch import wait_until_empty
+    from tandem.bench.serving.load import stats
 
     watch.mark("warm-up")  # first-call costs stay out of the figures
     _check_complete((await load.closed("warm-up", NUM_WARM_UP, NUM_WARM_UP))[0], "warm-up")
@@ -185,11 +185,11 @@ async def measure(args: argparse.Namespace, settings: Settings, cores: int) -> d
     """Start the cluster and its router, run every phase while watching, stop -> the figures."""
     from tokenizers import Tokenizer
 
-    from tandem.bench.overload_summary import memory, other_cpu_by_phase
-    from tandem.bench.overload_traffic import Load
-    from tandem.bench.overload_watch import Watch, worker_pids
+    from tandem.bench.overloading.summary import memory, other_cpu_by_phase
+    from tandem.bench.overloading.traffic import Load
+    from tandem.bench.overloading.watch import Watch, worker_pids
     from tandem.bench.serve import token_pool
-    from tandem.bench.serve_load import Mix
+    from tandem.bench.serving.load import Mix
     from tandem.router.cluster import start_cluster, stop_cluster
     from tandem.router.limits import RequestLimits
     from tandem.router.server import bound_port, drain, serve
@@ -225,8 +225,8 @@ async def measure(args: argparse.Namespace, settings: Settings, cores: int) -> d
 def run(args: argparse.Namespace) -> int:
     import ray
 
-    from tandem.bench import overload_plots
-    from tandem.bench.overload_summary import failures
+    from tandem.bench.overloading import plots as overload_plots
+    from tandem.bench.overloading.summary import failures
 
     settings = settings_from_args(args)
     out_dir = Path(args.out_dir)

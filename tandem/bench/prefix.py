@@ -50,7 +50,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
 
 async def turn(stub, request_id: str, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
     """One greedy turn -> (its answer's token ids, TTFT in ms)."""
-    from tandem.bench.serve_load import greedy_request
+    from tandem.bench.serving.load import greedy_request
 
     start, ttft_ms, answer = time.perf_counter(), None, []
     async for response in stub.Generate(greedy_request(request_id, prompt, max_tokens), timeout=600):

@@ -33,18 +33,18 @@ import torch
 import torch.nn.functional as F
 
 from tandem.bench.bandwidth import measure_copy_bandwidth
-from tandem.bench.quant_report import print_report, write_plot
+from tandem.bench.quantization.report import print_report, write_plot
 from tandem.config import DTYPES, EngineConfig
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.scheduler import ScheduledBatch
+from tandem.engine.sequence import Sequence
 from tandem.llm import LLM
 from tandem.model.int4 import Int4Weight
 from tandem.model.llama import LlamaModel, ModelWeights
 from tandem.model.loader import LoadedModel, load_hf_model, loaded_from_hf_model, quantized
 from tandem.model.quantization import weight_bytes, weight_key
 from tandem.model.source import resolve_model_source
-from tandem.model_runner import ModelRunner
 from tandem.sampling_params import SamplingParams
-from tandem.scheduler import ScheduledBatch
-from tandem.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -52,7 +52,7 @@ QUICK = Settings([2.0], 6, (8, 32), (100, 200), (4, 8), 0.2, 0.1, 4)
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     """Options of ``tandem bench serve``; unset ones take FULL's (or QUICK's) value."""
-    from tandem.bench.serve_load import APIS
+    from tandem.bench.serving.load import APIS
 
     a = parser.add_argument
     a("--server", default=None, metavar="HOST:PORT",
@@ -133,7 +133,7 @@ class Bench:
     """One run: the workload (built once, the same for every mode) and the results so far."""
 
     def __init__(self, args: argparse.Namespace, settings: Settings) -> None:
-        from tandem.bench.serve_load import Mix, parse_goodput
+        from tandem.bench.serving.load import Mix, parse_goodput
 
         self.args, self.settings = args, settings
         self.slo = parse_goodput(args.goodput)
@@ -148,7 +148,7 @@ class Bench:
         """With --api openai, the model every body names (the server's, from GET /v1/models)."""
 
     def build_workload(self, pool) -> None:
-        from tandem.bench.serve_load import make_requests
+        from tandem.bench.serving.load import make_requests
 
         if self.workloads is None:
             self.pool = pool
@@ -159,7 +159,7 @@ class Bench:
     async def warm_up(self, target: str, mode: str, num_workers: int = 1) -> None:
         """Untimed requests, a short and a long prompt per worker at once, so that first-call
         costs stay out of the figures."""
-        from tandem.bench.serve_load import make_requests, run_load
+        from tandem.bench.serving.load import make_requests, run_load
 
         mix = replace(self.mix, output_len=(4, 4), long_fraction=0.5)
         warm = make_requests(2 * num_workers, self.pool, mix, [self.args.seed, SEED_WARM_UP])
@@ -172,7 +172,7 @@ class Bench:
 
     def overhead_prompts(self) -> list[list[int]]:
         """Short prompts of their own (2 per pair, +2 warm-up), so no call hits another's prefix cache."""
-        from tandem.bench.serve_load import Mix, make_requests
+        from tandem.bench.serving.load import Mix, make_requests
 
         n = 2 * self.settings.overhead_requests + 2
         return [r.prompt_token_ids for r in make_requests(n, self.pool, Mix((24, 24), (1, 1), (1, 1), 0.0),
@@ -180,7 +180,7 @@ class Bench:
 
     async def run_rates(self, target: str, mode: str, backend=None) -> None:
         """Every rate in turn, each starting on idle workers when the backend is at hand."""
-        from tandem.bench.serve_load import arrival_offsets, result_dicts, run_load, summarize
+        from tandem.bench.serving.load import arrival_offsets, result_dicts, run_load, summarize
 
         for rate, requests in zip(self.settings.rates, self.workloads):
             if backend is not None:
@@ -197,7 +197,7 @@ class Bench:
             self.runs.append({"mode": mode, "rate": rate, "metrics": metrics, "requests": result_dicts(results)})
 
     def results(self, config: dict) -> dict:
-        from tandem.bench.serve_plots import compare
+        from tandem.bench.serving.plots import compare
 
         s = self.settings
         return {
@@ -232,7 +232,7 @@ async def run_local(bench: Bench, configs: dict) -> None:
     """Each mode in turn: start its cluster and router, warm up, overhead pairs, every rate, stop."""
     from tokenizers import Tokenizer
 
-    from tandem.bench.serve_overhead import router_overhead
+    from tandem.bench.serving.overhead import router_overhead
     from tandem.router.cluster import start_cluster, stop_cluster
     from tandem.router.server import bound_port, drain, serve
 
@@ -264,7 +264,7 @@ async def run_server(bench: Bench) -> None:
     tok = load_tokenizer(resolve_model_source(bench.args.model))
     bench.build_workload(token_pool(tok.backend_tokenizer, len(tok), tok.eos_token))
     if bench.args.api == "openai":
-        from tandem.bench.serve_openai import served_model
+        from tandem.bench.serving.openai_api import served_model
 
         bench.model = await served_model(bench.args.server)
     await bench.warm_up(bench.args.server, "server")
@@ -272,7 +272,7 @@ async def run_server(bench: Bench) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tandem.bench import serve_plots, serve_report
+    from tandem.bench.serving import plots as serve_plots, report as serve_report
 
     settings = settings_from_args(args)
     bench = Bench(args, settings)

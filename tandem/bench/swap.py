@@ -4,7 +4,7 @@ recomputing their N * block_size tokens (a prefill), on the engine's own model r
 Recompute is timed two ways: alone (a prefill step of its own) and as the extra time it
 adds to a step of decodes (how a recomputed sequence actually comes back: beside the
 running batch). The smallest N where swapping is cheaper than the added time is the
-policy's threshold (tandem/preemption.py). Writes results.json to --out-dir.
+policy's threshold (tandem/engine/preemption.py). Writes results.json to --out-dir.
 """
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ from typing import Callable
 import torch
 
 from tandem.config import EngineConfig
-from tandem.kv_swap import KVSwapper
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.scheduler import ScheduledBatch
+from tandem.engine.sequence import Sequence
+from tandem.kvcache.swap_copier import KVSwapper
 from tandem.model.llama import LlamaModel
 from tandem.model.loader import load_model
 from tandem.model.source import resolve_model_source
-from tandem.model_runner import ModelRunner
 from tandem.sampling_params import SamplingParams
-from tandem.scheduler import ScheduledBatch
-from tandem.sequence import Sequence
 
 logger = logging.getLogger(__name__)
 

@@ -22,16 +22,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tandem.bench.transfer_runs import (
+from tandem.bench.transfers.runs import (
     BLOCK_SIZE, TIMEOUT_S, TRANSPORTS, RemoteReceiver, bench_overlap, bench_transfers,
 )
 from tandem.config import EngineConfig, ModelConfig
+from tandem.engine.model_runner import ModelRunner
 from tandem.kvtransfer.payload import DistPayload
 from tandem.kvtransfer.sender import KVSender
 from tandem.model.llama import LayerWeights, LlamaModel, ModelWeights
 from tandem.model.loader import load_hf_config, load_model
 from tandem.model.source import resolve_model_source
-from tandem.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

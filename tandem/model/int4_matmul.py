@@ -3,7 +3,7 @@
 Kernels, measured on this machine's CPU (AMD EPYC, AVX512 with bf16 dot products; torch
 2.13, 2 threads; microseconds, best of 10 x 3 rounds, float32 activations; the float and
 int8 rows from the same run), for M rows of activations. Reproduce with
-``python -m tandem.bench.quant_kernels --rounds 3``:
+``python -m tandem.bench.quantization.kernels --rounds 3``:
 
     one SmolLM2-135M layer (qkv 960x576 + o 576x576 + gate_up 3072x576 + down 576x1536)
     M                                 1      8     16     32     64    128    256

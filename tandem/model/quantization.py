@@ -37,7 +37,7 @@ and the float32 scales multiply the float32 result: ``(x @ q.T) * scale``.
 int4 (tandem/model/int4.py: groups of 32 values with a float16 scale and offset, GGUF Q4_1's
 form) takes torch's int4 kernel ``_weight_int4pack_mm_for_cpu`` up to 160 rows and a bf16
 GEMM on the dequantized weight above: measured in int4_matmul.py, side by side with the rows
-above (python -m tandem.bench.quant_kernels). On CUDA (or TANDEM_ATTENTION_BACKEND=triton),
+above (python -m tandem.bench.quantization.kernels). On CUDA (or TANDEM_ATTENTION_BACKEND=triton),
 decode-sized products (up to TRITON_MAX_TOKENS rows) of both run the Triton GEMV kernels of
 tandem.kernels.ops instead. Under int4 the LM head is int8 (LM_HEAD_METHOD, measured).
 

@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from tandem.kv_swap import KVSwapper
+from tandem.kvcache.swap_copier import KVSwapper
 from tandem.model.llama import LlamaModel
 from tandem.model.loader import LoadedModel
 from tandem.parallel.shard import RankShard, rank_shards, shard_weights

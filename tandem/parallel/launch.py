@@ -6,9 +6,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.config import DTYPES, EngineConfig
+from tandem.engine.model_runner import ModelRunner
 from tandem.model.llama import LlamaModel
 from tandem.model.loader import LoadedModel
-from tandem.model_runner import ModelRunner
 from tandem.parallel.executor import rank_model
 from tandem.parallel.ranks import RankGroup
 from tandem.parallel.runner import TensorParallelRunner

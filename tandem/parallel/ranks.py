@@ -16,9 +16,9 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tandem.config import DTYPES, EngineConfig
+from tandem.engine.model_runner import ModelRunner
 from tandem.model.loader import load_model, quantized
 from tandem.model.source import resolve_model_source
-from tandem.model_runner import ModelRunner
 from tandem.parallel.executor import RankExecutor, rank_model
 from tandem.parallel.step_message import StepMessage, StepOp, broadcast_step, receive_step
 

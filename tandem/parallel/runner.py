@@ -8,14 +8,14 @@ import numpy as np
 import torch
 
 from tandem.config import EngineConfig
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.scheduler import ScheduledBatch
 from tandem.kvtransfer.payload import TORCH_DTYPES
 from tandem.kvtransfer.protocol import KVLayout
 from tandem.model.llama import LlamaModel
-from tandem.model_runner import ModelRunner
 from tandem.parallel.executor import RankExecutor
 from tandem.parallel.kv_writes import PendingKVWrites
 from tandem.parallel.step_message import ForwardInputs, StepMessage, StepOp, broadcast_step
-from tandem.scheduler import ScheduledBatch
 
 DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from tandem.bench import serve as bench_serve
-from tandem.bench import serve_plots
-from tandem.bench.serve_load import (
+from tandem.bench.serving import plots as serve_plots
+from tandem.bench.serving.load import (
     Mix, RequestResult, arrival_offsets, make_requests, meets_slo, parse_goodput, summarize,
 )
 from tandem.bench.workload import allowed_token_ids

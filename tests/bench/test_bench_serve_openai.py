@@ -16,8 +16,8 @@ import pytest
 from aiohttp import web
 
 from tandem.bench import serve as bench_serve
-from tandem.bench import serve_openai
-from tandem.bench.serve_load import Request, RequestResult, greedy_request, run_load, summarize
+from tandem.bench.serving import openai_api as serve_openai
+from tandem.bench.serving.load import Request, RequestResult, greedy_request, run_load, summarize
 from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc
 

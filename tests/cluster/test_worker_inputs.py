@@ -14,7 +14,7 @@ from fault_calls import greedy, request
 from reference import english_token_ids
 from tandem.kvtransfer.protocol import Destination
 from tandem.sampling_params import SamplingParams
-from tandem.worker_api import PrefillResult, WorkerRequest
+from tandem.worker.api import PrefillResult, WorkerRequest
 from worker_checks import assert_workers_empty
 
 pytestmark = pytest.mark.slow

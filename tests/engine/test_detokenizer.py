@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tandem.detokenizer import IncrementalDetokenizer, TextDelta
+from tandem.engine.detokenizer import IncrementalDetokenizer, TextDelta
 from tandem.model.source import load_tokenizer, resolve_model_source
 
 TEXTS = [

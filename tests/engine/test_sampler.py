@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tandem.sampler import Sampler, SamplerOutput
+from tandem.engine.sampler import Sampler, SamplerOutput
 from tandem.sampling_params import SamplingParams
 
 VOCAB = 64

@@ -10,12 +10,12 @@ from collections import defaultdict
 
 import pytest
 
-from tandem.block_manager import BlockManager
 from tandem.config import EngineConfig, ModelConfig
-from tandem.sampler import StepOutput
+from tandem.engine.sampler import StepOutput
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.sequence import Sequence, SequenceStatus as St
+from tandem.kvcache.block_manager import BlockManager
 from tandem.sampling_params import SamplingParams
-from tandem.scheduler import Scheduler
-from tandem.sequence import Sequence, SequenceStatus as St
 
 EOS = 2
 MODEL = ModelConfig(

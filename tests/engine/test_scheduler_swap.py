@@ -7,9 +7,9 @@ the random-workload property test, and end to end in test_generate_matches_trans
 from __future__ import annotations
 
 from test_scheduler import _add, _all_free, _sched
-from tandem.sampler import StepOutput
-from tandem.scheduler import Scheduler
-from tandem.sequence import SequenceStatus as St
+from tandem.engine.sampler import StepOutput
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.sequence import SequenceStatus as St
 
 
 def _step(sched: Scheduler, token: int | dict[str, int] = 7):

@@ -9,16 +9,16 @@ import threading
 import pytest
 import torch
 
-from tandem.block_manager import BlockManager
 from tandem.config import EngineConfig
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.scheduler import ScheduledBatch
+from tandem.engine.sequence import Sequence
+from tandem.kvcache.block_manager import BlockManager
 from tandem.model.llama import LlamaModel
 from tandem.model.loader import weights_from_hf_model
 from tandem.model.quantization import quantize_weights
-from tandem.model_runner import ModelRunner
 from tandem.parallel.shard import even_split, rank_shards, shard_weights
 from tandem.sampling_params import SamplingParams
-from tandem.scheduler import ScheduledBatch
-from tandem.sequence import Sequence
 
 
 def ranges(config, tp: int) -> list[tuple[int, int, int, int, int, int]]:

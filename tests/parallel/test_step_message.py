@@ -9,11 +9,11 @@ import torch
 import torch.distributed as dist
 
 from step_peer import receive_all
-from tandem.model_runner import ModelRunner
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.scheduler import ScheduledBatch
+from tandem.engine.sequence import Sequence
 from tandem.parallel.step_message import ForwardInputs, KVWrites, StepMessage, StepOp, broadcast_step
-from tandem.scheduler import ScheduledBatch
 from tandem.sampling_params import SamplingParams
-from tandem.sequence import Sequence
 
 
 def mixed_batch(block_size: int = 4) -> ScheduledBatch:

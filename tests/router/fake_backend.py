@@ -20,7 +20,7 @@ from tandem.router.metrics import RouterMetrics
 from tandem.router.tokenizer import RouterTokenizer
 from tandem.router.worker_metrics import WorkerMetricsReport
 from tandem.sampling_params import SamplingParams
-from tandem.worker_api import StreamDelta, TokenizerSpec, WorkerLoad
+from tandem.worker.api import StreamDelta, TokenizerSpec, WorkerLoad
 
 REPLY = "The capital of France is Paris. It is known for the Eiffel Tower."
 

@@ -15,7 +15,7 @@ from openai_harness import MODEL, openai_serving
 from router_harness import MAX_MODEL_LEN
 from tandem.router.backend import NoHealthyWorker, Overloaded
 from tandem.router.limits import RequestLimits
-from tandem.worker_api import PoolFull
+from tandem.worker.api import PoolFull
 
 MESSAGES = [{"role": "user", "content": "Hi"}]
 

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 
-from tandem.block_hash import prefix_hashes
-from tandem.block_manager import BlockManager
+from tandem.engine.sequence import Sequence
+from tandem.kvcache.block_hash import prefix_hashes
+from tandem.kvcache.block_manager import BlockManager
 from tandem.router.policy import Router, WorkerState
 from tandem.sampling_params import SamplingParams
-from tandem.sequence import Sequence
-from tandem.worker_api import Role, WorkerLoad
+from tandem.worker.api import Role, WorkerLoad
 
 PROMPT = list(range(1000, 1100))  # 100 tokens: 6 full blocks of 16
 

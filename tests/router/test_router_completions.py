@@ -23,7 +23,7 @@ from tandem.router.buffered import merged_by_index
 from tandem.router.limits import RequestLimits, limits_from_args
 from tandem.router.validation import validate_request
 from tandem.sampling_params import SamplingParams
-from tandem.worker_api import StreamDelta
+from tandem.worker.api import StreamDelta
 from test_cli_generate import run_cli
 from test_server_metrics import scrape
 from test_validation import request

@@ -14,7 +14,7 @@ from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc
 from tandem.router.backend import NoHealthyWorker, Overloaded
 from tandem.sampling_params import SamplingParams
-from tandem.worker_api import PoolFull
+from tandem.worker.api import PoolFull
 
 
 async def collect(stub: pb_grpc.GenerationStub, req: pb.GenerateRequest, **kwargs) -> list[pb.GenerateResponse]:

@@ -9,11 +9,11 @@ import asyncio
 import pytest
 from ray.exceptions import RayActorError, RayTaskError
 
-from tandem.router.policy import RETRY_BASE_S, RETRY_MAX_S, STABLE_S, WorkerState
 from tandem.router import ray_backend
+from tandem.router.policy import RETRY_BASE_S, RETRY_MAX_S, STABLE_S, WorkerState
 from tandem.router.ray_backend import RayBackend
 from tandem.sampling_params import SamplingParams
-from tandem.worker_api import Role, WorkerLoad
+from tandem.worker.api import Role, WorkerLoad
 
 LOAD = WorkerLoad(role=Role.DECODE, instance="d-0", num_blocks=10, num_free_blocks=10, num_running=0, num_waiting=0,
                   num_queued_tokens=0)

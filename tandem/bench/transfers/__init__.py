@@ -1,0 +1,1 @@
+"""Helpers of `tandem bench transfer`: one measured run per transport."""

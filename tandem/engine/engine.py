@@ -1,0 +1,224 @@
+"""The engine core both pools run: admission, the step loop, abort."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+from typing import Callable
+
+import numpy as np
+
+from tandem.config import EngineConfig
+from tandem.decoding import beam_search
+from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.observer import EngineObserver
+from tandem.engine.scheduler import ScheduledBatch, Scheduler
+from tandem.engine.sequence import Sequence, SequenceStatus, SequenceUpdate
+from tandem.engine.sequence_group import SequenceGroup
+from tandem.kvcache.block_manager import BlockManager
+from tandem.kvcache.capacity import KVCapacity
+from tandem.model.llama import LlamaModel
+from tandem.outputs import FirstSample, RequestDelta
+from tandem.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """One model over one paged KV pool, stepped by the caller.
+
+    ``step()`` schedules, runs the model and moves every scheduled request forward.
+    """
+
+    def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer=None,
+                 observer: EngineObserver | None = None, runner: ModelRunner | None = None) -> None:
+        """runner: runs ``model`` (default: a ModelRunner over it; a tensor-parallel one is given)."""
+        self.config = config
+        self.tokenizer = tokenizer
+        self.observer = observer
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager)
+        self.runner = runner if runner is not None else ModelRunner(config, model)
+        self.sequences: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
+        logger.info("KV pool: %s", KVCapacity.of_engine_config(config).describe())
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        """Queue a request; raises ValueError at once when it could never run."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        self.scheduler.add(seq)
+        return seq
+
+    def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int] | None:
+        """Hold blocks for a prompt whose KV another worker computes. -> their ids, or None
+        when the pool cannot hold it now. The leading blocks may be this pool's own cached
+        prefix (shared, their KV already here): the sequence's num_cached_prompt_tokens
+        counts their tokens, and only the rest must arrive. The request waits outside the
+        scheduler until :meth:`start_prefilled`."""
+        self.check_prompt(prompt_token_ids)  # before the room check: a prompt that never fits is a ValueError
+        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        cached_block_ids = self.block_manager.find_cached_prefix(seq)
+        num_cached_tokens = len(cached_block_ids) * self.block_manager.block_size
+        # Room for the prompt and the first decode step, beyond what running sequences hold.
+        if not self.block_manager.can_allocate(seq, len(prompt_token_ids) - num_cached_tokens + 1, cached_block_ids):
+            del self.sequences[request_id]
+            return None
+        self.block_manager.allocate(seq, len(prompt_token_ids) - num_cached_tokens, cached_block_ids)
+        seq.num_cached_prompt_tokens = num_cached_tokens
+        return list(seq.block_ids)
+
+    def start_prefilled(self, request_id: str, sample: FirstSample) -> list[RequestDelta]:
+        """The prompt KV of a reserved request has arrived and its first sample was drawn
+        elsewhere: it joins the running batch (unless that sample already ends it)."""
+        seq = self.sequences[request_id]
+        seq.num_computed_tokens = len(seq.prompt_token_ids)
+        self.block_manager.cache_full_blocks(seq)
+        for target, state in zip(self._first_sample_targets(seq), sample.generator_states):
+            if target.generator is not None and state is not None:
+                target.generator.set_state(state)
+        self.scheduler.add_running(seq)
+        outputs = ([(sample.token_ids, sample.logprobs)] if seq.params.use_beam_search
+                   else [([t], [lp]) for t, lp in zip(sample.token_ids, sample.logprobs)])
+        return self._deltas(self.scheduler.advance(seq, outputs))
+
+    @staticmethod
+    def first_sample(seq: Sequence) -> FirstSample | None:
+        """What the prompt's first sample drew for ``seq``'s request (for a decode worker's
+        start_prefilled), or None before it has. Call right after the step that drew it:
+        the generators' states are read now."""
+        if seq.params.use_beam_search:
+            candidates = seq.group.first_candidates
+            return None if candidates is None else FirstSample(*candidates, [])
+        if not seq.output_token_ids:
+            return None
+        targets = LLMEngine._first_sample_targets(seq)
+        return FirstSample([s.output_token_ids[0] for s in targets], [s.output_logprobs[0] for s in targets],
+                           [None if s.generator is None else s.generator.get_state() for s in targets])
+
+    @staticmethod
+    def _first_sample_targets(seq: Sequence) -> list[Sequence]:
+        """The sequences a prompt's first sample draws for (FirstSample's order)."""
+        if seq.group is None or seq.params.use_beam_search:
+            return [seq]
+        return seq.group.completions
+
+    def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        if request_id in self.sequences:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.check_prompt(prompt_token_ids)
+        new_detokenizer = functools.partial(self._new_detokenizer, params)
+        arrival_index = next(self._arrivals)
+        seq = Sequence(request_id, prompt_token_ids, params, arrival_index, new_detokenizer())
+        if params.use_beam_search:
+            num_candidates = beam_search.num_candidates(params.beam_width, len(self.config.model.eos_token_ids))
+            SequenceGroup(seq, [], beam_search.BeamSearch(params.beam_width, params.length_penalty, num_candidates),
+                          new_detokenizer)
+        elif params.n > 1:
+            forks = [Sequence(request_id, prompt_token_ids, params, arrival_index, new_detokenizer(), i)
+                     for i in range(1, params.n)]
+            SequenceGroup(seq, forks, None, new_detokenizer)
+        self.sequences[request_id] = seq
+        return seq
+
+    def _new_detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
+        return None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, params.stop)
+
+    def check_prompt(self, prompt_token_ids: list[int]) -> None:
+        """Raise ValueError if this prompt could never run on this engine."""
+        cfg = self.config
+        num_tokens = len(prompt_token_ids)
+        if num_tokens == 0:
+            raise ValueError("prompt is empty: it must have at least one token")
+        vocab = cfg.model.vocab_size
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab}), got {bad[:5]}")
+        # One more slot for the first generated token.
+        num_blocks = -(-(num_tokens + 1) // cfg.block_size)
+        if num_blocks > cfg.num_kv_blocks:
+            raise ValueError(
+                f"prompt of {num_tokens} tokens could never fit in the KV pool: it needs "
+                f"{num_blocks} blocks of {cfg.block_size} tokens and the pool has {cfg.num_kv_blocks}"
+            )
+        if num_tokens >= cfg.max_model_len:
+            raise ValueError(
+                f"prompt of {num_tokens} tokens is too long: max_model_len is {cfg.max_model_len} "
+                "(prompt and output together)"
+            )
+
+    def abort_request(self, request_id: str) -> RequestDelta | None:
+        """End a request wherever it is. -> its last delta (finish_reason ABORT), or None
+        when it is not here."""
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            seq = self.sequences.get(request_id)
+            if seq is None:
+                return None
+            # Reserved for a prefill elsewhere, not yet started.
+            self.block_manager.free(seq)
+            seq.status = SequenceStatus.FINISHED_ABORTED
+        self._remove(seq)
+        return self._delta(seq, [], "", [], num_unfinished=0)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self, layer_hook: Callable[[ScheduledBatch, int], None] | None = None,
+             send_plan: Callable[[ScheduledBatch], np.ndarray] | None = None) -> list[RequestDelta]:
+        """layer_hook(batch, layer) runs as each layer's KV is stored (see LlamaModel.forward);
+        send_plan(batch): the cache slots whose KV it sends (see ModelRunner.run)."""
+        batch = self.scheduler.schedule()
+        self.runner.swap(batch)  # even with no sequence to run: the swap-outs must not wait
+        if batch.is_empty:
+            return []
+        if self.observer is not None:
+            self.observer.on_step(batch)
+        sampled = self.runner.run(batch, None if layer_hook is None else functools.partial(layer_hook, batch),
+                                  None if send_plan is None else send_plan(batch))
+        return self._deltas(self.scheduler.update(batch, sampled))
+
+    def _deltas(self, updates: list[SequenceUpdate]) -> list[RequestDelta]:
+        deltas = []
+        for u in updates:
+            delta = self._delta(u.seq, u.new_token_ids, u.new_text, u.new_logprobs, self._count_open(u.seq))
+            deltas.append(delta)
+            # A speculative step may add the first token and more after it.
+            if self.observer is not None and u.seq.index == 0 and u.seq.num_output_tokens == len(u.new_token_ids):
+                self.observer.on_first_token(u.seq)
+            if delta.request_finished:
+                self._remove(u.seq)
+        return deltas
+
+    def _remove(self, seq: Sequence) -> None:
+        """A finished sequence leaves the engine (its blocks are already freed, or kept)."""
+        del self.sequences[seq.request_id]
+        if self.observer is not None:
+            self.observer.on_finished(seq)
+
+    @staticmethod
+    def _count_open(seq: Sequence) -> int:
+        """-> the completions of ``seq``'s request still going, counting this update of
+        ``seq`` as gone out (each completion's last update comes once)."""
+        if seq.group is None:
+            return 0 if seq.status.is_finished else 1
+        seq.group.num_open -= seq.status.is_finished
+        return seq.group.num_open
+
+    def _delta(self, seq: Sequence, token_ids: list[int], text: str, logprobs: list[float],
+               num_unfinished: int) -> RequestDelta:
+        group = seq.group
+        return RequestDelta(
+            request_id=seq.request_id,
+            new_token_ids=token_ids,
+            new_text=text,
+            new_logprobs=logprobs if seq.params.logprobs else None,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_output_tokens=seq.num_output_tokens if group is None else group.num_output_tokens,
+            num_cached_tokens=seq.num_cached_prompt_tokens,
+            index=seq.index,
+            num_unfinished=num_unfinished,
+        )

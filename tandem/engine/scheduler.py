@@ -1,0 +1,294 @@
+"""Continuous batching: which sequences run this step, and how many tokens each.
+
+Policy only (FCFS, token budget, preemption by swap or recompute); the block manager and
+the swap pool keep the books, the model runner copies swapped blocks.
+:meth:`Scheduler.update` is the one place where a sequence's state moves forward.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from tandem.config import EngineConfig
+from tandem.decoding.beam_stepper import BeamStepper
+from tandem.decoding.speculation import Speculator
+from tandem.engine.sampler import StepOutput
+from tandem.engine.scheduler_preemption import PreemptionMixin
+from tandem.engine.sequence import Sequence, SequenceStatus, SequenceUpdate
+from tandem.kvcache.block_manager import BlockManager
+from tandem.kvcache.swap_pool import SwapPool
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """One step's work: ``num_new_tokens[i]`` tokens of ``seqs[i]``, from its first
+    uncomputed token on, then its ``draft_token_ids[i]`` (a speculative decode: the drafts
+    count in ``num_new_tokens[i]``). Single-token entries (decodes) come first.
+
+    Before the step's forward, the runner copies ``swap_out``, then ``copies``, then
+    ``swap_in``: the device blocks a swapped-out sequence gave up may be written by this
+    very step (see ModelRunner.swap).
+    """
+
+    seqs: list[Sequence]
+    num_new_tokens: list[int]
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    """(device block id, host block id) pairs to copy device -> host."""
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    """(host block id, device block id) pairs to copy host -> device."""
+    draft_token_ids: list[list[int]] = field(default_factory=list)
+    """Per entry (or empty: no entry has drafts)."""
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    """(source, destination) device block pairs to copy first: shared blocks an entry
+    writes (copy-on-write)."""
+
+    def num_drafts(self, i: int) -> int:
+        return len(self.draft_token_ids[i]) if self.draft_token_ids else 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    @property
+    def is_empty(self) -> bool:
+        """No sequence runs (there may still be blocks to swap)."""
+        return not self.seqs
+
+    def samples(self, i: int) -> bool:
+        """Whether entry i reaches the end of its tokens, so a new token is sampled."""
+        seq = self.seqs[i]
+        return seq.num_computed_tokens + self.num_new_tokens[i] - self.num_drafts(i) == seq.num_tokens
+
+    def sample_targets(self, i: int) -> list[Sequence]:
+        """The sequences that sample from entry i's logits: none (a prefill chunk), the
+        entry's own, or also its dormant forks (a root's first sample, n > 1)."""
+        if not self.samples(i):
+            return []
+        seq = self.seqs[i]
+        return [seq, *seq.group.forks] if seq.group is not None and seq is seq.group.root else [seq]
+
+
+class Scheduler(PreemptionMixin):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.swapped: deque[Sequence] = deque()
+        """Swapped-out sequences, oldest first."""
+        self.swap_pool = SwapPool(config.num_swap_blocks, config.num_kv_blocks)
+        self.num_preemptions = 0
+        self.num_swapped_out_blocks = 0
+        self.num_swapped_in_blocks = 0
+        self.speculator = Speculator(config, block_manager)
+        self.beam_stepper = BeamStepper(self)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def schedule(self) -> ScheduledBatch:
+        bm = self.block_manager
+        budget = self.config.max_num_batched_tokens
+        entries: list[tuple[Sequence, int]] = []
+        draft_token_ids: dict[int, list[int]] = {}
+        swap_out: list[tuple[int, int]] = []
+        swap_in: list[tuple[int, int]] = []
+        copies: list[tuple[int, int]] = []
+        preempted = False
+
+        # Running sequences first, oldest first; the newest unscheduled one gives way when
+        # blocks run out. NOTE: decodes before prefill chunks, so that a flood of long prompts
+        # never starves a running decode (each needs one token of the budget).
+        self.running.sort(key=lambda s: s.arrival_index)
+        decodes_first = sorted(self.running, key=lambda s: s.num_uncomputed_tokens != 1)
+        scheduled: set[int] = set()
+        for seq in decodes_first:
+            if budget <= 0:
+                break
+            if seq.status != SequenceStatus.RUNNING or seq.num_uncomputed_tokens == 0:
+                continue  # preempted for an earlier one, or a beam waiting for the others
+            drafts = self.speculator.propose(seq, budget)
+            n = min(seq.num_uncomputed_tokens, budget) + len(drafts)
+            while not bm.can_allocate(seq, n):
+                victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
+                self.running.remove(victim)
+                swap_out += self._preempt(victim)
+                preempted = True
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                break
+            copies += bm.allocate(seq, n)
+            entries.append((seq, n))
+            draft_token_ids[id(seq)] = drafts
+            scheduled.add(id(seq))
+            budget -= n
+
+        # Then swapped sequences, oldest first, unless we just preempted. NOTE: host blocks
+        # freed here are only taken again by a later step's swap-out, whose copies run later.
+        while self.swapped and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
+            seq = self.swapped[0]
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.can_swap_in(seq, n):
+                break
+            self.swapped.popleft()
+            swap_in += self.swap_in(seq, n)
+            self.running.append(seq)
+            entries.append((seq, n))
+            budget -= n
+
+        # Then new (or recompute-preempted) sequences in arrival order, once no swapped one
+        # waits to resume, unless we just preempted.
+        while (self.waiting and not self.swapped and budget > 0 and not preempted
+               and len(self.running) < self.config.max_num_seqs):
+            seq = self.waiting[0]
+            cached_block_ids = bm.find_cached_prefix(seq)
+            remaining = seq.num_tokens - len(cached_block_ids) * bm.block_size
+            n = min(remaining, budget)
+            if n < remaining and not self.config.enable_chunked_prefill:
+                break
+            if not bm.can_allocate(seq, n, cached_block_ids):
+                break
+            self.waiting.popleft()
+            bm.allocate(seq, n, cached_block_ids)
+            if seq.num_preemptions == 0:
+                seq.num_cached_prompt_tokens = seq.num_computed_tokens
+                seq.first_scheduled_time = time.monotonic()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            entries.append((seq, n))
+            budget -= n
+
+        entries.sort(key=lambda e: e[1] != 1)  # stable: decodes first, then prefill chunks
+        return ScheduledBatch([s for s, _ in entries], [n for _, n in entries], swap_out, swap_in,
+                              [draft_token_ids.get(id(s), []) for s, _ in entries], copies)
+
+    def update(self, batch: ScheduledBatch, sampled: StepOutput) -> list[SequenceUpdate]:
+        """Advance every scheduled sequence past the step that just ran."""
+        updates: list[SequenceUpdate] = []
+        num_sampled = 0
+        for i, seq in enumerate(batch.seqs):
+            num_targets = len(batch.sample_targets(i))
+            outputs = list(zip(sampled.token_ids[num_sampled:num_sampled + num_targets],
+                               sampled.logprobs[num_sampled:num_sampled + num_targets]))
+            num_sampled += num_targets
+            if seq.status.is_finished:  # aborted while its step ran: nothing to advance
+                continue
+            # NOTE: drafts count as computed only once accepted (append_tokens).
+            seq.num_computed_tokens += batch.num_new_tokens[i] - batch.num_drafts(i)
+            self.block_manager.cache_full_blocks(seq)
+            if outputs:  # else a prefill chunk short of the prompt's end
+                updates += self.advance(seq, outputs, batch.num_drafts(i))
+        return updates
+
+    def advance(self, seq: Sequence, outputs: list[tuple[list[int], list[float]]],
+                num_drafts: int = 0) -> list[SequenceUpdate]:
+        """Move ``seq``, computed up to its last token, past what was sampled from its
+        logits: per sample target (see ScheduledBatch.sample_targets), its tokens and
+        log-probabilities, or with beam search its top candidates."""
+        group = seq.group
+        if group is not None and group.beam is not None:
+            return self.beam_stepper.advance(seq, outputs[0])
+        forks = group.take_forks() if group is not None and seq is group.root else []
+        for fork in forks:
+            self.fork(seq, fork)
+        return [self.append_tokens(s, token_ids, logprobs, num_drafts)
+                for s, (token_ids, logprobs) in zip([seq, *forks], outputs)]
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Run ``child`` from where ``parent`` is, on its blocks (copy-on-write)."""
+        child.take_progress(parent)
+        self.block_manager.fork(parent, child)
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+
+    def retire(self, seq: Sequence) -> None:
+        """Drop a running beam that no continuation extends (its blocks, unless kept)."""
+        self.running.remove(seq)
+        if not seq.keep_blocks:
+            self.block_manager.free(seq)
+        seq.status = SequenceStatus.FINISHED_ABORTED
+
+    def append_tokens(self, seq: Sequence, token_ids: list[int], logprobs: list[float],
+                      num_drafts: int) -> SequenceUpdate:
+        """Add a step's tokens in order: the accepted drafts (whose KV the step computed),
+        then the target's own token; the tokens after one that ends the sequence are dropped."""
+        parts: list[SequenceUpdate] = []
+        for j, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
+            parts.append(self.append_token(seq, token_id, logprob))
+            if seq.status.is_finished:
+                break
+            if j < len(token_ids) - 1:
+                seq.num_computed_tokens += 1  # an accepted draft: its KV is in the cache
+        if num_drafts:
+            self.speculator.settle(seq, num_drafts, len(token_ids) - 1)
+        return SequenceUpdate(seq, [t for u in parts for t in u.new_token_ids], "".join(u.new_text for u in parts),
+                              [lp for u in parts for lp in u.new_logprobs])
+
+    def append_token(self, seq: Sequence, token_id: int, logprob: float) -> SequenceUpdate:
+        """Add a sampled token to a sequence whose KV is computed up to it; stop if it ends."""
+        status = self.end_of(seq, token_id)
+        seq.token_ids.append(token_id)
+        seq.output_logprobs.append(logprob)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        new_text = ""
+        if seq.detokenizer is not None:
+            delta = seq.detokenizer.append(token_id)
+            new_text = delta.text
+            if delta.stopped:
+                status = SequenceStatus.FINISHED_STOPPED
+            elif status is not None:
+                new_text += seq.detokenizer.flush()
+        if status is not None:
+            self._finish(seq, status)
+        return SequenceUpdate(seq, [token_id], new_text, [logprob])
+
+    def add_running(self, seq: Sequence) -> None:
+        """Join a sequence whose prompt KV is already in its blocks (sent by a prefill worker)."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Drop a request wherever its sequences are; their blocks return to the pool.
+        -> the first of them found, or None."""
+        found = [s for s in (*self.waiting, *self.running, *self.swapped) if s.request_id == request_id]
+        for seq in found:
+            self._finish(seq, SequenceStatus.FINISHED_ABORTED)
+        if not found:
+            return None
+        group = found[0].group
+        if group is not None:
+            for seq in group.take_forks():
+                seq.status = SequenceStatus.FINISHED_ABORTED
+        return found[0]
+
+    def end_of(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
+        """Why appending ``token_id`` to ``seq`` ends it (stop strings aside), or None."""
+        params = seq.params
+        if not params.ignore_eos and token_id in self.config.model.eos_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            return SequenceStatus.FINISHED_STOPPED
+        if seq.num_output_tokens + 1 >= params.max_tokens or seq.num_tokens + 1 >= self.config.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        if seq.status == SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status == SequenceStatus.WAITING and seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq.status == SequenceStatus.SWAPPED:
+            self.swapped.remove(seq)
+            self.swap_pool.free(seq.host_block_ids)
+            seq.host_block_ids = []
+        if not seq.keep_blocks:
+            self.block_manager.free(seq)
+        seq.status = status

@@ -1,0 +1,150 @@
+"""One request's state inside an engine. Only the scheduler moves it forward."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from enum import Enum, IntEnum
+from typing import TYPE_CHECKING
+
+import torch
+
+from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.engine.sequence_group import SequenceGroup
+
+
+class SequenceStatus(IntEnum):
+    """Ordered: every status from FINISHED_STOPPED on is final."""
+
+    WAITING = 0
+    RUNNING = 1
+    SWAPPED = 2
+    """Preempted with its KV in host blocks: resumes (before any waiting one) where it stopped."""
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= SequenceStatus.FINISHED_STOPPED
+
+
+class FinishReason(str, Enum):
+    """Why a request ended, as clients see it (OpenAI's and vLLM's words)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: FinishReason.STOP,
+    SequenceStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    SequenceStatus.FINISHED_ABORTED: FinishReason.ABORT,
+}
+
+
+class Sequence:
+    """Tokens, KV blocks and progress of one request.
+
+    ``num_computed_tokens`` counts the tokens whose KV is in the cache; the tokens from
+    there to ``num_tokens`` are still to be run through the model (the prompt, a chunk
+    of it, or the last sampled token).
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_index: int,
+        detokenizer: IncrementalDetokenizer | None = None,
+        index: int = 0,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.arrival_index = arrival_index
+        self.detokenizer = detokenizer
+        self.index = index
+        """Which of its request's completions this is (0 .. n-1; see SamplingParams.n)."""
+        self.group: SequenceGroup | None = None
+        """The request's other sequences, when it has several (n > 1, beam search)."""
+        self.status = SequenceStatus.WAITING
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.output_logprobs: list[float] = []
+        self.num_computed_tokens = 0
+        self.num_cached_prompt_tokens = 0
+        """Prompt tokens found in the prefix cache at first admission."""
+        self.num_preemptions = 0
+        # Timestamps (time.monotonic) for the metrics: set once each, by the scheduler.
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.block_ids: list[int] = []
+        """The block table: block i holds tokens [i * block_size, (i + 1) * block_size)."""
+        self.block_hashes: list[bytes] = []
+        """Chained hashes of this sequence's full, computed blocks, in order."""
+        self.host_block_ids: list[int] = []
+        """While SWAPPED: the host blocks holding its computed KV, in block-table order."""
+        self.keep_blocks = False
+        """When set, finishing leaves the blocks with the sequence and its owner frees them
+        (a prefill worker, once the KV it sends from them has arrived)."""
+        self.generator: torch.Generator | None = None
+        seed = params.completion_seed(index)
+        if seed is not None:
+            self.generator = torch.Generator().manual_seed(seed)
+
+    def take_progress(self, parent: Sequence) -> None:
+        """Start from where ``parent`` is (a fork): its tokens and timestamps; the blocks are
+        the block manager's (BlockManager.fork)."""
+        self.token_ids = list(parent.token_ids)
+        self.output_logprobs = list(parent.output_logprobs)
+        self.num_computed_tokens = parent.num_computed_tokens
+        self.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
+        self.arrival_time = parent.arrival_time
+        self.first_scheduled_time = parent.first_scheduled_time
+        self.first_token_time = parent.first_token_time
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return FINISH_REASONS.get(self.status)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_ids})"
+        )
+
+
+@dataclass(frozen=True)
+class SequenceUpdate:
+    """What one step added to a sequence: a token (or several, with speculation), its text, maybe the end."""
+
+    seq: Sequence
+    new_token_ids: list[int]
+    new_text: str
+    new_logprobs: list[float]

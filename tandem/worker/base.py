@@ -1,0 +1,112 @@
+"""What every worker (prefill, decode, colocated) shares: its model, engine, loop and load."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+
+from tandem.config import DTYPES, EngineConfig
+from tandem.engine.engine import LLMEngine
+from tandem.model.fingerprint import model_fingerprint
+from tandem.model.loader import LoadedModel, load_model, quantized
+from tandem.model.source import resolve_model_source
+from tandem.parallel.launch import start_engine_model
+from tandem.worker.api import Role, TokenizerSpec, WorkerInventory, WorkerLoad
+from tandem.worker.engine_loop import EngineLoop
+from tandem.worker.metrics import WorkerMetrics
+from tandem.worker.tokenizer_spec import tokenizer_spec_from
+
+logger = logging.getLogger(__name__)
+
+
+class Worker:
+    """An engine over one KV pool, stepped by an EngineLoop. Subclasses add their phase."""
+
+    role: Role
+
+    def __init__(self, instance: str, model: str | None = None, dtype: str = "float32",
+                 num_threads: int | None = None, loaded: LoadedModel | None = None,
+                 placement_group: Any = None, **engine_args: Any) -> None:
+        """loaded: weights already in this process (tests); otherwise `model` is loaded here
+        (and by the other ranks with tensor_parallel_size > 1, which `placement_group`, a Ray
+        placement group with a bundle per rank, places; see parallel.ranks.RankGroup)."""
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)  # pinned: workers sharing a host do not fight
+        self.instance = instance
+        source = resolve_model_source(model)
+        if loaded is None:
+            loaded = load_model(source, DTYPES[dtype])
+        config = EngineConfig.build(loaded.config, dtype=dtype, **engine_args)
+        loaded = quantized(loaded, config.quantization, source)
+        self.fingerprint = model_fingerprint(loaded)
+        """The weights' identity, which KV transfer peers must share (the whole model's, on any tp)."""
+        started = start_engine_model(loaded, config, model, num_threads, placement_group)
+        self.ranks = started.ranks
+        if started.ranks is not None:  # keep rank 0's part only: the whole model's weights go
+            loaded = LoadedModel(loaded.config, started.model.weights, loaded.tokenizer)
+        self.loaded = loaded
+        tokenizer = loaded.tokenizer if self.role is not Role.PREFILL else None  # prefill emits no text
+        self.engine = LLMEngine(config, started.model, tokenizer, runner=started.runner)
+        self.metrics = WorkerMetrics(self.role, instance, loaded.config.name, self.engine)
+        self.engine.observer = self.metrics
+        self.loop = self._start_loop()
+        logger.info("%s worker %s ready (pid %d, %d torch threads)", self.role.value, instance, os.getpid(),
+                    torch.get_num_threads())
+
+    def _start_loop(self) -> EngineLoop:
+        return EngineLoop(self.engine)
+
+    def is_ready(self) -> bool:
+        return True
+
+    def tokenizer_spec(self) -> TokenizerSpec:
+        return tokenizer_spec_from(self.loaded.tokenizer, self.loaded.config.name, self.loaded.config.vocab_size,
+                                   self.engine.config.max_model_len)
+
+    async def load(self) -> WorkerLoad:
+        return await self.loop.call(self._load)
+
+    def heartbeat(self) -> float:
+        """Seconds since the engine loop last went round (answered at once, off the loop)."""
+        return self.loop.seconds_since_iteration()
+
+    async def metrics_text(self) -> str:
+        """This worker's metrics in Prometheus' text format (read between engine steps)."""
+        return await self.loop.call(lambda engine: self.metrics.render())
+
+    async def inventory(self) -> WorkerInventory:
+        """What this worker holds for requests (tests: every exit path leaves it empty)."""
+        return await self.loop.call(self._inventory)
+
+    def _inventory(self, engine: LLMEngine) -> WorkerInventory:
+        sched, bm = engine.scheduler, engine.block_manager
+        return WorkerInventory(
+            role=self.role, instance=self.instance, num_waiting=len(sched.waiting), num_running=len(sched.running),
+            num_sequences=len(engine.sequences), num_open_streams=len(self.loop._streams),
+            num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
+            num_referenced_blocks=sum(1 for c in bm.ref_counts if c != 0),
+            num_swapped_blocks=sched.swap_pool.num_used_blocks,
+            **self._held(engine),
+        )
+
+    def _held(self, engine: LLMEngine) -> dict[str, int]:
+        """The role's own WorkerInventory fields (on the loop thread)."""
+        return {}
+
+    def _load(self, engine: LLMEngine) -> WorkerLoad:
+        sched = engine.scheduler
+        return WorkerLoad(
+            role=self.role, instance=self.instance, num_blocks=engine.block_manager.num_blocks,
+            num_free_blocks=engine.block_manager.num_free_blocks, num_running=len(sched.running),
+            num_waiting=len(sched.waiting),
+            num_queued_tokens=sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting),
+            block_size=engine.block_manager.block_size,
+        )
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+        if self.ranks is not None:
+            self.ranks.stop()

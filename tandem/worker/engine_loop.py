@@ -1,0 +1,128 @@
+"""One engine stepped on a thread of its own, driven from asyncio (a worker's actor methods).
+
+NOTE: only the loop thread touches the engine (and a worker's transfer sockets): other
+threads hand it work with `submit`, and it hands deltas back through `open_stream` queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+from tandem.engine.engine import LLMEngine
+from tandem.engine.scheduler import ScheduledBatch
+from tandem.outputs import RequestDelta
+from tandem.worker.api import StreamDelta
+
+logger = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.002  # how often an idle loop still ticks (transfer events, deadlines)
+
+
+def stream_delta(d: RequestDelta, error: str | None = None) -> StreamDelta:
+    return StreamDelta(d.request_id, d.new_token_ids, d.new_text,
+                       None if d.finish_reason is None else d.finish_reason.value,
+                       d.num_prompt_tokens, d.num_output_tokens, d.new_logprobs, error, d.index, d.num_unfinished)
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, tick: Callable[[], None] | None = None,
+                 layer_hook: Callable[[ScheduledBatch, int], None] | None = None,
+                 on_delta: Callable[[RequestDelta], None] | None = None,
+                 send_plan: Callable[[ScheduledBatch], np.ndarray] | None = None) -> None:
+        """tick: runs every iteration, busy or idle (transfer events); layer_hook, send_plan:
+        see LLMEngine.step; on_delta: sees every delta on the loop thread before it is streamed."""
+        self.engine = engine
+        self._tick = tick
+        self._layer_hook = layer_hook
+        self._send_plan = send_plan
+        self._on_delta = on_delta
+        self._commands: queue.Queue[tuple[Callable[[LLMEngine], Any], concurrent.futures.Future]] = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[StreamDelta]]] = {}
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._last_iteration_at = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
+        """Run fn(engine) on the loop thread between steps. -> its result, as a future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put((fn, future))
+        self._wake.set()
+        return future
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        return await asyncio.wrap_future(self.submit(fn))
+
+    def open_stream(self, request_id: str) -> asyncio.Queue[StreamDelta]:
+        """Deltas of `request_id` from now on (call from the event loop that reads them).
+        Raises ValueError when the id has a stream already (it belongs to another call)."""
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        q: asyncio.Queue[StreamDelta] = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), q)
+        return q
+
+    def stream_queue(self, request_id: str) -> asyncio.Queue[StreamDelta]:
+        """The queue `open_stream` made for a request; KeyError when there is none."""
+        return self._streams[request_id][1]
+
+    def close_stream(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+
+    def publish(self, delta: StreamDelta) -> None:
+        """Hand a delta to its stream's reader (any thread)."""
+        target = self._streams.get(delta.request_id)
+        if target is not None:
+            loop, q = target
+            loop.call_soon_threadsafe(q.put_nowait, delta)
+
+    def publish_engine_delta(self, d: RequestDelta, error: str | None = None) -> None:
+        if self._on_delta is not None:
+            self._on_delta(d)
+        self.publish(stream_delta(d, error))
+
+    def seconds_since_iteration(self) -> float:
+        """How long ago the loop thread last went round (any thread): it goes round every
+        IDLE_WAIT_S when idle, after every step when busy; a large value means it is stuck."""
+        return time.monotonic() - self._last_iteration_at
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:
+            logger.exception("the engine loop stopped on an error")
+            raise
+
+    def _loop(self) -> None:
+        engine = self.engine
+        while not self._stop.is_set():
+            self._last_iteration_at = time.monotonic()
+            while not self._commands.empty():
+                fn, future = self._commands.get()
+                if future.set_running_or_notify_cancel():
+                    try:
+                        future.set_result(fn(engine))
+                    except BaseException as e:  # the caller gets it
+                        future.set_exception(e)
+            if self._tick is not None:
+                self._tick()
+            if engine.has_unfinished:
+                for d in engine.step(self._layer_hook, self._send_plan):
+                    self.publish_engine_delta(d)
+            else:
+                self._wake.wait(IDLE_WAIT_S)
+                self._wake.clear()

@@ -1,0 +1,117 @@
+"""The Ray actor around a worker. Torch-free here, so the router process that creates it
+never imports torch: the worker class is imported inside the actor's own process."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any, AsyncIterator
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from tandem.kvtransfer.protocol import Destination
+from tandem.worker.api import (PrefillResult, Role, StreamDelta, TokenizerSpec, WorkerInventory, WorkerLoad,
+                               WorkerRequest)
+
+WORKER_CLASSES = {
+    Role.PREFILL: "tandem.prefill_node.worker:PrefillWorker",
+    Role.DECODE: "tandem.decode_node.worker:DecodeWorker",
+    Role.COLOCATED: "tandem.worker.colocated:ColocatedWorker",
+}
+
+
+class WorkerHost:
+    """Every worker method, delegated; each role uses its own subset."""
+
+    def __init__(self, role: Role, kv_transfer_host: str | None = None, kv_checksum: bool = False,
+                 **worker_args: Any) -> None:
+        """kv_transfer_host: where a decode worker's KV receiver listens ("node-ip": this
+        Ray node's address, so that prefill workers on other hosts reach it).
+        kv_checksum: prefill workers send a CRC-32 with every layer."""
+        if role is Role.PREFILL:
+            worker_args["kv_checksum"] = kv_checksum
+        if kv_transfer_host is not None and role is Role.DECODE:
+            if kv_transfer_host == "node-ip":
+                kv_transfer_host = ray.util.get_node_ip_address()
+            worker_args["transfer_address"] = f"tcp://{kv_transfer_host}:0"
+        module, name = WORKER_CLASSES[role].split(":")
+        self.worker = getattr(importlib.import_module(module), name)(**worker_args)
+
+    def is_ready(self) -> bool:
+        return self.worker.is_ready()
+
+    def tokenizer_spec(self) -> TokenizerSpec:
+        return self.worker.tokenizer_spec()
+
+    @ray.method(concurrency_group="control")
+    def pid(self) -> int:
+        """This actor's process id (for memory sampling and fault tests)."""
+        return os.getpid()
+
+    @ray.method(concurrency_group="control")
+    async def heartbeat(self) -> float:
+        """Seconds since the worker's engine loop last went round. NOTE: in a concurrency
+        group of its own, so that a flood of request calls (which take every slot of the
+        default group and queue on the engine loop) never delays it: a late answer means
+        the process is hung, not busy."""
+        return self.worker.heartbeat()
+
+    async def load(self) -> WorkerLoad:
+        return await self.worker.load()
+
+    async def inventory(self) -> WorkerInventory:
+        return await self.worker.inventory()
+
+    async def metrics_text(self) -> str:
+        return await self.worker.metrics_text()
+
+    async def abort(self, request_id: str) -> bool:
+        return await self.worker.abort(request_id)
+
+    async def prefill(self, request: WorkerRequest, destination: Destination) -> PrefillResult:
+        return await self.worker.prefill(request, destination)
+
+    async def reserve(self, request: WorkerRequest) -> Destination:
+        return await self.worker.reserve(request)
+
+    async def start(self, first: PrefillResult) -> None:
+        await self.worker.start(first)
+
+    async def stream(self, request_id: str) -> AsyncIterator[StreamDelta]:
+        async for delta in self.worker.stream(request_id):
+            yield delta
+
+    async def generate(self, request: WorkerRequest) -> AsyncIterator[StreamDelta]:
+        async for delta in self.worker.generate(request):
+            yield delta
+
+
+def pool_resource(role: Role) -> str:
+    """The custom Ray resource a worker of `role` asks for with pool resources on: start a
+    node with `ray start --resources '{"tandem_decode": 1}'` to host one decode worker."""
+    return f"tandem_{role.value}"
+
+
+def worker_placement_group(role: Role, tp: int, *, num_cpus: float, num_gpus: float,
+                           pool_resources: bool = False) -> PlacementGroup:
+    """One bundle per tensor-parallel rank, all on one node (the ranks' collectives run on
+    its loopback); the worker itself takes bundle 0, its other ranks the rest."""
+    bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
+    first = {**bundle, **({pool_resource(role): 1} if pool_resources else {})}
+    return placement_group([first] + [bundle] * (tp - 1), strategy="STRICT_PACK")
+
+
+def start_worker(role: Role, instance: str, *, num_cpus: float, num_gpus: float, pool_resources: bool = False,
+                 placement_group: PlacementGroup | None = None, **worker_args: Any):
+    """-> the actor handle of a new worker (Ray restarts it if its process dies).
+    pool_resources: the worker runs only on nodes that offer its pool's resource.
+    placement_group: a tensor-parallel worker's (see worker_placement_group)."""
+    options: dict[str, Any] = dict(resources={pool_resource(role): 1} if pool_resources else None)
+    if placement_group is not None:
+        options = dict(scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=0))
+        worker_args["placement_group"] = placement_group
+    actor = ray.remote(concurrency_groups={"control": 2})(WorkerHost).options(
+        name=instance, num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=-1, max_concurrency=1000, **options)
+    return actor.remote(role, instance=instance, **worker_args)

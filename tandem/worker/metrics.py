@@ -1,0 +1,155 @@
+"""A worker's Prometheus metrics (docs/metrics.md): its own registry, fed by its engine's
+events and read from its engine's state when rendered.
+
+NOTE: everything here runs on the worker's engine loop thread (the observer calls, and
+`render`, which the worker submits to that loop), so the engine is read between steps.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tandem.engine.engine import LLMEngine
+from tandem.engine.scheduler import ScheduledBatch
+from tandem.engine.sequence import Sequence
+from tandem.worker.api import Role
+from tandem.worker.metric_buckets import REQUEST_SECONDS
+
+LABELS = ("model_name", "role", "instance")
+
+
+# (what a reason says, its label), first match wins; anything else is "error".
+_FAILURE_KINDS = (("timed out", "timeout"), ("abort", "aborted"), ("refused", "refused"),
+                  ("not accepting", "unreachable"), ("checksum", "checksum"))
+
+
+def failure_kind(reason: str) -> str:
+    """A transfer failure's free-text reason -> a label value from a small fixed set."""
+    reason = reason.lower()
+    return next((kind for words, kind in _FAILURE_KINDS if words in reason), "error")
+
+
+class WorkerMetrics:
+    """Implements EngineObserver for its worker's engine."""
+
+    def __init__(self, role: Role, instance: str, model_name: str, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.label_values = (model_name, role.value, instance)
+        self.registry = CollectorRegistry()
+        self.queue_time = self._histogram(
+            "tandem_request_queue_time_seconds",
+            "Prefill, colocated: arrival to first scheduled. Decode: reservation to the start of decoding.")
+        # Only the spans this role has: a decode worker runs no prefill, a prefill worker no decode.
+        self.prefill_time = None if role is Role.DECODE else self._histogram(
+            "tandem_request_prefill_time_seconds", "First scheduled to first token.")
+        self.decode_time = None if role is Role.PREFILL else self._histogram(
+            "tandem_request_decode_time_seconds", "First token to finish.")
+        self.kv_transfer_time = None if role is Role.COLOCATED else self._histogram(
+            "tandem_kv_transfer_time_seconds",
+            "Per request. Prefill: transfer start to the receiver's acknowledgement; decode: reservation to the last layer.")
+        self._transfer_failures = Counter("tandem_kv_transfer_failures", "KV transfers that did not complete.",
+                                          (*LABELS, "reason"), registry=self.registry)
+        if role is not Role.COLOCATED:  # every series from the start at 0
+            for kind in (*(kind for _, kind in _FAILURE_KINDS), "error"):
+                self._transfer_failures.labels(*self.label_values, kind)
+        self.num_prefix_queries = 0
+        self.num_prefix_hits = 0
+        self.last_batch_size = 0
+        self.last_batch_tokens = 0
+        self.num_transferring: Callable[[], int] = lambda: 0
+        """Requests whose KV is in flight now (set by the worker that transfers)."""
+        self.kv_bytes: dict[str, Callable[[], int]] = {}
+        """Cumulative KV payload bytes by direction ("sent", "received")."""
+        self.registry.register(_EngineCollector(self))
+
+    def _histogram(self, name: str, documentation: str):
+        return Histogram(name, documentation, LABELS, registry=self.registry,
+                         buckets=REQUEST_SECONDS).labels(*self.label_values)
+
+    # -- EngineObserver ---------------------------------------------------------------
+    def on_step(self, batch: ScheduledBatch) -> None:
+        self.last_batch_size = len(batch.seqs)
+        self.last_batch_tokens = batch.num_tokens
+
+    def on_first_token(self, seq: Sequence) -> None:
+        assert seq.first_token_time is not None
+        # On a decode worker the hits are prompt tokens whose KV was not transferred.
+        self.num_prefix_queries += seq.num_prompt_tokens
+        self.num_prefix_hits += seq.num_cached_prompt_tokens
+        if self.prefill_time is None:  # a decode worker: the prompt was prefilled elsewhere
+            self.queue_time.observe(seq.first_token_time - seq.arrival_time)
+            return
+        assert seq.first_scheduled_time is not None
+        self.queue_time.observe(seq.first_scheduled_time - seq.arrival_time)
+        self.prefill_time.observe(seq.first_token_time - seq.first_scheduled_time)
+
+    def on_finished(self, seq: Sequence) -> None:
+        if self.decode_time is not None and seq.first_token_time is not None:
+            self.decode_time.observe(time.monotonic() - seq.first_token_time)
+
+    # -- transfers ----------------------------------------------------------------------
+    def transfer_ended(self, started: float, failure: str | None) -> None:
+        """A request's KV transfer ended: well (failure None, its time observed) or not."""
+        assert self.kv_transfer_time is not None, "a colocated worker transfers no KV"
+        if failure is None:
+            self.kv_transfer_time.observe(time.monotonic() - started)
+        else:
+            self._transfer_failures.labels(*self.label_values, failure_kind(failure)).inc()
+
+    def render(self) -> str:
+        """The Prometheus text exposition of everything above."""
+        return generate_latest(self.registry).decode()
+
+
+class _EngineCollector(Collector):
+    """Gauges and counters read from the engine's state at render time."""
+
+    def __init__(self, metrics: WorkerMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m, engine = self.metrics, self.metrics.engine
+        bm, sched = engine.block_manager, engine.scheduler
+
+        def family(kind, name: str, documentation: str, value: float, **extra: str) -> Metric:
+            f = kind(name, documentation, labels=(*LABELS, *extra))
+            f.add_metric((*m.label_values, *extra.values()), value)
+            return f
+
+        yield family(GaugeMetricFamily, "tandem_num_requests_running", "Sequences in the running batch.",
+                     len(sched.running))
+        yield family(GaugeMetricFamily, "tandem_num_requests_waiting",
+                     "Sequences waiting to be scheduled, or (decode) for their KV and first token.",
+                     len(engine.sequences) - len(sched.running))
+        yield family(GaugeMetricFamily, "tandem_num_requests_transferring", "Requests whose KV is in flight.",
+                     m.num_transferring())
+        yield family(GaugeMetricFamily, "tandem_kv_cache_usage_perc", "Used KV blocks / all blocks (0 to 1).",
+                     bm.num_used_blocks / bm.num_blocks)
+        yield family(GaugeMetricFamily, "tandem_kv_cache_used_blocks", "KV blocks held by requests.",
+                     bm.num_used_blocks)
+        yield family(GaugeMetricFamily, "tandem_kv_cache_capacity_blocks", "KV blocks in the pool.", bm.num_blocks)
+        yield family(CounterMetricFamily, "tandem_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                     m.num_prefix_queries)
+        yield family(CounterMetricFamily, "tandem_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                     m.num_prefix_hits)
+        yield family(GaugeMetricFamily, "tandem_prefix_cache_hit_rate", "Prefix cache hits / queries since start.",
+                     m.num_prefix_hits / m.num_prefix_queries if m.num_prefix_queries else 0.0)
+        yield family(GaugeMetricFamily, "tandem_batch_size", "Sequences in the last engine step.", m.last_batch_size)
+        yield family(GaugeMetricFamily, "tandem_batch_tokens", "Tokens in the last engine step.", m.last_batch_tokens)
+        yield family(CounterMetricFamily, "tandem_num_preemptions", "Sequences preempted.", sched.num_preemptions)
+        yield family(CounterMetricFamily, "tandem_spec_decode_num_draft_tokens",
+                     "Draft tokens verified by speculative decoding.", sched.speculator.num_draft_tokens)
+        yield family(CounterMetricFamily, "tandem_spec_decode_num_accepted_tokens",
+                     "Draft tokens accepted by speculative decoding.", sched.speculator.num_accepted_tokens)
+        yield family(CounterMetricFamily, "tandem_num_swapped_out_blocks", "KV blocks swapped out to host memory.",
+                     sched.num_swapped_out_blocks)
+        bytes_total = CounterMetricFamily("tandem_kv_transfer_bytes", "KV payload bytes moved.",
+                                          labels=(*LABELS, "direction"))
+        for direction, read in m.kv_bytes.items():
+            bytes_total.add_metric((*m.label_values, direction), read())
+        yield bytes_total

@@ -1,0 +1,41 @@
+"""A worker's metrics over a real engine: observations and gauges match what the engine did."""
+
+from __future__ import annotations
+
+from metrics_text import parse_samples, promtool_check_metrics, total
+from reference import english_token_ids
+from tandem import SamplingParams
+from tandem.worker.api import Role
+from tandem.worker.metrics import WorkerMetrics, failure_kind
+
+
+def test_colocated_engine_metrics(make_llm, tokenizer):
+    llm = make_llm(block_size=16, num_kv_blocks=12, max_num_batched_tokens=64)
+    metrics = WorkerMetrics(Role.COLOCATED, "colocated-0", "m", llm.engine)
+    llm.engine.observer = metrics
+    prompt = english_token_ids(tokenizer, 70)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm.generate([prompt], params)
+    llm.generate([prompt, english_token_ids(tokenizer, 60, skip=300)], params)  # a prefix hit, then preemption
+    s = parse_samples(metrics.render())
+    labels = dict(model_name="m", role="colocated", instance="colocated-0")
+    assert total(s, "tandem_request_queue_time_seconds_count", **labels) == 3
+    assert total(s, "tandem_request_prefill_time_seconds_count") == 3
+    assert total(s, "tandem_request_decode_time_seconds_count") == 3
+    # The repeat finds its first 4 full blocks cached (the last token is always computed).
+    assert total(s, "tandem_prefix_cache_queries_total") == 70 + 70 + 60
+    assert total(s, "tandem_prefix_cache_hits_total") == 64
+    assert total(s, "tandem_prefix_cache_hit_rate") == 64 / 200
+    # 12 blocks cannot hold 2 x (70 or 60 + 40) tokens: someone was preempted.
+    assert total(s, "tandem_num_preemptions_total") == llm.engine.scheduler.num_preemptions > 0
+    assert total(s, "tandem_kv_cache_capacity_blocks") == 12 and total(s, "tandem_kv_cache_used_blocks") == 0
+    assert total(s, "tandem_kv_cache_usage_perc") == 0
+    assert total(s, "tandem_batch_size") >= 1 and total(s, "tandem_batch_tokens") >= 1
+    assert "tandem_kv_transfer_time_seconds" not in metrics.render()  # no transfers on a colocated worker
+    promtool_check_metrics(metrics.render())
+
+
+def test_transfer_failures_are_labelled_from_a_fixed_set():
+    assert [failure_kind(r) for r in ("timed out waiting for the receiver", "aborted by the sender",
+                                      "receiver: refused: layout", "receiver not accepting messages",
+                                      "the disk is on fire")] == ["timeout", "aborted", "refused", "unreachable", "error"]
