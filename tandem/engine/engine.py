@@ -15,8 +15,7 @@ from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.observer import EngineObserver
 from tandem.engine.scheduler import ScheduledBatch, Scheduler
-from tandem.engine.sequence import Sequence, SequenceStatus, SequenceUpdate
-from tandem.engine.sequence_group import SequenceGroup
+from tandem.engine.sequence import Sequence, SequenceGroup, SequenceStatus, SequenceUpdate
 from tandem.kvcache.block_manager import BlockManager
 from tandem.kvcache.capacity import KVCapacity
 from tandem.model.llama import LlamaModel
