@@ -9,7 +9,7 @@ import importlib
 import logging
 import sys
 
-from tandem.engine.preemption import PREEMPTION_MODES
+from tandem.config_names import PREEMPTION_MODES
 from tandem.sampling_params import SamplingParams
 
 

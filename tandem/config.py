@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tandem.engine.preemption import PREEMPTION_MODES
+from tandem.config_names import PREEMPTION_MODES
 from tandem.kvcache.capacity import kv_bytes_per_token
 from tandem.model.quantization import QUANTIZATION_METHODS
 

@@ -5,10 +5,6 @@ Policy only: the scheduler asks, and checks the host pool's room itself.
 
 from __future__ import annotations
 
-PREEMPTION_MODES = ("auto", "swap", "recompute")
-"""auto: swap sequences of at least SWAP_MIN_BLOCKS blocks; swap: always; recompute: never.
-Swapping also needs room in the host pool, else the sequence is recomputed."""
-
 SWAP_MIN_BLOCKS = 1
 """In ``auto`` mode, sequences holding at least this many computed blocks are swapped.
 
