@@ -1,7 +1,7 @@
 """``/v1/completions`` and ``/v1/chat/completions``: the gRPC servicer's path, spoken in OpenAI's JSON.
 
-The same admission bound, validation, backend and request metrics as
-``router.server.GenerationServicer``. A non-streaming request runs buffered
+The same admission bound, backend and request metrics as ``router.servicer.GenerationServicer``:
+both relay requests through ``router.relay.RequestRelay``. A non-streaming request runs buffered
 (``generate_buffered``): its client sees nothing before the end, so a worker failing it
 midway costs a rerun, not an error. Whatever ends a request early (the client goes away,
 an error) closes the backend's stream, which aborts the request on the workers.
@@ -12,37 +12,31 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 from aiohttp import web
 
-from tandem.router.backend import Backend, NoHealthyWorker, Overloaded
-from tandem.router.buffered import generate_buffered, merged
+from tandem.router.backend import Backend
+from tandem.router.buffered import merged
 from tandem.router.limits import RequestLimits
 from tandem.router.metrics import RequestTimer, RouterMetrics
 from tandem.router.openai.errors import APIError, invalid
 from tandem.router.openai.protocol import CHAT, ParsedRequest, parse_request, validated
 from tandem.router.openai.responses import DONE, Responses, new_id, sse, usage
+from tandem.router.relay import ClientGone, RequestFailed, RequestRelay
 from tandem.router.tokenizer import RouterTokenizer
 from tandem.router.validation import ValidRequest
-from tandem.worker.api import PoolFull, StreamDelta
+from tandem.worker.api import StreamDelta
 
 logger = logging.getLogger(__name__)
 
-# Order matters: the first matching class wins (Overloaded and PoolFull are RuntimeErrors).
-# (class, HTTP status, OpenAI error type, code)
-_ERRORS: tuple[tuple[type[BaseException], int, str, str | None], ...] = (
-    (Overloaded, 429, "rate_limit_error", "rate_limit_exceeded"),
-    (PoolFull, 429, "rate_limit_error", "rate_limit_exceeded"),
-    (NoHealthyWorker, 503, "server_error", "service_unavailable"),
-    (ValueError, 400, "invalid_request_error", None),
-)
-# What the router's metrics record for each HTTP status (they count gRPC codes).
-_GRPC_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.INVALID_ARGUMENT,
-               413: grpc.StatusCode.INVALID_ARGUMENT, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
-               503: grpc.StatusCode.UNAVAILABLE}
+# How a failed request is answered, by the gRPC status the relay gives it: (HTTP status,
+# OpenAI error type, code). Anything else is a 500.
+_HTTP_ERRORS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error", "service_unavailable"),
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+}
 RETRY_AFTER_S = 1
 """What a 429 tells the client to wait (OpenAI's client honours Retry-After)."""
 
@@ -52,28 +46,20 @@ class Generation:
 
     def __init__(self, backend: Backend, tokenizer: RouterTokenizer, metrics: RouterMetrics,
                  limits: RequestLimits) -> None:
-        self._backend = backend
         self._tokenizer = tokenizer
-        self._metrics = metrics
         self._limits = limits
+        self._relay = RequestRelay(backend, metrics, limits)
         self.model = tokenizer.spec.model_name
 
     async def handle(self, kind: str, request: web.Request) -> web.StreamResponse:
         """One request of ``kind`` (COMPLETION or CHAT); refusals raise APIError."""
-        limit = self._limits.max_concurrent_requests
-        if self._metrics.num_running >= limit:
-            self._metrics.ended(grpc.StatusCode.RESOURCE_EXHAUSTED, rejected=True)
-            raise APIError(429, f"{limit} requests are in progress, the limit max_concurrent_requests={limit}: "
-                                "retry later", type="rate_limit_error", code="rate_limit_exceeded",
-                           headers={"Retry-After": str(RETRY_AFTER_S)})
-        self._metrics.num_running += 1
         try:
-            return await self._generate(kind, request)
-        finally:
-            self._metrics.num_running -= 1
+            with self._relay.admitted() as timer:
+                return await self._generate(kind, request, timer)
+        except RequestFailed as failure:  # AdmissionRefused included
+            raise _api_error(failure) from failure
 
-    async def _generate(self, kind: str, request: web.Request) -> web.StreamResponse:
-        timer = self._metrics.start_request()
+    async def _generate(self, kind: str, request: web.Request, timer: RequestTimer) -> web.StreamResponse:
         request_id = new_id(kind)
         try:
             try:
@@ -85,7 +71,7 @@ class Generation:
             parsed, valid = await asyncio.to_thread(self._prepare, kind, raw, request_id)
         except APIError as e:
             logger.info("rejected request %s: %s", request_id, e.message)
-            self._metrics.ended(grpc.StatusCode.INVALID_ARGUMENT, rejected=True)
+            self._relay.count_invalid()
             raise
         logger.debug("request %s: %d prompt tokens, %s", request_id, len(valid.prompt_token_ids), valid.params)
         responses = Responses(kind, request_id, self.model, self._tokenizer, include_usage=parsed.include_usage)
@@ -104,11 +90,10 @@ class Generation:
     async def _complete(self, valid: ValidRequest, responses: Responses, timer: RequestTimer) -> web.Response:
         """The whole answer at once: one choice per completion index."""
         by_index: dict[int, list[StreamDelta]] = {}
-
-        async def collect(delta: StreamDelta) -> None:
-            by_index.setdefault(delta.index, []).append(delta)
-
-        finished = await self._run(valid, timer, collect, buffered=True)
+        async with self._relay.relay(valid, timer, buffered=True) as deltas:
+            async for delta in deltas:
+                by_index.setdefault(delta.index, []).append(delta)
+        finished = deltas.finished
         choices = []
         for index in sorted(by_index):
             whole = merged(by_index[index])
@@ -134,7 +119,7 @@ class Generation:
                 for event in events:
                     await response.write(event)
             except ConnectionResetError as e:  # aiohttp's word for a client gone away
-                raise _ClientGone() from e
+                raise ClientGone() from e
 
         async def send(delta: StreamDelta) -> None:
             nonlocal aborted
@@ -148,77 +133,28 @@ class Generation:
                 return
             await write(*(sse(chunk) for chunk in _chunks(responses, delta)))
 
+        # A client gone away surfaces as CancelledError (aiohttp cancels the handler) or
+        # ClientGone (a write failed): the relay counts both as cancelled.
         try:
             try:
-                finished = await self._run(valid, timer, send, buffered=False)
-            except APIError as e:
+                async with self._relay.relay(valid, timer, buffered=False) as deltas:
+                    async for delta in deltas:
+                        await send(delta)
+            except RequestFailed as failure:
                 if not response.prepared:
                     raise
                 # Too late for a status: OpenAI's client raises on an event carrying "error".
-                await write(sse(e.body()))
+                await write(sse(_api_error(failure).body()))
                 return response
+            finished = deltas.finished
             if not aborted:
                 if parsed.include_usage:
                     await write(sse(responses.usage_chunk(usage(finished.num_prompt_tokens,
                                                                 finished.num_output_tokens))))
                 await write(DONE)
-        except _ClientGone:
+        except ClientGone:
             pass  # counted as cancelled; aiohttp finishes the response quietly
         return response
-
-    async def _run(self, valid: ValidRequest, timer: RequestTimer, send: Callable[[StreamDelta], Awaitable[None]],
-                   *, buffered: bool) -> StreamDelta:
-        """Relay the backend's deltas to ``send`` up to the request's last one -> that one.
-
-        Records the request's metrics as the gRPC servicer does; a failure raises APIError.
-        A client gone away surfaces here as CancelledError (aiohttp cancels the handler) or
-        _ClientGone (a write failed): both count as CANCELLED and propagate.
-        """
-        request_id, prompt_token_ids, params = valid
-        error: tuple[grpc.StatusCode, APIError] | None = None
-        finished: StreamDelta | None = None
-        stream: AsyncIterator[StreamDelta] | None = None
-        try:
-            stream = (generate_buffered(self._backend, request_id, prompt_token_ids, params, self._metrics.reruns.inc)
-                      if buffered else self._backend.generate(request_id, prompt_token_ids, params))
-            async for delta in stream:
-                if getattr(delta, "error", None) is not None:
-                    # Backends should raise instead; a failed request must not look finished.
-                    raise NoHealthyWorker(f"request {request_id} failed on the workers: {delta.error}")
-                await send(delta)
-                timer.tokens_sent(len(delta.token_ids))
-                if delta.request_finished:  # with n > 1, each completion's finish comes before it
-                    finished = delta
-                    break
-            if finished is None:
-                message = "the workers ended the stream before every completion finished"
-                logger.error("request %s: %s", request_id, message)
-                error = (grpc.StatusCode.INTERNAL, APIError(500, message, type="server_error"))
-        except _ClientGone:
-            pass  # counted as cancelled below, then raised again
-        except Exception as e:  # noqa: BLE001 - every failure must reach the client as a status
-            error = _error_of(request_id, e)
-        finally:
-            if finished is None and error is None:
-                logger.info("request %s: cancelled after %.3f s", request_id, time.perf_counter() - timer.arrival)
-                self._metrics.ended(grpc.StatusCode.CANCELLED, rejected=False)
-            if stream is not None:
-                await _close(stream)  # at once: closing it is what aborts the request on the workers
-        if error is not None:
-            self._metrics.ended(error[0], rejected=timer.first_token is None)
-            raise error[1]
-        if finished is None:
-            raise _ClientGone()
-        self._metrics.ended(grpc.StatusCode.OK, rejected=False)
-        self._metrics.finished(finished.finish_reason, finished.num_prompt_tokens, finished.num_output_tokens)
-        timer.finished(finished.num_output_tokens // params.n)  # TPOT is per sequence: n decode side by side
-        logger.info("request %s: %s, %d prompt + %d output tokens in %.3f s", request_id, finished.finish_reason,
-                    finished.num_prompt_tokens, finished.num_output_tokens, time.perf_counter() - timer.arrival)
-        return finished
-
-
-class _ClientGone(Exception):
-    """A write to the client failed: it closed the connection."""
 
 
 def _chunks(responses: Responses, delta: StreamDelta) -> list[dict]:
@@ -240,29 +176,11 @@ def _aborted(request_id: str) -> APIError:
                     code="request_aborted", headers={"x-should-retry": "false"})
 
 
-def _error_of(request_id: str, error: Exception) -> tuple[grpc.StatusCode, APIError]:
-    if isinstance(error, APIError):
-        return _GRPC_CODES.get(error.status, grpc.StatusCode.INTERNAL), error
-    for cls, status, kind, code in _ERRORS:
-        if isinstance(error, cls):
-            logger.warning("request %s: %d: %s", request_id, status, error)
-            headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
-            return _GRPC_CODES[status], APIError(status, str(error) or type(error).__name__, type=kind, code=code,
-                                                 headers=headers)
-    logger.exception("request %s failed", request_id, exc_info=error)
-    return grpc.StatusCode.INTERNAL, APIError(500, f"internal error: {type(error).__name__}: {error}",
-                                              type="server_error")
-
-
-async def _close(stream: AsyncIterator[StreamDelta]) -> None:
-    """Close the backend's stream (a no-op once it finished): closing is what aborts the request."""
-    aclose = getattr(stream, "aclose", None)
-    if aclose is None:
-        return
-    try:
-        await aclose()
-    except Exception:  # noqa: BLE001 - the outcome is already decided; keep the cause in the log
-        logger.exception("closing a backend stream failed")
+def _api_error(failure: RequestFailed) -> APIError:
+    """A failed request as OpenAI's error (a 429 says when to retry)."""
+    status, kind, code = _HTTP_ERRORS.get(failure.code, (500, "server_error", None))
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    return APIError(status, failure.message, type=kind, code=code, headers=headers)
 
 
 def _dumps(value: object) -> str:
