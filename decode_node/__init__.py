@@ -1,1 +1,1 @@
-"""The decode worker (a Ray actor) running the shared engine core (see DESIGN.md)."""
+"""The decode worker (a Ray actor) running the shared engine core (see docs/architecture.md)."""

@@ -1,1 +1,2 @@
-"""Attention kernels over the paged KV cache: torch references, dispatched in one place."""
+"""Kernels over the paged KV cache (attention, the KV store) and weight-only GEMVs: each Triton kernel beside
+its torch reference, dispatched in one place (ops.py; see docs/kernels.md)."""

@@ -1,1 +1,1 @@
-"""Moving paged KV blocks between workers over ZMQ and NCCL (see DESIGN.md)."""
+"""Moving paged KV blocks between workers over ZMQ and NCCL (docs/kv-transfer.md; the wire rules: docs/design.md)."""

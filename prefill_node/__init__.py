@@ -1,1 +1,1 @@
-"""The prefill worker (a Ray actor) running the shared engine core (see DESIGN.md)."""
+"""The prefill worker (a Ray actor) running the shared engine core (see docs/architecture.md)."""

@@ -1,1 +1,1 @@
-"""The gRPC front door: validation, tokenization, worker choice, streaming (see DESIGN.md)."""
+"""The gRPC front door: validation, tokenization, worker choice, streaming (see docs/architecture.md)."""

@@ -14,6 +14,11 @@ in chunks of 16 tokens: the decode-sized int8 path), the share of identical toke
 generates on its own (one early near-tie changes all the rest), and the perplexity of a
 fixed English text (standard-library docstrings, one prefill). Writes results.json and
 quant.png to --out-dir.
+
+"float32" is the model as loaded. The default model's file is already 4-bit (GGUF Q4_1), so
+its float32 row is that file dequantized and the int4 rows (its own Q4_1 blocks) measure the
+cost of bf16 arithmetic in the int4 products and of the int8 LM head, not of 4-bit weights;
+for that cost see tests/model/test_gptq_awq.py and docs/quantization.md.
 """
 
 from __future__ import annotations
@@ -34,11 +39,12 @@ import torch.nn.functional as F
 
 from tandem.bench.bandwidth import measure_copy_bandwidth
 from tandem.bench.quantization.report import print_report, write_plot
-from tandem.config import DTYPES, EngineConfig
+from tandem.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
 from tandem.llm import LLM
+from tandem.model.dtypes import DTYPES
 from tandem.model.int4 import Int4Weight
 from tandem.model.llama import LlamaModel, ModelWeights
 from tandem.model.loader import LoadedModel, load_hf_model, loaded_from_hf_model, quantized

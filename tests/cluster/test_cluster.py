@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from metrics_text import parse_samples, total
 from reference import english_token_ids
 from tandem import SamplingParams
 from tandem.proto import generation_pb2 as pb
@@ -31,19 +33,51 @@ def collect(stub, request, timeout: float = 120) -> tuple[list[int], str, list[p
 
 @pytest.mark.parametrize("mode", MODES)
 def test_greedy_output_equals_the_single_process_engine(clusters, make_llm, tokenizer, mode):
-    """Eight prompts at once (both decode workers busy), token for token the engine's."""
+    """Eight prompts together (both decode workers busy), token for token the engine's."""
     cluster = clusters[mode]
     prompts = [english_token_ids(tokenizer, n, skip=41 * i) for i, n in enumerate([3, 17, 40, 64, 100, 150, 260, 9])]
     max_tokens = [12, 5, 16, 9, 12, 7, 10, 16]
     expected = [o.token_ids for o in make_llm().generate(
         prompts, [SamplingParams(temperature=0, max_tokens=n) for n in max_tokens])]
     stub = cluster.stub()
+    before = decoded_per_worker(cluster)
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))  # it holds its blocks the longest
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(lambda a: collect(stub, greedy_request(*a))[0], zip(prompts, max_tokens)))
+        def submit(i: int) -> concurrent.futures.Future:
+            return pool.submit(lambda: collect(stub, greedy_request(prompts[i], max_tokens[i]))[0])
+        # least_loaded orders decode workers by their polled loads (every 0.1 s), which do not
+        # count reservations made since: sent at the same instant, all eight would go to one
+        # worker. Once a poll shows the first reservation, the next goes to the other.
+        wait_for_decode_loads(cluster, lambda held: not any(held))
+        futures = {longest: submit(longest)}
+        wait_for_decode_loads(cluster, any)
+        futures.update({i: submit(i) for i in range(len(prompts)) if i != longest})
+        got = [futures[i].result() for i in range(len(prompts))]
     assert got == expected
-    if mode == "disaggregated":  # both decode workers took requests
-        assert all(w.load is not None for w in cluster.backend.decode)
     assert_workers_empty(cluster)
+    after = decoded_per_worker(cluster)
+    served = {instance: after[instance] - before[instance] for instance in after}
+    assert sum(served.values()) == len(prompts), served
+    if mode == "disaggregated":  # both decode workers took requests
+        assert len(served) == 2 and all(n >= 1 for n in served.values()), served
+
+
+def wait_for_decode_loads(cluster, condition, timeout: float = 30) -> None:
+    """Wait until `condition` holds of [whether the router's last polled load of each decode
+    worker shows blocks held] (at once without decode workers)."""
+    deadline = time.monotonic() + timeout
+    while cluster.backend.decode and not condition(
+            [w.load is not None and w.load.num_free_blocks < w.load.num_blocks for w in cluster.backend.decode]):
+        assert time.monotonic() < deadline, "the decode workers' polled loads never showed it"
+        time.sleep(0.01)
+
+
+def decoded_per_worker(cluster) -> dict[str, float]:
+    """Requests each decoding worker (decode, or colocated) has decoded to their end so far,
+    from its own metrics as the router's /metrics gathers them."""
+    samples = parse_samples(cluster.scrape())
+    return {w.instance: total(samples, "tandem_request_decode_time_seconds_count", instance=w.instance)
+            for w in cluster.backend.decode + cluster.backend.colocated}
 
 
 @pytest.mark.parametrize("mode", MODES)

@@ -20,7 +20,9 @@ def print_report(results: dict) -> None:
           "(with int4's CPU kernel copy); floor: (read MB + mean KV read per step) / copy bandwidth, util: floor /\n"
           "measured step time; forced agree: float32's greedy tokens picked given float32's prefix; same tokens:\n"
           f"free-running. Copy bandwidth {bw['bytes_per_s'] / 1e9:.2f} GB/s ({bw['size_bytes'] >> 20} MiB, "
-          f"best of {bw['repeats']}, {bw['num_threads']} threads)\n")
+          f"best of {bw['repeats']}, {bw['num_threads']} threads)\n"
+          "float32 is the model as loaded: for the default model, whose file is Q4_1 already, the int4 rows\n"
+          "measure bf16 arithmetic in the int4 products and the int8 head, not 4-bit loss (docs/quantization.md)\n")
     print(f"{'variant':>10} {'decode tok/s':>12} {'vs f32':>7} {'read MB':>8} {'vs f32':>7} {'held MB':>8} "
           f"{'step ms':>8} {'floor ms':>8} {'util':>6} {'forced agree':>12} {'same tokens':>11} {'perplexity':>10} "
           f"{'vs f32':>8}")
