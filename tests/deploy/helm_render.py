@@ -3,7 +3,7 @@
 `manifests(values)` is `helm template` through helm-python-sdk (Helm's Go SDK bound through
 ctypes, no helm binary): template path -> text. `render(values)` parses those into objects;
 `find`, `container`, `flag` and `components` pick out Deployments, Services and arguments.
-Used by test_helm.py.
+Used by test_helm.py and test_helm_router.py.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import yaml
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "tandem"
 RELEASE, NAMESPACE = "demo", "serving"
 HEAD = f"{RELEASE}-tandem-ray-head:6379"
+GPU = "nvidia.com/gpu"
 
 
 def merged(base: dict, override: dict) -> dict:
@@ -61,3 +62,22 @@ def flag(args: list[str], name: str) -> str:
 
 def components(docs: list[dict], kind: str = "Deployment") -> set[str]:
     return {d["metadata"]["labels"]["app.kubernetes.io/component"] for d in docs if d["kind"] == kind}
+
+
+SCENARIOS = {
+    "default": {},
+    "gpu": gpu_values(),
+    "colocated": {"mode": "colocated", "colocated": {"replicas": 3}},
+    "auth-created": {"auth": {"token": "s3cret"}},
+    "auth-existing": {"auth": {"existingSecret": "my-token", "existingSecretKey": "api-key"}},
+    "service-monitor": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kps"}}}},
+    "model-volume": {"model": "/models/qwen2", "modelVolume": {"existingClaim": "models"}},
+}
+"""Values every chart-wide check runs on (the `rendered` fixture of conftest.py)."""
+
+
+def router_args(docs: list[dict]) -> list[str]:
+    router = container(find(docs, "Deployment", "router"))
+    assert router["command"][:2] == ["sh", "-c"] and f"ray start --address={HEAD}" in router["command"][2]
+    assert 'exec tandem "$@"' in router["command"][2]
+    return router["args"]
