@@ -22,13 +22,12 @@ from typing import Any
 from tandem.proto import generation_pb2 as pb
 from tandem.router.limits import RequestLimits
 from tandem.router.openai.errors import APIError, invalid
+from tandem.router.openai.fields import boolean, int64, integer, json_kind, number
 from tandem.router.tokenizer import RouterTokenizer
 from tandem.router.validation import ValidRequest, shown, validate_request
 
 COMPLETION = "completion"
 CHAT = "chat"
-_INT32 = 2**31 - 1
-_INT64 = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -50,59 +49,19 @@ class ParsedRequest:
         return "prompt" if self.kind == COMPLETION else "messages"
 
 
-def _json_kind(value: object) -> str:
-    """What a JSON value is, for messages (never the client's value itself)."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    return "an array" if isinstance(value, list) else "an object"
-
-
-def _integer(name: str, value: object, most: int = _INT32) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid(name, f"must be an integer, got {_json_kind(value)}")
-    if not -most - 1 <= value <= most:
-        raise invalid(name, f"must be between {-most - 1} and {most}")
-    return value
-
-
-def _int64(name: str, value: object) -> int:
-    return _integer(name, value, _INT64)
-
-
-def _number(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise invalid(name, f"must be a number, got {_json_kind(value)}")
-    try:
-        return float(value)
-    except OverflowError:  # an integer with hundreds of digits
-        raise invalid(name, "is out of range") from None
-
-
-def _boolean(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise invalid(name, f"must be a boolean, got {_json_kind(value)}")
-    return value
-
-
 # Body parameter -> (GenerateRequest.sampling field, reader). Past OpenAI's own, tandem's
 # extensions as extra body fields (openai: extra_body={"top_k": 20}), vLLM's names.
 _SAMPLING: dict[str, tuple[str, Callable[[str, object], Any]]] = {
-    "temperature": ("temperature", _number),
-    "top_p": ("top_p", _number),
-    "n": ("n", _integer),
-    "seed": ("seed", _int64),
-    "top_k": ("top_k", _integer),
-    "min_p": ("min_p", _number),
-    "ignore_eos": ("ignore_eos", _boolean),
-    "use_beam_search": ("use_beam_search", _boolean),
-    "beam_width": ("beam_width", _integer),
-    "length_penalty": ("length_penalty", _number),
+    "temperature": ("temperature", number),
+    "top_p": ("top_p", number),
+    "n": ("n", integer),
+    "seed": ("seed", int64),
+    "top_k": ("top_k", integer),
+    "min_p": ("min_p", number),
+    "ignore_eos": ("ignore_eos", boolean),
+    "use_beam_search": ("use_beam_search", boolean),
+    "beam_width": ("beam_width", integer),
+    "length_penalty": ("length_penalty", number),
 }
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "stop", "stop_token_ids", "logprobs", *_SAMPLING}
 # Identifiers for the caller's own bookkeeping: accepted, and without effect on the output.
@@ -151,12 +110,12 @@ def parse_request(kind: str, body: object, model_name: str, request_id: str) -> 
 
 def _parse(kind: str, body: object, model_name: str, request_id: str) -> ParsedRequest:
     if not isinstance(body, dict):
-        raise invalid(None, f"the request body must be a JSON object, got {_json_kind(body)}")
+        raise invalid(None, f"the request body must be a JSON object, got {json_kind(body)}")
     _check_parameter_names(kind, body)
     given = {name: value for name, value in body.items() if value is not None}
     model = given.get("model", model_name)
     if model != model_name:
-        shown_model = shown(model) if isinstance(model, str) else _json_kind(model)
+        shown_model = shown(model) if isinstance(model, str) else json_kind(model)
         raise APIError(404, f"The model {shown_model} does not exist: this server serves {model_name!r}",
                        param="model", code="model_not_found")
     request = pb.GenerateRequest(request_id=request_id)
@@ -169,10 +128,10 @@ def _parse(kind: str, body: object, model_name: str, request_id: str) -> ParsedR
         if name in given:
             max_tokens_param = name
     if max_tokens_param is not None:
-        sampling.max_tokens = _integer(max_tokens_param, given[max_tokens_param])
+        sampling.max_tokens = integer(max_tokens_param, given[max_tokens_param])
     sampling.stop.extend(_stop(given.get("stop")))
     sampling.stop_token_ids.extend(_token_ids("stop_token_ids", given.get("stop_token_ids", [])))
-    stream = _boolean("stream", given.get("stream", False))
+    stream = boolean("stream", given.get("stream", False))
     include_usage = _stream_options(given.get("stream_options"), stream)
     logprobs = _logprobs(kind, given)
     if logprobs:
@@ -208,9 +167,9 @@ def _stop(value: object) -> list[str]:
 
 def _token_ids(name: str, value: object) -> list[int]:
     if not isinstance(value, list):
-        raise invalid(name, f"must be an array of token ids, got {_json_kind(value)}")
+        raise invalid(name, f"must be an array of token ids, got {json_kind(value)}")
     for i, token_id in enumerate(value):
-        _integer(f"{name}[{i}]", token_id)
+        integer(f"{name}[{i}]", token_id)
     return value
 
 
@@ -221,25 +180,25 @@ def _stream_options(value: object, stream: bool) -> bool:
     if not stream:
         raise invalid("stream_options", "is only allowed when stream is true")
     if not isinstance(value, dict):
-        raise invalid("stream_options", f"must be an object, got {_json_kind(value)}")
+        raise invalid("stream_options", f"must be an object, got {json_kind(value)}")
     for key in value:
         if key not in ("include_usage", "include_obfuscation"):  # no obfuscation here: nothing to turn off
             raise invalid("stream_options", f"unknown option {shown(str(key))}")
     include_usage = value.get("include_usage")
-    return False if include_usage is None else _boolean("stream_options.include_usage", include_usage)
+    return False if include_usage is None else boolean("stream_options.include_usage", include_usage)
 
 
 def _logprobs(kind: str, given: dict[str, Any]) -> bool:
     """Whether to return the chosen tokens' log-probabilities (the only ones the workers compute)."""
     if kind == CHAT:
         top = given.get("top_logprobs")
-        if top is not None and _integer("top_logprobs", top) != 0:
+        if top is not None and integer("top_logprobs", top) != 0:
             raise invalid("top_logprobs", "only 0 is supported: this server returns the chosen token's "
                                           "log-probability, no alternatives")
-        return _boolean("logprobs", given.get("logprobs", False))
+        return boolean("logprobs", given.get("logprobs", False))
     if "logprobs" not in given:
         return False
-    count = _integer("logprobs", given["logprobs"])
+    count = integer("logprobs", given["logprobs"])
     if count != 0:
         raise invalid("logprobs", f"only 0 is supported (the chosen token's log-probability, no alternatives), "
                                   f"got {count}")
@@ -263,19 +222,19 @@ def _messages(value: object) -> list[pb.ChatMessage]:
     if value is None:
         raise invalid("messages", "is required")
     if not isinstance(value, list):
-        raise invalid("messages", f"must be an array of messages, got {_json_kind(value)}")
+        raise invalid("messages", f"must be an array of messages, got {json_kind(value)}")
     messages = []
     for i, message in enumerate(value):
         where = f"messages[{i}]"
         if not isinstance(message, dict):
-            raise APIError(400, f"{where}: must be an object, got {_json_kind(message)}", param="messages")
+            raise APIError(400, f"{where}: must be an object, got {json_kind(message)}", param="messages")
         for key, field in message.items():
             if key not in ("role", "content", "name") and field is not None and field != []:
                 raise APIError(400, f"{where}.{shown(str(key), 40)}: is not supported (text messages only)",
                                param="messages")
         role = message.get("role")
         if not isinstance(role, str):
-            raise APIError(400, f"{where}.role: must be a string, got {_json_kind(role)}", param="messages")
+            raise APIError(400, f"{where}.role: must be a string, got {json_kind(role)}", param="messages")
         # OpenAI's newer name for system instructions; chat templates know only "system".
         messages.append(pb.ChatMessage(role="system" if role == "developer" else role,
                                        content=_content(message.get("content"), where)))
@@ -288,7 +247,7 @@ def _content(content: object, where: str) -> str:
         return content
     if not isinstance(content, list):
         raise APIError(400, f"{where}.content: must be a string or an array of text parts, got "
-                            f"{_json_kind(content)}", param="messages")
+                            f"{json_kind(content)}", param="messages")
     texts = []
     for j, part in enumerate(content):
         if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
