@@ -1,5 +1,18 @@
 """The decode worker: reserves blocks for a prompt prefilled elsewhere, receives its KV,
-then decodes it in its continuous batch and streams the tokens."""
+then decodes it in its continuous batch and streams the tokens.
+
+A request's life here (the whole way: docs/architecture.md):
+1. reserved: `reserve` holds blocks for the prompt and the first step (a prefix this pool
+   caches is shared, not sent) and tells the KV receiver to expect the rest.
+2. KV arrived (the receiver's DONE event, read in `_tick`) and first token (`start`, from
+   the prefill worker through the router): either may come first.
+3. running: with both, the sequence joins the running batch; the engine loop steps it.
+4. streamed: each step's tokens go out through `stream`, until the last delta.
+Exits: a finish frees the blocks in the scheduler. `abort` (cancel, deadline, the prefill
+worker gone, a reader that leaves early) first stops the receiver writing, then frees them.
+KV that fails or times out aborts the request with an error delta. A dead worker's pool
+dies with its process.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +24,7 @@ import torch
 
 from tandem.decoding.beam_search import num_candidates
 from tandem.engine.engine import LLMEngine
+from tandem.engine.snapshots import EngineInventory
 from tandem.kvtransfer.protocol import Destination, TransferStatus
 from tandem.kvtransfer.receiver import DEFAULT_ADDRESS, KVReceiver
 from tandem.outputs import FirstSample
@@ -50,10 +64,8 @@ class DecodeWorker(Worker):
         self.metrics.num_transferring = lambda: self.receiver.num_pending
         return EngineLoop(self.engine, tick=self._tick)
 
-    def _held(self, engine: LLMEngine) -> dict[str, int]:
-        sched = engine.scheduler
-        scheduled = {s.request_id for s in (*sched.waiting, *sched.running, *sched.swapped)}
-        return dict(num_reserved=sum(1 for rid in engine.sequences if rid not in scheduled), num_first_tokens=len(self._first_tokens),
+    def _held(self, inventory: EngineInventory) -> dict[str, int]:
+        return dict(num_reserved=inventory.num_reserved, num_first_tokens=len(self._first_tokens),
                     num_arrived=len(self._arrived), num_pending_transfers=self.receiver.num_pending)
 
     async def reserve(self, request: WorkerRequest) -> Destination:
@@ -104,12 +116,12 @@ class DecodeWorker(Worker):
         if block_ids is None:
             raise PoolFull(f"{self.instance}: no room for {len(request.prompt_token_ids)} prompt tokens now")
         # Only the KV after the prefix this pool caches already is sent.
-        num_cached = engine.sequences[request.request_id].num_cached_prompt_tokens
+        num_cached = engine.get_sequence(request.request_id).num_cached_prompt_tokens
         return self.receiver.expect(request.request_id, block_ids, len(request.prompt_token_ids),
                                     num_cached_tokens=num_cached)
 
     def _start(self, engine: LLMEngine, first: PrefillResult) -> None:
-        seq = engine.sequences.get(first.request_id)
+        seq = engine.get_sequence(first.request_id)
         if seq is None:
             return  # aborted or failed meanwhile
         if seq.num_output_tokens or first.request_id in self._first_tokens:
@@ -142,7 +154,7 @@ class DecodeWorker(Worker):
     def _tick(self) -> None:
         while (event := self.receiver.get_event(0)) is not None:
             rid = event.request_id
-            seq = self.engine.sequences.get(rid)
+            seq = self.engine.get_sequence(rid)
             if seq is None:
                 continue
             self.metrics.transfer_ended(seq.arrival_time, None if event.status is TransferStatus.DONE else event.reason)

@@ -3,12 +3,18 @@ point-to-point (NCCL between GPUs, gloo on CPUs) beside the same ZMQ headers."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
+
 import torch
 import torch.distributed as dist
 
+from tandem.config_names import DTYPE_BYTES
 from tandem.kvtransfer.protocol import KVLayout
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Derived from the one dtype table (each name is torch's): kvtransfer imports no model code.
+TORCH_DTYPES: Mapping[str, torch.dtype] = MappingProxyType({name: getattr(torch, name) for name in DTYPE_BYTES})
+_DTYPE_NAMES: Mapping[torch.dtype, str] = MappingProxyType({v: k for k, v in TORCH_DTYPES.items()})
 
 
 def layout_of(kv_cache: torch.Tensor) -> KVLayout:
@@ -16,10 +22,9 @@ def layout_of(kv_cache: torch.Tensor) -> KVLayout:
     num_layers, two, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
     if two != 2 or not kv_cache.is_contiguous():
         raise ValueError(f"kv_cache must be a contiguous [layers, 2, blocks, block_size, heads, dim], got {tuple(kv_cache.shape)}")
-    names = {v: k for k, v in TORCH_DTYPES.items()}
-    if kv_cache.dtype not in names:
+    if kv_cache.dtype not in _DTYPE_NAMES:
         raise ValueError(f"kv_cache dtype must be one of {list(TORCH_DTYPES)}, got {kv_cache.dtype}")
-    return KVLayout(num_layers, num_blocks, block_size, num_kv_heads, head_dim, names[kv_cache.dtype])
+    return KVLayout(num_layers, num_blocks, block_size, num_kv_heads, head_dim, _DTYPE_NAMES[kv_cache.dtype])
 
 
 def layer_rows(kv_cache: torch.Tensor, layer: int, kv: int) -> torch.Tensor:

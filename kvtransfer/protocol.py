@@ -16,9 +16,9 @@ from typing import Any
 
 import msgpack
 
+from tandem.config_names import DTYPE_BYTES as ITEM_SIZES, DTYPE_NAMES as DTYPES
+
 PROTOCOL_VERSION = 1
-DTYPES = ("float32", "float16", "bfloat16")
-ITEM_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2}
 MAX_HEADER_BYTES = 1 << 20
 
 

@@ -1,5 +1,17 @@
 """The prefill worker: computes prompts' KV, streams each layer to the decode worker that
-reserved blocks for it, and returns the first sampled token."""
+reserved blocks for it, and returns the first sampled token.
+
+A request's life here (the whole way: docs/architecture.md):
+1. admitted: `prefill` connects to the decode worker's receiver and queues the prompt with
+   max_tokens=1; its blocks are kept past the sequence's end (`keep_blocks`).
+2. prefilling: chunk by chunk, each layer's new KV is sent as soon as it is stored
+   (`_send_layer`, on the engine loop, during the forward).
+3. first token: sampled after the last chunk; `prefill` returns it and the sequence ends.
+4. sent: the sender reports the receiver's ack (`_tick`); only then are the blocks freed.
+Exits: `abort` (cancel, deadline, the decode worker gone) or a transfer that fails or times
+out ends the sequence at once, but its blocks are freed only in `_tick`, once the sender
+says ZMQ no longer reads them. A dead worker's pool dies with its process.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +25,11 @@ from typing import Any
 import numpy as np
 
 from tandem.engine.engine import LLMEngine
+from tandem.engine.hooks import PrefillHooks
+from tandem.engine.model_runner import ModelRunner
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
+from tandem.engine.snapshots import EngineInventory
 from tandem.kvtransfer.protocol import Destination, TransferStatus
 from tandem.kvtransfer.sender import KVSender
 from tandem.kvtransfer.slots import token_slots
@@ -49,19 +64,21 @@ class PrefillWorker(Worker):
         self._prefills: dict[str, _Prefill] = {}
         super().__init__(instance, **kwargs)
 
-    def _start_loop(self) -> EngineLoop:
-        runner = self.engine.runner
+    def _prefill_hooks(self, runner: ModelRunner) -> PrefillHooks:
         # Tensor-parallel: each rank holds some heads; the first collects every head of the
         # rows sent (send_plan tells the ranks which) and sends them as one pool would.
         self._tp_runner = runner if isinstance(runner, TensorParallelRunner) else None
+        return PrefillHooks(self._send_layer, self._on_delta, None if self._tp_runner is None else self._send_plan)
+
+    def _start_loop(self) -> EngineLoop:
+        runner = self.engine.runner
         self.sender = KVSender(runner.kv_cache, timeout_s=self._transfer_timeout_s, model=self.fingerprint,
                                checksum=self._kv_checksum, layout=None if self._tp_runner is None else runner.layout)
         self.metrics.kv_bytes["sent"] = lambda: self.sender.num_bytes_sent
         self.metrics.num_transferring = lambda: self.sender.num_pending
-        return EngineLoop(self.engine, tick=self._tick, layer_hook=self._send_layer, on_delta=self._on_delta,
-                          send_plan=None if self._tp_runner is None else self._send_plan)
+        return EngineLoop(self.engine, tick=self._tick)
 
-    def _held(self, engine: LLMEngine) -> dict[str, int]:
+    def _held(self, inventory: EngineInventory) -> dict[str, int]:
         return dict(num_pending_transfers=self.sender.num_pending, num_kept=len(self._prefills))
 
     async def prefill(self, request: WorkerRequest, destination: Destination) -> PrefillResult:
@@ -94,12 +111,10 @@ class PrefillWorker(Worker):
         # One token: the first (of each completion, or the beams' candidates); the decode
         # worker samples the rest with the request's own params.
         params = dataclasses.replace(request.params, max_tokens=1, stop=())
-        if request.request_id in engine.sequences:
-            raise ValueError(f"request_id {request.request_id!r} is already in use")
-        engine.check_prompt(request.prompt_token_ids)
+        engine.check_request(request.request_id, request.prompt_token_ids)
         self.sender.begin(destination)  # first: a refused handshake must leave no sequence behind
-        seq = engine.add_request(request.request_id, request.prompt_token_ids, params)
-        seq.keep_blocks = True  # freed once the decode worker has the KV (see _tick)
+        # Its blocks are freed once the decode worker has the KV (see _tick).
+        seq = engine.add_request(request.request_id, request.prompt_token_ids, params, keep_blocks=True)
         # The receiver's cached prefix is never sent: start counting after it.
         self._prefills[request.request_id] = _Prefill(seq, result, result.get_loop(), num_sent_tokens=num_cached)
 
@@ -154,7 +169,7 @@ class PrefillWorker(Worker):
             if event.status is not TransferStatus.DONE:
                 self.engine.abort_request(event.request_id)
             # The KV has arrived, or never will; ZMQ has let go of the blocks either way.
-            self.engine.block_manager.free(p.seq)
+            self.engine.release_blocks(p.seq)
             self.metrics.transfer_ended(p.started, None if event.status is TransferStatus.DONE else event.reason)
             if event.status is not TransferStatus.DONE:
                 error = RuntimeError(f"KV transfer of {event.request_id} failed: {event.reason}")

@@ -8,7 +8,9 @@ import asyncio
 import logging
 import signal
 import sys
+from typing import Any
 
+from tandem.engine_options import ENGINE_DEFAULTS, MODEL_HELP, add_engine_options, engine_options_from_args
 from tandem.router.auth import AUTH_TOKEN_ENV, auth_token_from_env
 from tandem.router.limits import add_limit_args, limits_from_args
 from tandem.router.metrics_endpoint import DEFAULT_METRICS_PORT
@@ -21,7 +23,7 @@ DEFAULT_HTTP_PORT = 8000
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     parser.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     parser.add_argument("--colocated", type=int, nargs="?", const=1, default=0, metavar="N",
@@ -47,38 +49,27 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                              "address, for pools on several hosts)")
     parser.add_argument("--kv-checksum", action="store_true",
                         help="a CRC-32 with every layer of KV sent: corrupted KV fails its request instead of its output")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory-gib", type=float, default=0.5, help="KV pool per worker")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                        help="weight-only int8 with per-channel scales, or int4 in groups of 32 (a GGUF file's "
-                             "Q4_1 blocks kept as they are), on every worker (default: the weights as loaded)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
-                        help="draft tokens per decode step by prompt lookup, on every worker (default 0: off)")
+    add_engine_options(parser)  # each worker's engine: the same options as tandem chat's and LLM(...)'s
     add_limit_args(parser)
 
 
-def worker_args(args: argparse.Namespace) -> dict:
-    """Each worker's engine options from the flags; a bad one refused before any worker starts."""
+def worker_args(args: argparse.Namespace) -> dict[str, Any]:
+    """Each worker's engine options from the flags; a bad one refused before any worker starts.
+
+    Only the options that differ from their defaults are passed: a worker builds its engine
+    with the same defaults (tandem.engine_options), and its arguments show what was asked."""
     if args.num_speculative_tokens < 0:
         raise ValueError(f"--num-speculative-tokens must be >= 0, got {args.num_speculative_tokens}")
-    worker = dict(model=args.model, dtype=args.dtype, block_size=args.block_size,
-                  kv_cache_memory_gib=args.kv_cache_memory_gib, max_model_len=args.max_model_len,
-                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    options = engine_options_from_args(args)
+    worker: dict[str, Any] = {"model": args.model,
+                              **{k: v for k, v in options.items() if v != ENGINE_DEFAULTS[k]}}
     if args.num_threads is not None:
         worker["num_threads"] = args.num_threads
     if args.kv_transfer_host is not None:
         worker["kv_transfer_host"] = args.kv_transfer_host
     if args.kv_checksum:
         worker["kv_checksum"] = True
-    if args.num_speculative_tokens:
-        worker["num_speculative_tokens"] = args.num_speculative_tokens
-    if args.quantization:
-        worker["quantization"] = args.quantization
     return worker
 
 

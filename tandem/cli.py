@@ -8,38 +8,23 @@ import functools
 import importlib
 import logging
 import sys
+from typing import Any
 
-from tandem.config_names import PREEMPTION_MODES
+from tandem.engine_options import MODEL_HELP, add_engine_options, engine_options_from_args
 from tandem.sampling_params import SamplingParams
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    """``tandem chat``'s flags for its one engine: the model, torch threads and every engine
+    option (the same definitions as ``tandem serve``'s, see tandem.engine_options)."""
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory-gib", type=float, default=1.0)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    parser.add_argument("--swap-space-gib", type=float, default=0.5,
-                        help="host memory that preempted sequences swap their KV into (0: always recompute)")
-    parser.add_argument("--preemption-mode", default="auto", choices=PREEMPTION_MODES)
-    parser.add_argument("--quantization", default=None, choices=["int8", "int4"],
-                        help="weight-only int8 with per-channel scales, or int4 in groups of 32 (GGUF Q4_1's form) "
-                             "(default: the weights as loaded)")
-    parser.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
-                        help="draft tokens per decode step by prompt lookup (default 0: off)")
+    add_engine_options(parser)
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(
-        model=args.model, dtype=args.dtype, num_threads=args.num_threads, block_size=args.block_size,
-        kv_cache_memory_gib=args.kv_cache_memory_gib, max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        swap_space_gib=args.swap_space_gib, preemption_mode=args.preemption_mode,
-        num_speculative_tokens=args.num_speculative_tokens, quantization=args.quantization,
-    )
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """LLM(...)'s keywords from add_engine_args' flags."""
+    return dict(model=args.model, num_threads=args.num_threads, **engine_options_from_args(args))
 
 
 def chat(args: argparse.Namespace) -> int:
@@ -202,11 +187,10 @@ def main(argv: list[str] | None = None) -> int:
 
     p = commands.add_parser("plan", help="KV capacity per rank for a memory budget, before loading anything",
                             description=plan.__doc__)
-    p.add_argument("--model", default=None, help="local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--memory", type=float, required=True, metavar="GIB", help="memory per rank for weights and KV, in GiB")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--block-size", type=int, default=16)
+    add_engine_options(p, ("dtype", "block_size"))  # as the engine would run: its flags and defaults
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--weights-memory", type=auto_or_gib, default="auto", metavar="auto|GIB",
                    help="weights per rank in GiB (default auto: parameters from the shapes x dtype bytes / tp)")

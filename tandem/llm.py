@@ -10,8 +10,10 @@ from typing import Any, Union
 import torch
 from tqdm.auto import tqdm
 
-from tandem.config import DTYPES, EngineConfig
+from tandem.config import EngineConfig
 from tandem.engine.engine import LLMEngine
+from tandem.engine_options import ENGINE_DEFAULTS
+from tandem.model.dtypes import torch_dtype
 from tandem.model.loader import LoadedModel, load_model, quantized
 from tandem.model.source import ModelSource, resolve_model_source
 from tandem.outputs import RequestDelta, RequestOutput
@@ -32,22 +34,23 @@ class LLM:
     Other keyword arguments go to :meth:`EngineConfig.build` (block_size,
     kv_cache_memory_gib, num_kv_blocks, max_model_len, max_num_seqs,
     max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill,
-    swap_space_gib, num_swap_blocks, preemption_mode, quantization, tensor_parallel_size).
+    swap_space_gib, num_swap_blocks, preemption_mode, num_speculative_tokens, quantization,
+    tensor_parallel_size), whose defaults are the engine options' (tandem.engine_options),
+    the same as ``tandem chat``'s and ``tandem serve``'s flags.
     With tensor_parallel_size > 1 the other ranks are Ray actors (call :meth:`shutdown` to
     stop them).
     """
 
-    def __init__(self, model: str | None = None, *, dtype: str = "float32",
+    def __init__(self, model: str | None = None, *, dtype: str = ENGINE_DEFAULTS["dtype"],
                  num_threads: int | None = None, **engine_args: Any) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        weights_dtype = torch_dtype(dtype)  # a bad name is refused before anything loads
         source = resolve_model_source(model)
-        self._start(load_model(source, DTYPES[dtype]), dtype, engine_args, source, model, num_threads)
+        self._start(load_model(source, weights_dtype), dtype, engine_args, source, model, num_threads)
 
     @classmethod
-    def from_loaded(cls, loaded: LoadedModel, *, dtype: str = "float32", **engine_args: Any) -> LLM:
+    def from_loaded(cls, loaded: LoadedModel, *, dtype: str = ENGINE_DEFAULTS["dtype"], **engine_args: Any) -> LLM:
         """A fresh engine on weights already loaded (tests and benchmarks share one load)."""
         llm = cls.__new__(cls)
         llm._start(loaded, dtype, engine_args)

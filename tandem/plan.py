@@ -1,10 +1,11 @@
 """``tandem plan``: the KV capacity a worker would have, worked out before anything is loaded.
 
 Only the model's config is read (``config.json`` of a Hugging Face directory, or a GGUF
-file's metadata through ``gguf.GGUFReader``): no weights, no torch, no transformers. The
-fields are read with the defaults transformers applies, so the shape is the one
-:class:`tandem.config.ModelConfig` gets when a worker loads the model, and the KV numbers are
-those it logs at start (``KV pool: ...``), from the same :class:`~tandem.kvcache.capacity.KVCapacity`.
+file's metadata through ``gguf.GGUFReader``): no weights, no torch, no transformers. Either
+goes through :meth:`tandem.config.ModelConfig.from_config_dict`, the parser a worker's
+transformers config goes through too, so the shape is the one a worker gets when it loads the
+model, and the KV numbers are those it logs at start (``KV pool: ...``), from the same
+:class:`~tandem.kvcache.capacity.KVCapacity`.
 
 Per rank, with ``tp`` ranks:
 
@@ -18,112 +19,34 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
-from tandem.kvcache.capacity import DTYPE_BYTES, KVCapacity, gib_to_bytes, kv_heads_per_rank
+from tandem.config import ARCHITECTURE_OF_MODEL_TYPE, ModelConfig, gib_to_bytes, kv_heads_per_rank
+from tandem.config_names import DTYPE_BYTES
+from tandem.engine_options import ENGINE_DEFAULTS
+from tandem.kvcache.capacity import KVCapacity
 from tandem.model.source import resolve_model_source
 
-# Architectures tandem serves (tandem.config.SUPPORTED_ARCHITECTURES), by GGUF/HF model type.
-ARCHITECTURE_OF_MODEL_TYPE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                              "mistral": "MistralForCausalLM"}
-# transformers' defaults where config.json leaves a field out.
-_DEFAULT_MAX_POSITIONS = {"LlamaForCausalLM": 2048, "Qwen2ForCausalLM": 32768, "MistralForCausalLM": 4096 * 32}
-_MISTRAL_SLIDING_WINDOW = 4096
-_UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")
 
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What sizes a Llama-family decoder's weights and KV cache (ModelConfig's fields, torch-free)."""
-
-    name: str
-    architecture: str
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    attention_bias: bool
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    sliding_window: int | None
-
-    @property
-    def num_parameters(self) -> int:
-        """Parameters of the weights a worker holds: embeddings, q/k/v/o (+ q/k/v biases),
-        gate/up/down, two norms per layer, the final norm and an untied lm_head."""
-        qkv = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        layer = (qkv * self.hidden_size + (qkv if self.attention_bias else 0)
-                 + self.hidden_size * self.num_heads * self.head_dim
-                 + 3 * self.intermediate_size * self.hidden_size + 2 * self.hidden_size)
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return embeddings + self.num_layers * layer + self.hidden_size
-
-    def context_limit(self, max_model_len: int | None = None) -> int:
-        """The longest sequence before the pool's own cap, as EngineConfig.build works it out:
-        max_position_embeddings, at most max_model_len, at most the sliding window."""
-        limit = self.max_position_embeddings
-        if max_model_len is not None:
-            if max_model_len < 1:
-                raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-            limit = min(limit, max_model_len)
-        if self.sliding_window is not None and self.sliding_window < limit:
-            limit = self.sliding_window
-        return limit
-
-
-def _check(architecture: str, where: str) -> None:
-    if architecture not in ARCHITECTURE_OF_MODEL_TYPE.values():
-        raise ValueError(f"unsupported architecture {architecture!r} in {where}: tandem supports "
-                         f"{', '.join(ARCHITECTURE_OF_MODEL_TYPE.values())}")
-
-
-def read_hf_shape(directory: str, name: str) -> ModelShape:
+def read_hf_shape(directory: str, name: str) -> ModelConfig:
     """The shape from a Hugging Face directory's config.json (with transformers' defaults)."""
     path = os.path.join(directory, "config.json")
     with open(path, encoding="utf-8") as f:
         cfg = json.load(f)
     try:
-        return _hf_shape(cfg, path, name)
+        return ModelConfig.from_config_dict(cfg, name, where=path)
     except KeyError as e:
         raise ValueError(f"{path} has no {e.args[0]!r}") from None
 
 
-def _hf_shape(cfg: dict, path: str, name: str) -> ModelShape:
-    """read_hf_shape on the parsed config.json (KeyError: a required field is missing)."""
-    architecture = (cfg.get("architectures") or [ARCHITECTURE_OF_MODEL_TYPE.get(cfg.get("model_type"), "?")])[0]
-    _check(architecture, path)
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    if (rope.get("rope_type") or rope.get("type")) in _UNSUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported RoPE type {rope.get('rope_type') or rope.get('type')!r} in {path}")
-    num_heads = cfg["num_attention_heads"]
-    if architecture == "MistralForCausalLM":
-        sliding_window = cfg.get("sliding_window", _MISTRAL_SLIDING_WINDOW)
-    elif architecture == "Qwen2ForCausalLM" and not cfg.get("use_sliding_window", False):
-        sliding_window = None
-    else:
-        sliding_window = cfg.get("sliding_window")
-    return ModelShape(
-        name=name, architecture=architecture, num_layers=cfg["num_hidden_layers"],
-        hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"], num_heads=num_heads,
-        num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads, vocab_size=cfg["vocab_size"],
-        attention_bias=architecture == "Qwen2ForCausalLM" or bool(cfg.get("attention_bias", False)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        max_position_embeddings=cfg.get("max_position_embeddings", _DEFAULT_MAX_POSITIONS[architecture]),
-        sliding_window=sliding_window,
-    )
-
-
-def read_gguf_shape(path: str, name: str) -> ModelShape:
-    """The shape from a GGUF file's metadata (memory-mapped: no tensor data is read), mapped as
-    transformers maps it when it loads the file."""
+def read_gguf_shape(path: str, name: str) -> ModelConfig:
+    """The shape from a GGUF file's metadata (memory-mapped: no tensor data is read), mapped to
+    config.json's fields as transformers maps them when it loads the file."""
     from gguf import GGUFReader, GGUFValueType
 
     reader = GGUFReader(path)
 
-    def get(key: str, default: object = None) -> object:
+    def get(key: str, default: object = None) -> Any:
         field = reader.fields.get(key)
         if field is None:
             return default
@@ -133,27 +56,33 @@ def read_gguf_shape(path: str, name: str) -> ModelShape:
     arch = get("general.architecture")
     # transformers' rule: a llama file whose general.name is "mistral" is a Mistral model.
     model_type = "mistral" if arch == "llama" and get("general.name") == "mistral" else arch
-    architecture = ARCHITECTURE_OF_MODEL_TYPE.get(model_type, str(model_type))
-    _check(architecture, path)
-    hidden, num_heads = get(f"{arch}.embedding_length"), get(f"{arch}.attention.head_count")
-    head_dim = get(f"{arch}.rope.dimension_count") if model_type != "qwen2" else None
-    vocab_size = get(f"{arch}.vocab_size")
-    if vocab_size is None:
-        vocab_size = len(reader.fields["tokenizer.ggml.tokens"].data)
-    return ModelShape(
-        name=name, architecture=architecture, num_layers=get(f"{arch}.block_count"), hidden_size=hidden,
-        intermediate_size=get(f"{arch}.feed_forward_length"), num_heads=num_heads,
-        num_kv_heads=get(f"{arch}.attention.head_count_kv") or num_heads,
-        head_dim=head_dim or hidden // num_heads, vocab_size=vocab_size,
-        attention_bias=model_type == "qwen2",
-        tie_word_embeddings=all(t.name != "output.weight" for t in reader.tensors),
-        max_position_embeddings=get(f"{arch}.context_length"),
-        sliding_window=_MISTRAL_SLIDING_WINDOW if model_type == "mistral" else None,
-    )
+    cfg = {
+        "architectures": [ARCHITECTURE_OF_MODEL_TYPE.get(model_type, str(model_type))],
+        "model_type": model_type,
+        "num_hidden_layers": get(f"{arch}.block_count"),
+        "hidden_size": get(f"{arch}.embedding_length"),
+        "intermediate_size": get(f"{arch}.feed_forward_length"),
+        "num_attention_heads": get(f"{arch}.attention.head_count"),
+        "num_key_value_heads": get(f"{arch}.attention.head_count_kv"),
+        # Qwen2's head_dim is always hidden / heads; the others' is the RoPE dimension.
+        "head_dim": get(f"{arch}.rope.dimension_count") if model_type != "qwen2" else None,
+        "vocab_size": get(f"{arch}.vocab_size"),
+        "tie_word_embeddings": all(t.name != "output.weight" for t in reader.tensors),
+        "max_position_embeddings": get(f"{arch}.context_length"),
+        "rms_norm_eps": get(f"{arch}.attention.layer_norm_rms_epsilon"),
+    }
+    if cfg["vocab_size"] is None and "tokenizer.ggml.tokens" in reader.fields:
+        cfg["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
+    try:  # a field the file leaves out takes transformers' default, as in config.json
+        return ModelConfig.from_config_dict({k: v for k, v in cfg.items() if v is not None}, name, where=path)
+    except KeyError as e:
+        raise ValueError(f"{path} has no metadata for {e.args[0]!r}") from None
 
 
-def read_model_shape(model: str | None) -> ModelShape:
-    """The shape of ``model`` (as ``--model`` takes it; None: the embedded default) from its config alone."""
+def read_model_shape(model: str | None) -> ModelConfig:
+    """The shape of ``model`` (as ``--model`` takes it; None: the embedded default) from its config alone.
+
+    Its eos_token_ids are left empty: a plan needs none, and they come from the tokenizer."""
     source = resolve_model_source(model)  # finds files only: loads nothing
     if source.gguf_file is not None:
         return read_gguf_shape(os.path.join(source.path, source.gguf_file), source.name)
@@ -164,7 +93,7 @@ def read_model_shape(model: str | None) -> ModelShape:
 class Plan:
     """One rank's memory: weights, then the KV pool in what is left."""
 
-    shape: ModelShape
+    shape: ModelConfig
     dtype: str
     tp: int
     memory_bytes: int
@@ -214,9 +143,10 @@ def _mib(num_bytes: int) -> str:
     return f"{num_bytes / 2**20:.1f} MiB ({num_bytes} bytes)"
 
 
-def make_plan(model: str | None = None, memory_gib: float = 1.0, *, tp: int = 1, dtype: str = "float32",
-              block_size: int = 16, max_model_len: int | None = None,
-              weights_memory_gib: float | None = None, shape: ModelShape | None = None) -> Plan:
+def make_plan(model: str | None = None, memory_gib: float = 1.0, *, tp: int = 1,
+              dtype: str = ENGINE_DEFAULTS["dtype"], block_size: int = ENGINE_DEFAULTS["block_size"],
+              max_model_len: int | None = None, weights_memory_gib: float | None = None,
+              shape: ModelConfig | None = None) -> Plan:
     """Plan one rank of ``tp`` with ``memory_gib`` GiB for weights and KV (``weights_memory_gib``
     None: estimated from the shapes). ValueError when the weights leave no room for a KV block."""
     if dtype not in DTYPE_BYTES:

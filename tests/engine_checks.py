@@ -11,6 +11,6 @@ def assert_all_blocks_free(llm: LLM) -> None:
     bm, sched = llm.engine.block_manager, llm.engine.scheduler
     assert bm.num_free_blocks == bm.num_blocks
     assert all(c == 0 for c in bm.ref_counts)
-    assert sched.swap_pool.num_free_blocks == sched.swap_pool.num_blocks
+    assert sched.preemptor.swap_pool.num_free_blocks == sched.preemptor.swap_pool.num_blocks
     assert not sched.waiting and not sched.running and not sched.swapped
     assert not llm.engine.sequences

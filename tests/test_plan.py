@@ -15,13 +15,14 @@ from tandem.config import SUPPORTED_ARCHITECTURES, EngineConfig, ModelConfig
 from tandem.kvcache.capacity import KVCapacity
 from tandem.model.loader import weights_from_hf_model
 from tandem.model.source import resolve_model_source
-from tandem.plan import ARCHITECTURE_OF_MODEL_TYPE, ModelShape, make_plan, read_hf_shape, read_model_shape
+from tandem.plan import ARCHITECTURE_OF_MODEL_TYPE, make_plan, read_hf_shape, read_model_shape
 
-SHAPE_FIELDS = [f for f in ModelShape.__dataclass_fields__ if f != "name"]
+# A plan reads no tokenizer, so it leaves eos_token_ids empty: every other field is compared.
+SHAPE_FIELDS = [f for f in ModelConfig.__dataclass_fields__ if f not in ("name", "eos_token_ids")]
 
 
 @pytest.fixture(scope="module")
-def default_shape() -> ModelShape:
+def default_shape() -> ModelConfig:
     return read_model_shape(None)
 
 
@@ -180,3 +181,13 @@ def test_tandem_plan_imports_neither_torch_nor_transformers() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "KV pool: 726 blocks of 16 tokens" in done.stdout
+
+
+def test_config_and_the_engine_options_import_no_torch() -> None:
+    """config.py is beneath the model layer, the engine and kvcache: importing it (and the
+    names and options it checks against) loads none of them, nor torch."""
+    code = ("import sys, tandem.config, tandem.config_names, tandem.engine_options, tandem.kvcache.capacity; "
+            "loaded = sorted(m for m in sys.modules if m in ('torch', 'transformers', 'tandem.model', 'tandem.engine') "
+            "or m.startswith(('tandem.model.', 'tandem.engine.'))); assert not loaded, loaded")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr

@@ -134,7 +134,7 @@ def run_tandem(engine: LLMEngine, requests: list[BenchRequest], concurrency: int
     outputs = [tokens[str(i)] for i in range(len(requests))]
     return {"seconds": wall, "tokens": sum(map(len, outputs)), "outputs": outputs,
             "latencies": latencies, "arrivals": [arrivals[str(i)] for i in range(len(requests))],
-            "preemptions": engine.scheduler.num_preemptions}
+            "preemptions": engine.counters().num_preemptions}
 
 
 class _StepClock:

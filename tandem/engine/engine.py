@@ -5,17 +5,16 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from typing import Callable
-
-import numpy as np
 
 from tandem.config import EngineConfig
 from tandem.decoding import beam_search
 from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.hooks import PrefillHooks
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.observer import EngineObserver
-from tandem.engine.scheduler import ScheduledBatch, Scheduler
+from tandem.engine.scheduler import Scheduler
 from tandem.engine.sequence import Sequence, SequenceGroup, SequenceStatus, SequenceUpdate
+from tandem.engine.snapshots import EngineCounters, EngineInventory, EngineLoad
 from tandem.kvcache.block_manager import BlockManager
 from tandem.kvcache.capacity import KVCapacity
 from tandem.model.llama import LlamaModel
@@ -28,15 +27,20 @@ logger = logging.getLogger(__name__)
 class LLMEngine:
     """One model over one paged KV pool, stepped by the caller.
 
-    ``step()`` schedules, runs the model and moves every scheduled request forward.
+    ``step()`` schedules, runs the model and moves every scheduled request forward. A
+    worker reads the engine through its methods (load, inventory, counters, get_sequence),
+    never through the scheduler's queues or the block manager.
     """
 
     def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer=None,
-                 observer: EngineObserver | None = None, runner: ModelRunner | None = None) -> None:
-        """runner: runs ``model`` (default: a ModelRunner over it; a tensor-parallel one is given)."""
+                 observer: EngineObserver | None = None, runner: ModelRunner | None = None,
+                 hooks: PrefillHooks | None = None) -> None:
+        """runner: runs ``model`` (default: a ModelRunner over it; a tensor-parallel one is given).
+        hooks: what runs inside every step (a prefill worker's KV sends)."""
         self.config = config
         self.tokenizer = tokenizer
         self.observer = observer
+        self.hooks = hooks
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = runner if runner is not None else ModelRunner(config, model)
@@ -44,11 +48,24 @@ class LLMEngine:
         self._arrivals = itertools.count()
         logger.info("KV pool: %s", KVCapacity.of_engine_config(config).describe())
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
-        """Queue a request; raises ValueError at once when it could never run."""
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    keep_blocks: bool = False) -> Sequence:
+        """Queue a request; raises ValueError at once when it could never run.
+        keep_blocks: its blocks outlive it until :meth:`release_blocks` (a prefill worker's
+        KV is still being read out after the request ends)."""
         seq = self._new_sequence(request_id, prompt_token_ids, params)
+        seq.keep_blocks = keep_blocks
         self.scheduler.add(seq)
         return seq
+
+    def release_blocks(self, seq: Sequence) -> None:
+        """Free the blocks that ``seq``, added with keep_blocks, kept past its end."""
+        # NOTE: only once it has ended: until then its blocks are the scheduler's.
+        self.block_manager.free(seq)
+
+    def get_sequence(self, request_id: str) -> Sequence | None:
+        """The request's (first) sequence, or None when the engine does not hold it."""
+        return self.sequences.get(request_id)
 
     def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int] | None:
         """Hold blocks for a prompt whose KV another worker computes. -> their ids, or None
@@ -104,9 +121,7 @@ class LLMEngine:
         return seq.group.completions
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
-        if request_id in self.sequences:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        self.check_prompt(prompt_token_ids)
+        self.check_request(request_id, prompt_token_ids)
         new_detokenizer = functools.partial(self._new_detokenizer, params)
         arrival_index = next(self._arrivals)
         seq = Sequence(request_id, prompt_token_ids, params, arrival_index, new_detokenizer())
@@ -123,6 +138,13 @@ class LLMEngine:
 
     def _new_detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
         return None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, params.stop)
+
+    def check_request(self, request_id: str, prompt_token_ids: list[int]) -> None:
+        """Raise ValueError if :meth:`add_request` would refuse this request (so that a caller
+        can refuse it before doing anything else for it)."""
+        if request_id in self.sequences:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        self.check_prompt(prompt_token_ids)
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
         """Raise ValueError if this prompt could never run on this engine."""
@@ -165,19 +187,51 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
 
-    def step(self, layer_hook: Callable[[ScheduledBatch, int], None] | None = None,
-             send_plan: Callable[[ScheduledBatch], np.ndarray] | None = None) -> list[RequestDelta]:
-        """layer_hook(batch, layer) runs as each layer's KV is stored (see LlamaModel.forward);
-        send_plan(batch): the cache slots whose KV it sends (see ModelRunner.run)."""
+    def load(self) -> EngineLoad:
+        """How busy it is now: what a router weighs when it picks a worker."""
+        sched, bm = self.scheduler, self.block_manager
+        return EngineLoad(num_requests=len(self.sequences), num_waiting=len(sched.waiting),
+                          num_running=len(sched.running),
+                          num_queued_tokens=sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting),
+                          num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks)
+
+    def inventory(self) -> EngineInventory:
+        """What it holds for requests now (at rest nothing: a leak check)."""
+        sched, bm = self.scheduler, self.block_manager
+        scheduled = {s.request_id for s in (*sched.waiting, *sched.running, *sched.swapped)}
+        return EngineInventory(
+            num_requests=len(self.sequences), num_waiting=len(sched.waiting), num_running=len(sched.running),
+            num_reserved=sum(1 for rid in self.sequences if rid not in scheduled),
+            num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
+            num_referenced_blocks=sum(1 for c in bm.ref_counts if c != 0),
+            num_swapped_blocks=sched.preemptor.swap_pool.num_used_blocks)
+
+    def counters(self) -> EngineCounters:
+        """What it has done since it started (metrics' counters)."""
+        preemptor, speculator = self.scheduler.preemptor, self.scheduler.speculator
+        return EngineCounters(preemptor.num_preemptions, preemptor.num_swapped_out_blocks,
+                              preemptor.num_swapped_in_blocks, speculator.num_draft_tokens,
+                              speculator.num_accepted_tokens)
+
+    def step(self) -> list[RequestDelta]:
+        """Run one step. -> the deltas of the requests it moved forward."""
         batch = self.scheduler.schedule()
         self.runner.swap(batch)  # even with no sequence to run: the swap-outs must not wait
         if batch.is_empty:
             return []
         if self.observer is not None:
             self.observer.on_step(batch)
-        sampled = self.runner.run(batch, None if layer_hook is None else functools.partial(layer_hook, batch),
-                                  None if send_plan is None else send_plan(batch))
-        return self._deltas(self.scheduler.update(batch, sampled))
+        hooks = self.hooks
+        if hooks is None:
+            sampled = self.runner.run(batch)
+        else:
+            sampled = self.runner.run(batch, functools.partial(hooks.on_layer_stored, batch),
+                                      None if hooks.send_plan is None else hooks.send_plan(batch))
+        deltas = self._deltas(self.scheduler.update(batch, sampled))
+        if hooks is not None:
+            for d in deltas:
+                hooks.on_delta(d)
+        return deltas
 
     def _deltas(self, updates: list[SequenceUpdate]) -> list[RequestDelta]:
         deltas = []

@@ -1,12 +1,12 @@
 """Continuous batching: which sequences run this step, and how many tokens each.
 
-Policy only (FCFS, token budget, preemption by swap or recompute); the block manager and
-the swap pool keep the books, the model runner copies swapped blocks.
+Policy only (FCFS, token budget, who gives way: the Preemptor swaps or drops their KV).
 :meth:`Scheduler.update` is the one place where a sequence's state moves forward.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from tandem.config import EngineConfig
 from tandem.decoding.beam_stepper import BeamStepper
 from tandem.decoding.speculation import Speculator
+from tandem.engine.preemption import Preemptor
 from tandem.engine.sampler import StepOutput
-from tandem.engine.scheduler_preemption import PreemptionMixin
 from tandem.engine.sequence import Sequence, SequenceStatus, SequenceUpdate
 from tandem.kvcache.block_manager import BlockManager
 from tandem.kvcache.swap_pool import SwapPool
@@ -70,7 +70,7 @@ class ScheduledBatch:
         return [seq, *seq.group.forks] if seq.group is not None and seq is seq.group.root else [seq]
 
 
-class Scheduler(PreemptionMixin):
+class Scheduler:
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
@@ -78,10 +78,7 @@ class Scheduler(PreemptionMixin):
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         """Swapped-out sequences, oldest first."""
-        self.swap_pool = SwapPool(config.num_swap_blocks, config.num_kv_blocks)
-        self.num_preemptions = 0
-        self.num_swapped_out_blocks = 0
-        self.num_swapped_in_blocks = 0
+        self.preemptor = Preemptor(config, block_manager, SwapPool(config.num_swap_blocks, config.num_kv_blocks))
         self.speculator = Speculator(config, block_manager)
         self.beam_stepper = BeamStepper(self)
 
@@ -118,7 +115,11 @@ class Scheduler(PreemptionMixin):
             while not bm.can_allocate(seq, n):
                 victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
                 self.running.remove(victim)
-                swap_out += self._preempt(victim)
+                swap_out += self.preemptor.preempt(victim)
+                if victim.status == SequenceStatus.SWAPPED:  # resumes oldest first
+                    bisect.insort(self.swapped, victim, key=lambda s: s.arrival_index)
+                else:  # recomputes before any newer sequence
+                    self.waiting.appendleft(victim)
                 preempted = True
                 if victim is seq:
                     break
@@ -135,10 +136,10 @@ class Scheduler(PreemptionMixin):
         while self.swapped and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
             n = min(seq.num_uncomputed_tokens, budget)
-            if not self.can_swap_in(seq, n):
+            if not self.preemptor.can_swap_in(seq, n):
                 break
             self.swapped.popleft()
-            swap_in += self.swap_in(seq, n)
+            swap_in += self.preemptor.swap_in(seq, n)
             self.running.append(seq)
             entries.append((seq, n))
             budget -= n
@@ -287,8 +288,7 @@ class Scheduler(PreemptionMixin):
             self.waiting.remove(seq)
         elif seq.status == SequenceStatus.SWAPPED:
             self.swapped.remove(seq)
-            self.swap_pool.free(seq.host_block_ids)
-            seq.host_block_ids = []
+            self.preemptor.free_swapped(seq)
         if not seq.keep_blocks:
             self.block_manager.free(seq)
         seq.status = status

@@ -16,36 +16,15 @@ per token shrink about ``tp`` times and its capacity per GiB grows as much, unti
 
 A pool of ``memory_bytes`` holds ``memory_bytes // (block_size × bytes_per_token)`` blocks:
 exactly how :meth:`tandem.config.EngineConfig.build` sizes it from ``kv_cache_memory_gib``
-(after :func:`gib_to_bytes`, the same rounding). Torch-free, so ``tandem plan`` stays light.
+(after :func:`tandem.config.gib_to_bytes`, the same rounding), by the same formula: config.py
+holds it (so config imports nothing of kvcache). Torch-free, so ``tandem plan`` stays light.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from tandem.config import EngineConfig
-
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-"""Bytes per element of the engine's dtypes (the names of ``tandem.config.DTYPES``)."""
-
-
-def gib_to_bytes(gib: float) -> int:
-    """A size in GiB as whole bytes, rounded down as ``EngineConfig.build`` rounds it."""
-    return int(gib * 2**30)
-
-
-def kv_heads_per_rank(num_kv_heads: int, tp: int = 1) -> int:
-    """KV heads one rank holds: ceil(num_kv_heads / tp), and at least 1 (replicated)."""
-    if num_kv_heads < 1 or tp < 1:
-        raise ValueError(f"num_kv_heads and tp must be >= 1, got {num_kv_heads} and {tp}")
-    return max(1, -(-num_kv_heads // tp))
-
-
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype_bytes: int, tp: int = 1) -> int:
-    """2 × layers × KV heads (per rank) × head dim × bytes per element: one token's K and V."""
-    return 2 * num_layers * kv_heads_per_rank(num_kv_heads, tp) * head_dim * dtype_bytes
+from tandem.config import EngineConfig, kv_bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -110,9 +89,8 @@ class KVCapacity:
     @classmethod
     def of_engine_config(cls, config: EngineConfig) -> KVCapacity:
         """The pool an engine built from ``config`` holds (on each rank, under tensor parallelism)."""
-        model, tp = config.model, config.tensor_parallel_size
-        bytes_per_token = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim,
-                                             config.dtype.itemsize, tp)
+        tp = config.tensor_parallel_size
+        bytes_per_token = config.model.kv_bytes_per_token(config.dtype_name, tp)
         return cls(bytes_per_token, config.block_size, config.num_kv_blocks, config.max_model_len, tp)
 
     def full_length_text(self) -> str:

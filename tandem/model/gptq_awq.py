@@ -45,6 +45,7 @@ import torch
 from tandem.config import ModelConfig
 from tandem.model.int4 import Int4Weight
 from tandem.model.llama import LayerWeights, ModelWeights
+from tandem.model.loaded import LoadedModel, eos_token_ids_of, load_hf_config
 from tandem.model.source import ModelSource, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -288,13 +289,10 @@ def is_quantized_checkpoint(source: ModelSource) -> bool:
     return source.gguf_file is None and read_quantization_config(source.path) is not None
 
 
-def load_quantized_checkpoint(source: ModelSource, dtype: torch.dtype):  # -> loader.LoadedModel
+def load_quantized_checkpoint(source: ModelSource, dtype: torch.dtype) -> LoadedModel:
     """Load a GPTQ or AWQ directory: config and quantization settings are checked before any
     weight is read; projections become Int4Weight, everything else ``dtype``."""
     from transformers import GenerationConfig
-
-    # NOTE: imported here: loader.load_model dispatches to this module.
-    from tandem.model.loader import LoadedModel, eos_token_ids_of, load_hf_config
 
     fmt = parse_quantization_config(read_quantization_config(source.path), os.path.join(source.path, "config.json"))
     hf_config = load_hf_config(source)

@@ -4,59 +4,20 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
-from tandem.config import ModelConfig, check_architecture
+from tandem.config import ModelConfig
 from tandem.model.gguf_cache import cached_source, save_converted
 from tandem.model.gguf_q4 import gguf_path, keep_gguf_int4
 from tandem.model.gptq_awq import is_quantized_checkpoint, load_quantized_checkpoint
 from tandem.model.llama import LayerWeights, ModelWeights
+from tandem.model.loaded import LoadedModel, eos_token_ids_of, load_hf_config
 from tandem.model.quantization import quantize_weights
 from tandem.model.source import ModelSource, load_tokenizer
 
 logger = logging.getLogger(__name__)
-
-# GGUF files carry a model type but no architecture list.
-_ARCHITECTURE_OF_MODEL_TYPE = {
-    "llama": "LlamaForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "mistral": "MistralForCausalLM",
-}
-
-
-def load_hf_config(source: ModelSource):  # -> transformers.PretrainedConfig
-    """The checkpoint's config, refused early (before any weight is read) when unsupported."""
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(source.path, **source.from_pretrained_kwargs())
-    if not hf_config.architectures:
-        guess = _ARCHITECTURE_OF_MODEL_TYPE.get(hf_config.model_type, hf_config.model_type)
-        hf_config.architectures = [guess]
-    check_architecture(hf_config.architectures[0], source.path)
-    return hf_config
-
-
-def eos_token_ids_of(hf_model, tokenizer) -> tuple[int, ...]:
-    ids: set[int] = set()
-    gen_eos = getattr(getattr(hf_model, "generation_config", None), "eos_token_id", None)
-    for value in (gen_eos, tokenizer.eos_token_id):
-        if isinstance(value, int):
-            ids.add(value)
-        elif value is not None:
-            ids.update(value)
-    return tuple(sorted(ids))
-
-
-@dataclass
-class LoadedModel:
-    """Our model's config and weights, with the tokenizer from the same files."""
-
-    config: ModelConfig
-    weights: ModelWeights
-    tokenizer: object  # transformers.PreTrainedTokenizerBase
 
 
 def load_hf_model(source: ModelSource):

@@ -58,13 +58,12 @@ from typing import TYPE_CHECKING, Callable, Union
 import torch
 import torch.nn.functional as F
 
+from tandem.config_names import QUANTIZATION_METHODS
 from tandem.model.int4 import Int4Weight, quantize_int4
 from tandem.model.int4_matmul import int4_matmul
 
 if TYPE_CHECKING:
     from tandem.model.llama import ModelWeights
-
-QUANTIZATION_METHODS = ("int8", "int4")
 
 TRITON_MAX_TOKENS = 16
 """Most rows for which linear() calls the Triton GEMV kernels (decode-sized products)."""

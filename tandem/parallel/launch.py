@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tandem.config import DTYPES, EngineConfig
+from tandem.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner
+from tandem.model.dtypes import DTYPES
 from tandem.model.llama import LlamaModel
 from tandem.model.loader import LoadedModel
 from tandem.parallel.executor import rank_model

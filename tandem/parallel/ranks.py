@@ -15,8 +15,9 @@ import torch.distributed as dist
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from tandem.config import DTYPES, EngineConfig
+from tandem.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner
+from tandem.model.dtypes import DTYPES
 from tandem.model.loader import load_model, quantized
 from tandem.model.source import resolve_model_source
 from tandem.parallel.executor import RankExecutor, rank_model

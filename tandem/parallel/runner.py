@@ -10,14 +10,11 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.scheduler import ScheduledBatch
-from tandem.kvtransfer.payload import TORCH_DTYPES
 from tandem.kvtransfer.protocol import KVLayout
 from tandem.model.llama import LlamaModel
 from tandem.parallel.executor import RankExecutor
 from tandem.parallel.kv_writes import PendingKVWrites
 from tandem.parallel.step_message import ForwardInputs, StepMessage, StepOp, broadcast_step
-
-DTYPE_NAMES = {v: k for k, v in TORCH_DTYPES.items()}
 
 
 class TensorParallelRunner(ModelRunner):
@@ -30,7 +27,7 @@ class TensorParallelRunner(ModelRunner):
         self.executor = RankExecutor(model, self.kv_cache, self.swapper, config.tensor_parallel_size, 0)
         m = config.model
         self.layout = KVLayout(m.num_layers, config.num_kv_blocks, config.block_size, m.num_kv_heads, m.head_dim,
-                               DTYPE_NAMES[config.dtype])
+                               config.dtype_name)
         """The pool as other workers see it: every KV head."""
         self.kv_writes = PendingKVWrites(self.layout)
         """KV that other workers sent (a KVReceiver's sink), for the next message."""

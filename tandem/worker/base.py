@@ -8,8 +8,12 @@ from typing import Any
 
 import torch
 
-from tandem.config import DTYPES, EngineConfig
+from tandem.config import EngineConfig
 from tandem.engine.engine import LLMEngine
+from tandem.engine.hooks import PrefillHooks
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.snapshots import EngineInventory
+from tandem.model.dtypes import DTYPES
 from tandem.model.fingerprint import model_fingerprint
 from tandem.model.loader import LoadedModel, load_model, quantized
 from tandem.model.source import resolve_model_source
@@ -49,12 +53,17 @@ class Worker:
             loaded = LoadedModel(loaded.config, started.model.weights, loaded.tokenizer)
         self.loaded = loaded
         tokenizer = loaded.tokenizer if self.role is not Role.PREFILL else None  # prefill emits no text
-        self.engine = LLMEngine(config, started.model, tokenizer, runner=started.runner)
+        self.engine = LLMEngine(config, started.model, tokenizer, runner=started.runner,
+                                hooks=self._prefill_hooks(started.runner))
         self.metrics = WorkerMetrics(self.role, instance, loaded.config.name, self.engine)
         self.engine.observer = self.metrics
         self.loop = self._start_loop()
         logger.info("%s worker %s ready (pid %d, %d torch threads)", self.role.value, instance, os.getpid(),
                     torch.get_num_threads())
+
+    def _prefill_hooks(self, runner: ModelRunner) -> PrefillHooks | None:
+        """What the engine runs inside each step for this role: a prefill worker's KV sends."""
+        return None
 
     def _start_loop(self) -> EngineLoop:
         return EngineLoop(self.engine)
@@ -82,28 +91,25 @@ class Worker:
         return await self.loop.call(self._inventory)
 
     def _inventory(self, engine: LLMEngine) -> WorkerInventory:
-        sched, bm = engine.scheduler, engine.block_manager
+        inventory = engine.inventory()
         return WorkerInventory(
-            role=self.role, instance=self.instance, num_waiting=len(sched.waiting), num_running=len(sched.running),
-            num_sequences=len(engine.sequences), num_open_streams=len(self.loop._streams),
-            num_blocks=bm.num_blocks, num_free_blocks=bm.num_free_blocks,
-            num_referenced_blocks=sum(1 for c in bm.ref_counts if c != 0),
-            num_swapped_blocks=sched.swap_pool.num_used_blocks,
-            **self._held(engine),
+            role=self.role, instance=self.instance, num_waiting=inventory.num_waiting,
+            num_running=inventory.num_running, num_sequences=inventory.num_requests,
+            num_open_streams=self.loop.num_streams, num_blocks=inventory.num_blocks,
+            num_free_blocks=inventory.num_free_blocks, num_referenced_blocks=inventory.num_referenced_blocks,
+            num_swapped_blocks=inventory.num_swapped_blocks, **self._held(inventory),
         )
 
-    def _held(self, engine: LLMEngine) -> dict[str, int]:
-        """The role's own WorkerInventory fields (on the loop thread)."""
+    def _held(self, inventory: EngineInventory) -> dict[str, int]:
+        """The role's own WorkerInventory fields (on the loop thread), beside what its engine holds."""
         return {}
 
     def _load(self, engine: LLMEngine) -> WorkerLoad:
-        sched = engine.scheduler
+        load = engine.load()
         return WorkerLoad(
-            role=self.role, instance=self.instance, num_blocks=engine.block_manager.num_blocks,
-            num_free_blocks=engine.block_manager.num_free_blocks, num_running=len(sched.running),
-            num_waiting=len(sched.waiting),
-            num_queued_tokens=sum(s.num_tokens - s.num_computed_tokens for s in sched.waiting),
-            block_size=engine.block_manager.block_size,
+            role=self.role, instance=self.instance, num_blocks=load.num_blocks, num_free_blocks=load.num_free_blocks,
+            num_running=load.num_running, num_waiting=load.num_waiting, num_queued_tokens=load.num_queued_tokens,
+            block_size=engine.config.block_size,
         )
 
     def shutdown(self) -> None:

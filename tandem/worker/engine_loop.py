@@ -14,10 +14,7 @@ import threading
 import time
 from typing import Any, Callable
 
-import numpy as np
-
 from tandem.engine.engine import LLMEngine
-from tandem.engine.scheduler import ScheduledBatch
 from tandem.outputs import RequestDelta
 from tandem.worker.api import StreamDelta
 
@@ -33,17 +30,11 @@ def stream_delta(d: RequestDelta, error: str | None = None) -> StreamDelta:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, tick: Callable[[], None] | None = None,
-                 layer_hook: Callable[[ScheduledBatch, int], None] | None = None,
-                 on_delta: Callable[[RequestDelta], None] | None = None,
-                 send_plan: Callable[[ScheduledBatch], np.ndarray] | None = None) -> None:
-        """tick: runs every iteration, busy or idle (transfer events); layer_hook, send_plan:
-        see LLMEngine.step; on_delta: sees every delta on the loop thread before it is streamed."""
+    def __init__(self, engine: LLMEngine, tick: Callable[[], None] | None = None) -> None:
+        """tick: runs every iteration, busy or idle (transfer events). What runs inside a step
+        is the engine's (see PrefillHooks)."""
         self.engine = engine
         self._tick = tick
-        self._layer_hook = layer_hook
-        self._send_plan = send_plan
-        self._on_delta = on_delta
         self._commands: queue.Queue[tuple[Callable[[LLMEngine], Any], concurrent.futures.Future]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[StreamDelta]]] = {}
         self._wake = threading.Event()
@@ -78,6 +69,11 @@ class EngineLoop:
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
 
+    @property
+    def num_streams(self) -> int:
+        """Streams open now (a worker at rest has none: see WorkerInventory)."""
+        return len(self._streams)
+
     def publish(self, delta: StreamDelta) -> None:
         """Hand a delta to its stream's reader (any thread)."""
         target = self._streams.get(delta.request_id)
@@ -86,8 +82,6 @@ class EngineLoop:
             loop.call_soon_threadsafe(q.put_nowait, delta)
 
     def publish_engine_delta(self, d: RequestDelta, error: str | None = None) -> None:
-        if self._on_delta is not None:
-            self._on_delta(d)
         self.publish(stream_delta(d, error))
 
     def seconds_since_iteration(self) -> float:
@@ -121,7 +115,7 @@ class EngineLoop:
             if self._tick is not None:
                 self._tick()
             if engine.has_unfinished:
-                for d in engine.step(self._layer_hook, self._send_plan):
+                for d in engine.step():
                     self.publish_engine_delta(d)
             else:
                 self._wake.wait(IDLE_WAIT_S)

@@ -114,7 +114,7 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         m, engine = self.metrics, self.metrics.engine
-        bm, sched = engine.block_manager, engine.scheduler
+        load, counters = engine.load(), engine.counters()
 
         def family(kind, name: str, documentation: str, value: float, **extra: str) -> Metric:
             f = kind(name, documentation, labels=(*LABELS, *extra))
@@ -122,17 +122,17 @@ class _EngineCollector(Collector):
             return f
 
         yield family(GaugeMetricFamily, "tandem_num_requests_running", "Sequences in the running batch.",
-                     len(sched.running))
+                     load.num_running)
         yield family(GaugeMetricFamily, "tandem_num_requests_waiting",
                      "Sequences waiting to be scheduled, or (decode) for their KV and first token.",
-                     len(engine.sequences) - len(sched.running))
+                     load.num_requests - load.num_running)
         yield family(GaugeMetricFamily, "tandem_num_requests_transferring", "Requests whose KV is in flight.",
                      m.num_transferring())
         yield family(GaugeMetricFamily, "tandem_kv_cache_usage_perc", "Used KV blocks / all blocks (0 to 1).",
-                     bm.num_used_blocks / bm.num_blocks)
+                     load.num_used_blocks / load.num_blocks)
         yield family(GaugeMetricFamily, "tandem_kv_cache_used_blocks", "KV blocks held by requests.",
-                     bm.num_used_blocks)
-        yield family(GaugeMetricFamily, "tandem_kv_cache_capacity_blocks", "KV blocks in the pool.", bm.num_blocks)
+                     load.num_used_blocks)
+        yield family(GaugeMetricFamily, "tandem_kv_cache_capacity_blocks", "KV blocks in the pool.", load.num_blocks)
         yield family(CounterMetricFamily, "tandem_prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                      m.num_prefix_queries)
         yield family(CounterMetricFamily, "tandem_prefix_cache_hits", "Prompt tokens found in the prefix cache.",
@@ -141,13 +141,13 @@ class _EngineCollector(Collector):
                      m.num_prefix_hits / m.num_prefix_queries if m.num_prefix_queries else 0.0)
         yield family(GaugeMetricFamily, "tandem_batch_size", "Sequences in the last engine step.", m.last_batch_size)
         yield family(GaugeMetricFamily, "tandem_batch_tokens", "Tokens in the last engine step.", m.last_batch_tokens)
-        yield family(CounterMetricFamily, "tandem_num_preemptions", "Sequences preempted.", sched.num_preemptions)
+        yield family(CounterMetricFamily, "tandem_num_preemptions", "Sequences preempted.", counters.num_preemptions)
         yield family(CounterMetricFamily, "tandem_spec_decode_num_draft_tokens",
-                     "Draft tokens verified by speculative decoding.", sched.speculator.num_draft_tokens)
+                     "Draft tokens verified by speculative decoding.", counters.num_draft_tokens)
         yield family(CounterMetricFamily, "tandem_spec_decode_num_accepted_tokens",
-                     "Draft tokens accepted by speculative decoding.", sched.speculator.num_accepted_tokens)
+                     "Draft tokens accepted by speculative decoding.", counters.num_accepted_draft_tokens)
         yield family(CounterMetricFamily, "tandem_num_swapped_out_blocks", "KV blocks swapped out to host memory.",
-                     sched.num_swapped_out_blocks)
+                     counters.num_swapped_out_blocks)
         bytes_total = CounterMetricFamily("tandem_kv_transfer_bytes", "KV payload bytes moved.",
                                           labels=(*LABELS, "direction"))
         for direction, read in m.kv_bytes.items():

@@ -48,12 +48,12 @@ def test_preemption_keeps_outputs_exact(make_llm, prompts, expected, preemption_
     llm = make_llm(block_size=BLOCK_SIZE, num_kv_blocks=130, enable_prefix_caching=False,
                    preemption_mode=preemption_mode)
     outputs = llm.generate(prompts, greedy_params())
-    sched = llm.engine.scheduler
-    assert sched.num_preemptions > 0
+    counters = llm.engine.counters()
+    assert counters.num_preemptions > 0
     if preemption_mode == "swap":
-        assert sched.num_swapped_out_blocks == sched.num_swapped_in_blocks > 0
+        assert counters.num_swapped_out_blocks == counters.num_swapped_in_blocks > 0
     else:
-        assert sched.num_swapped_out_blocks == 0
+        assert counters.num_swapped_out_blocks == 0
     assert [o.token_ids for o in outputs] == expected
     assert_all_blocks_free(llm)
 
@@ -66,7 +66,7 @@ def test_swapping_beside_prefix_cache_hits_keeps_outputs_exact(make_llm, hf_mode
     params = SamplingParams(temperature=0, max_tokens=60)
     llm = make_llm(block_size=BLOCK_SIZE, num_kv_blocks=40, max_num_batched_tokens=128, preemption_mode="swap")
     outputs = llm.generate(prompts, params)
-    assert llm.engine.scheduler.num_swapped_out_blocks > 0
+    assert llm.engine.counters().num_swapped_out_blocks > 0
     assert sum(o.num_cached_tokens for o in outputs) > 0
     eos = loaded.config.eos_token_ids
     assert [o.token_ids for o in outputs] == [hf_greedy(hf_model, p, 60, eos) for p in prompts]

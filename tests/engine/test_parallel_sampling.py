@@ -49,7 +49,7 @@ def test_completions_survive_preemption(make_llm, tokenizer, preemption_mode):
     params = SamplingParams(n=4, seed=7, temperature=0.8, max_tokens=40, ignore_eos=True)
     llm = make_llm(num_kv_blocks=12, preemption_mode=preemption_mode)
     out = llm.generate({"prompt_token_ids": prompt}, params)[0]
-    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.counters().num_preemptions > 0
     roomy = make_llm(num_kv_blocks=160)
     for c in out.outputs:
         alone = roomy.generate({"prompt_token_ids": prompt},
@@ -69,7 +69,7 @@ def test_forks_and_swaps_in_one_step_keep_every_completion(make_llm, tokenizer, 
     params = [SamplingParams(temperature=0.8, seed=i, n=2, max_tokens=40, ignore_eos=True) for i in range(4)]
     small = make_llm(num_kv_blocks=8, block_size=16, preemption_mode=preemption_mode, max_num_batched_tokens=256)
     got = small.generate([{"prompt_token_ids": p} for p in prompts], params)
-    assert small.engine.scheduler.num_swapped_out_blocks > 0
+    assert small.engine.counters().num_swapped_out_blocks > 0
     expected = make_llm(num_kv_blocks=160).generate([{"prompt_token_ids": p} for p in prompts], params)
     assert [[c.token_ids for c in o.outputs] for o in got] == [[c.token_ids for c in o.outputs] for o in expected]
 

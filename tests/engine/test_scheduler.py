@@ -134,7 +134,7 @@ def test_preemption_recomputes_the_newest_sequence(prefix_caching: bool) -> None
     assert (a.block_ids, b.block_ids, list(sched.waiting)) == ([0, 1], [2, 3], [c])
     assert _step(sched, {"a": 13}) == [("a", 1, True)]  # a needs a 3rd block: b gives way
     assert (b.status, b.block_ids, b.num_computed_tokens, b.num_preemptions) == (St.WAITING, [], 0, 1)
-    assert list(sched.waiting) == [b, c] and sched.num_preemptions == 1
+    assert list(sched.waiting) == [b, c] and sched.preemptor.num_preemptions == 1
     assert a.status == St.FINISHED_LENGTH and a.output_token_ids == [11, 12, 13]
     assert list(sched.block_manager.free_block_ids) == [2, 3, 1, 0]
     # b's first block (block 2) survived in the cache; its second (block 3) went to a.
@@ -206,7 +206,7 @@ def test_abort_from_waiting_and_running_frees_every_block() -> None:
 def _check_books(sched: Scheduler) -> None:
     """Ref counts equal table memberships; only cached prefix blocks are shared; the host
     blocks in use are exactly the swapped sequences', never more than the device pool."""
-    bm, bs, pool = sched.block_manager, sched.block_manager.block_size, sched.swap_pool
+    bm, bs, pool = sched.block_manager, sched.block_manager.block_size, sched.preemptor.swap_pool
     live = [*sched.waiting, *sched.running, *sched.swapped]
     assert len({id(s) for s in live}) == len(live)
     assert all(s.status == St.WAITING for s in sched.waiting) and all(s.status == St.RUNNING for s in sched.running)
@@ -324,7 +324,7 @@ def _random_workload(seed: int) -> None:
         pytest.fail(f"seed {seed}: workload did not drain")
     bm = sched.block_manager
     assert not sched.waiting and not sched.running and not sched.swapped and not sched.has_unfinished
-    assert sched.swap_pool.num_free_blocks == sched.swap_pool.num_blocks
+    assert sched.preemptor.swap_pool.num_free_blocks == sched.preemptor.swap_pool.num_blocks
     assert bm.ref_counts == [0] * num_blocks and sorted(bm.free_block_ids) == list(range(num_blocks))
     for seq in seqs:
         assert seq.status.is_finished and seq.block_ids == []

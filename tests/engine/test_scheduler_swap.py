@@ -39,13 +39,13 @@ def test_swapped_sequence_resumes_where_it_stopped() -> None:
     sched, a, b, c = _two_running_then_a_third_waits(preemption_mode="swap")
     assert _step(sched, {"a": 13}) == ([("a", 1)], [(2, 0), (3, 1)], [])  # a took block 3 as b left
     assert (b.status, b.block_ids, b.host_block_ids, b.num_computed_tokens) == (St.SWAPPED, [], [0, 1], 8)
-    assert list(sched.swapped) == [b] and list(sched.waiting) == [c] and sched.swap_pool.num_used_blocks == 2
-    assert (sched.num_preemptions, b.num_preemptions, sched.num_swapped_out_blocks) == (1, 1, 2)
+    assert list(sched.swapped) == [b] and list(sched.waiting) == [c] and sched.preemptor.swap_pool.num_used_blocks == 2
+    assert (sched.preemptor.num_preemptions, b.num_preemptions, sched.preemptor.num_swapped_out_blocks) == (1, 1, 2)
     assert a.status == St.FINISHED_LENGTH and list(sched.block_manager.free_block_ids) == [2, 3, 1, 0]
     # b's KV comes back into fresh blocks 2, 3 (a third for its next token), then c is admitted.
     assert _step(sched, {"b": 23, "c": 31}) == ([("b", 1), ("c", 3)], [], [(0, 2), (1, 3)])
     assert (b.block_ids, b.host_block_ids, b.status, b.num_computed_tokens) == ([2, 3, 1], [], St.RUNNING, 9)
-    assert sched.num_swapped_in_blocks == 2 and sched.swap_pool.num_used_blocks == 0
+    assert sched.preemptor.num_swapped_in_blocks == 2 and sched.preemptor.swap_pool.num_used_blocks == 0
     assert _step(sched, {"b": 24}) == ([("b", 1)], [], [])
     assert b.output_token_ids == [21, 22, 23, 24] and b.status == St.FINISHED_LENGTH
     assert _all_free(sched) and not sched.has_unfinished
@@ -75,22 +75,22 @@ def test_a_full_host_pool_falls_back_to_recompute() -> None:
     assert _step(sched, {"a": 13}) == ([("a", 1)], [], [])
     assert (b.status, b.block_ids, b.num_computed_tokens) == (St.WAITING, [], 0)
     assert list(sched.waiting) == [b, c] and not sched.swapped
-    assert sched.num_preemptions == 1 and sched.num_swapped_out_blocks == 0
+    assert sched.preemptor.num_preemptions == 1 and sched.preemptor.num_swapped_out_blocks == 0
 
 
 def test_recompute_mode_and_no_swap_space_never_swap() -> None:
     for kw in (dict(preemption_mode="recompute"), dict(swap_space_gib=0)):
         sched, a, b, c = _two_running_then_a_third_waits(**kw)
         assert _step(sched, {"a": 13}) == ([("a", 1)], [], [])
-        assert b.status == St.WAITING and sched.num_swapped_out_blocks == 0
+        assert b.status == St.WAITING and sched.preemptor.num_swapped_out_blocks == 0
 
 
 def test_aborting_a_swapped_sequence_frees_its_host_blocks() -> None:
     sched, a, b, c = _two_running_then_a_third_waits()  # auto: swaps from 1 block on
     _step(sched, {"a": 13})
-    assert b.status == St.SWAPPED and sched.swap_pool.num_used_blocks == 2
+    assert b.status == St.SWAPPED and sched.preemptor.swap_pool.num_used_blocks == 2
     assert sched.abort("b") is b and b.status == St.FINISHED_ABORTED and b.host_block_ids == []
-    assert not sched.swapped and sched.swap_pool.num_free_blocks == sched.swap_pool.num_blocks
+    assert not sched.swapped and sched.preemptor.swap_pool.num_free_blocks == sched.preemptor.swap_pool.num_blocks
     assert sched.abort("c") is c and _all_free(sched) and not sched.has_unfinished
 
 

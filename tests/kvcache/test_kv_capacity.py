@@ -10,8 +10,10 @@ import re
 import numpy as np
 import pytest
 
-from tandem.config import DTYPES, EngineConfig, ModelConfig
-from tandem.kvcache.capacity import DTYPE_BYTES, KVCapacity, gib_to_bytes, kv_bytes_per_token, kv_heads_per_rank
+from tandem.config import EngineConfig, ModelConfig, gib_to_bytes, kv_bytes_per_token, kv_heads_per_rank
+from tandem.config_names import DTYPE_BYTES
+from tandem.kvcache.capacity import KVCapacity
+from tandem.model.dtypes import DTYPES
 
 SMOLLM2 = ModelConfig(
     name="smollm2-shape", architecture="LlamaForCausalLM", num_layers=30, hidden_size=576,

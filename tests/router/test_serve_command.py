@@ -1,12 +1,17 @@
-"""``tandem serve`` and ``tandem chat`` flags that become engine options: --num-speculative-tokens."""
+"""``tandem serve`` and ``tandem chat`` flags that become engine options: one definition of them
+(tandem.engine_options) for both and for LLM(...), --num-speculative-tokens, swap and preemption."""
 
 from __future__ import annotations
 
 import argparse
+import inspect
 
 import pytest
 
+from tandem import LLM
 from tandem.cli import add_engine_args, engine_kwargs
+from tandem.config import EngineConfig
+from tandem.engine_options import ENGINE_DEFAULTS, engine_options_from_args
 from tandem.router import serve_command
 
 
@@ -37,3 +42,34 @@ def test_chat_passes_num_speculative_tokens_to_its_engine():
     add_engine_args(parser)
     assert engine_kwargs(parser.parse_args([]))["num_speculative_tokens"] == 0
     assert engine_kwargs(parser.parse_args(["--num-speculative-tokens", "3"]))["num_speculative_tokens"] == 3
+
+
+def _chat_args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_serve_chat_and_llm_share_one_definition_of_the_engine_options():
+    assert engine_options_from_args(_serve_args()) == dict(ENGINE_DEFAULTS)
+    assert engine_options_from_args(_chat_args()) == dict(ENGINE_DEFAULTS)
+    build = inspect.signature(EngineConfig.build).parameters
+    assert {name: build[name].default for name in ENGINE_DEFAULTS} == dict(ENGINE_DEFAULTS)
+    for entry in (LLM.__init__, LLM.from_loaded):
+        assert inspect.signature(entry).parameters["dtype"].default == ENGINE_DEFAULTS["dtype"]
+    assert ENGINE_DEFAULTS["kv_cache_memory_gib"] == 1.0  # serve's was 0.5: now the one default
+
+
+def test_serve_passes_only_what_differs_from_the_defaults():
+    assert serve_command.worker_args(_serve_args()) == {"model": None}
+    args = _serve_args("--dtype", "bfloat16", "--kv-cache-memory-gib", "0.25", "--max-model-len", "512")
+    assert serve_command.worker_args(args) == {"model": None, "dtype": "bfloat16", "kv_cache_memory_gib": 0.25,
+                                               "max_model_len": 512}
+
+
+def test_swap_space_and_preemption_mode_reach_every_worker():
+    args = _serve_args("--swap-space-gib", "2", "--preemption-mode", "recompute", "--colocated", "2")
+    worker = serve_command.worker_args(args)
+    assert (worker["swap_space_gib"], worker["preemption_mode"]) == (2.0, "recompute")
+    with pytest.raises(SystemExit):  # argparse's error, before any worker starts
+        _serve_args("--preemption-mode", "sometimes")

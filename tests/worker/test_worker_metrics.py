@@ -27,7 +27,7 @@ def test_colocated_engine_metrics(make_llm, tokenizer):
     assert total(s, "tandem_prefix_cache_hits_total") == 64
     assert total(s, "tandem_prefix_cache_hit_rate") == 64 / 200
     # 12 blocks cannot hold 2 x (70 or 60 + 40) tokens: someone was preempted.
-    assert total(s, "tandem_num_preemptions_total") == llm.engine.scheduler.num_preemptions > 0
+    assert total(s, "tandem_num_preemptions_total") == llm.engine.counters().num_preemptions > 0
     assert total(s, "tandem_kv_cache_capacity_blocks") == 12 and total(s, "tandem_kv_cache_used_blocks") == 0
     assert total(s, "tandem_kv_cache_usage_perc") == 0
     assert total(s, "tandem_batch_size") >= 1 and total(s, "tandem_batch_tokens") >= 1

@@ -1,0 +1,87 @@
+"""Engine options, each defined once: the flags of ``tandem serve`` and ``tandem chat`` and the
+keyword defaults of ``LLM(...)`` and :meth:`tandem.config.EngineConfig.build`.
+
+With one definition the three entry points cannot drift apart (they did: the KV pool was
+1.0 GiB in ``chat`` and ``LLM`` but 0.5 GiB in ``serve``, and ``serve`` had no swap or
+preemption flags). Torch-free, like config_names.py beneath it: the router builds its
+parser without loading torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from tandem.config_names import DTYPE_NAMES, PREEMPTION_MODES, QUANTIZATION_METHODS
+
+MODEL_HELP = "local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)"
+"""``--model``'s help, the same in every command that loads (or plans) a model."""
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """One engine option: a keyword of EngineConfig.build (and LLM) and its ``--flag``."""
+
+    name: str
+    """The keyword, e.g. kv_cache_memory_gib; the flag is --kv-cache-memory-gib."""
+    type: Callable[[str], Any]
+    default: Any
+    help: str
+    """argparse help; %(default)s expands to the default."""
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def add_to(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument(self.flag, type=self.type, default=self.default, help=self.help,
+                            choices=self.choices, metavar=self.metavar)
+
+
+ENGINE_OPTIONS: tuple[EngineOption, ...] = (
+    EngineOption("dtype", str, "float32", "weights and KV cache (default %(default)s)", choices=DTYPE_NAMES),
+    EngineOption("block_size", int, 16, "tokens per KV block (default %(default)s)"),
+    # 1.0 GiB: what LLM(...), tandem chat, the README and the Helm chart's values assume.
+    EngineOption("kv_cache_memory_gib", float, 1.0,
+                 "KV pool of each engine (each worker, under tandem serve) in GiB (default %(default)s)"),
+    EngineOption("max_model_len", int, None,
+                 "longest sequence, prompt + output (default: the model's context, at most what the pool holds)"),
+    EngineOption("max_num_seqs", int, 64, "sequences running at once (default %(default)s)"),
+    EngineOption("max_num_batched_tokens", int, 1024, "token budget of one step (default %(default)s)"),
+    EngineOption("swap_space_gib", float, 0.5,
+                 "host memory that preempted sequences swap their KV into, in GiB (default %(default)s; "
+                 "0: always recompute)"),
+    EngineOption("preemption_mode", str, "auto",
+                 "when blocks run out: swap (when the host pool has room), recompute, or auto (swap long "
+                 "sequences, recompute short ones) (default %(default)s)", choices=PREEMPTION_MODES),
+    EngineOption("quantization", str, None,
+                 "weight-only int8 with per-channel scales, or int4 in groups of 32 (a GGUF file's Q4_1 "
+                 "blocks kept as they are) (default: the weights as loaded)", choices=QUANTIZATION_METHODS),
+    EngineOption("num_speculative_tokens", int, 0,
+                 "draft tokens per decode step by prompt lookup (default 0: off)", metavar="K"),
+)
+
+ENGINE_DEFAULTS: Mapping[str, Any] = MappingProxyType({o.name: o.default for o in ENGINE_OPTIONS})
+"""Each option's default by keyword: EngineConfig.build's and LLM's defaults."""
+
+
+def add_engine_options(parser: argparse.ArgumentParser, names: Iterable[str] | None = None) -> None:
+    """Every engine option as a flag (``tandem serve`` and ``tandem chat`` both call this), or
+    only those in ``names`` (``tandem plan`` takes the dtype and block size)."""
+    wanted = None if names is None else set(names)
+    unknown = set() if wanted is None else wanted - ENGINE_DEFAULTS.keys()
+    if unknown:
+        raise ValueError(f"no such engine options: {', '.join(sorted(unknown))}")
+    for option in ENGINE_OPTIONS:
+        if wanted is None or option.name in wanted:
+            option.add_to(parser)
+
+
+def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options parsed by add_engine_options, as EngineConfig.build's keywords."""
+    return {o.name: getattr(args, o.name) for o in ENGINE_OPTIONS}
