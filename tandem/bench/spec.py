@@ -104,9 +104,9 @@ def run_batch(loaded: LoadedModel, k: int, prompts: list[list[int]], params: Sam
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
-    spec = llm.engine.scheduler.speculator
+    counters = llm.engine.counters()
     return {"seconds": seconds, "outputs": [o.token_ids for o in outputs],
-            "draft_tokens": spec.num_draft_tokens, "accepted_tokens": spec.num_accepted_tokens}
+            "draft_tokens": counters.num_draft_tokens, "accepted_tokens": counters.num_accepted_draft_tokens}
 
 
 def bench_workload(loaded: LoadedModel, name: str, prompts: list[list[int]], ks: list[int], rounds: int,
