@@ -17,10 +17,8 @@ import kubernetes_validate
 import pytest
 from packaging.version import Version
 
-
 from helm_render import (
-    CHART, GPU, HEAD, NAMESPACE, SCENARIOS, components, container, find, flag, gpu_values, manifests, merged, render,
-    router_args,
+    CHART, HEAD, NAMESPACE, SCENARIOS, components, container, find, flag, gpu_values, manifests, render, router_args,
 )
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dashboards" / "tandem.json"
