@@ -7,7 +7,6 @@ from typing import Any
 
 from tandem.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner
-from tandem.model.dtypes import DTYPES
 from tandem.model.llama import LlamaModel
 from tandem.model.loader import LoadedModel
 from tandem.parallel.executor import rank_model
@@ -36,7 +35,7 @@ def start_engine_model(loaded: LoadedModel, config: EngineConfig, model: str | N
         part = LlamaModel(loaded.config, loaded.weights, config.max_model_len)
         return EngineModel(part, ModelRunner(config, part), None)
     rank_shards(loaded.config, tp)  # refuses a tp the heads do not split by, before any rank starts
-    rank_args = dict(dtype=next(k for k, v in DTYPES.items() if v == config.dtype), block_size=config.block_size,
+    rank_args = dict(dtype=config.dtype_name, block_size=config.block_size,
                      num_kv_blocks=config.num_kv_blocks, num_swap_blocks=config.num_swap_blocks,
                      max_model_len=config.max_model_len, quantization=config.quantization, tensor_parallel_size=tp)
     ranks = RankGroup(tp, model, rank_args, num_threads, placement_group)

@@ -13,6 +13,7 @@ from tandem.engine.engine import LLMEngine
 from tandem.engine.hooks import PrefillHooks
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.snapshots import EngineInventory
+from tandem.engine_options import ENGINE_DEFAULTS
 from tandem.model.dtypes import DTYPES
 from tandem.model.fingerprint import model_fingerprint
 from tandem.model.loader import LoadedModel, load_model, quantized
@@ -31,7 +32,7 @@ class Worker:
 
     role: Role
 
-    def __init__(self, instance: str, model: str | None = None, dtype: str = "float32",
+    def __init__(self, instance: str, model: str | None = None, dtype: str = ENGINE_DEFAULTS["dtype"],
                  num_threads: int | None = None, loaded: LoadedModel | None = None,
                  placement_group: Any = None, **engine_args: Any) -> None:
         """loaded: weights already in this process (tests); otherwise `model` is loaded here
