@@ -40,9 +40,10 @@ class DecodeWorker(Worker):
     role = Role.DECODE
 
     def __init__(self, instance: str = "decode-0", transfer_address: str = DEFAULT_ADDRESS,
-                 transfer_timeout_s: float = 120.0, **kwargs: Any) -> None:
-        """transfer_timeout_s: how long a reservation waits for its KV, counted from the
-        reservation (so it includes the prefill queue; generous for that reason)."""
+                 transfer_timeout_s: float = 30.0, **kwargs: Any) -> None:
+        """transfer_timeout_s: how long a reservation waits for the rest of its KV after the
+        latest layer message (a prompt queued on the prefill worker has no deadline here: the
+        router ends its reservation on every exit path)."""
         self._transfer_address = transfer_address
         self._transfer_timeout_s = transfer_timeout_s
         self._arrived: set[str] = set()

@@ -38,11 +38,16 @@ MAX_ENDED = 100_000  # ended request ids remembered, so late messages are told t
 @dataclass
 class _Expected:
     destination: Destination
-    deadline: float
+    timeout_s: float
     received: list[int]
     """Tokens in place so far, per layer (they arrive in order after the cached prefix)."""
     sender: bytes | None = None
     """ZMQ identity of the sender, once it has sent a layer."""
+    deadline: float | None = None
+    """When the KV is overdue: timeout_s after the sender's latest layer message, so that a
+    reservation whose prompt waits in the prefill queue, or between its chunks, never times
+    out; before the first one its owner ends it (NOTE: timeouts count from work, not from
+    queues)."""
 
 
 class KVReceiver:
@@ -51,7 +56,8 @@ class KVReceiver:
                  sink: KVSink | None = None) -> None:
         """kv_cache: the pool written into, [layers, 2, blocks, block_size, kv_heads, head_dim]
         (or None with a sink that takes the rows instead).
-        timeout_s: a request fails when its KV has not all arrived this long after `expect`.
+        timeout_s: a request fails when its KV has not all arrived this long after its latest
+        layer message (not after `expect`: the prompt may wait in the prefill queue before that).
         model: the weights' identity (model_fingerprint): senders must name the same one.
         """
         self.model = model
@@ -91,12 +97,12 @@ class KVReceiver:
             raise ValueError(f"{request_id}: {num_cached_tokens} cached tokens is not a whole number of "
                              f"blocks of {self.layout.block_size} below {num_tokens}")
         dest = Destination(request_id, self.address, tuple(block_ids), num_tokens, num_cached_tokens)
-        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         with self._lock:
             if request_id in self._expected:
                 raise ValueError(f"{request_id}: already expected")
             self._ended.pop(request_id, None)
-            self._expected[request_id] = _Expected(dest, deadline, [num_cached_tokens] * self.layout.num_layers)
+            self._expected[request_id] = _Expected(dest, timeout_s, [num_cached_tokens] * self.layout.num_layers)
         return dest
 
     def abort(self, request_id: str) -> bool:
@@ -196,6 +202,7 @@ class KVReceiver:
                     self._socket.send_multipart([sender, encode(MessageKind.ABORT, h.request_id)])
                     raise ProtocolError("ended_request", f"{h.request_id} has ended")
                 raise ProtocolError("unknown_request", h.request_id)
+            exp.deadline = time.monotonic() + exp.timeout_s  # the sender is at work: a stall is timed
             slots = self._check(h, exp)
             exp.sender = sender
             for kv, parts in ((0, k_parts), (1, v_parts)):
@@ -285,12 +292,12 @@ class KVReceiver:
     def _sweep_deadlines(self) -> None:
         now = time.monotonic()
         with self._lock:
-            expired = [rid for rid, e in self._expected.items() if e.deadline <= now]
+            expired = [rid for rid, e in self._expected.items() if e.deadline is not None and e.deadline <= now]
             ended = [(rid, self._expected.pop(rid)) for rid in expired]
             for rid in expired:
                 self._remember_ended(rid)
         for rid, exp in ended:
-            logger.warning("kv transfer %s timed out after %.1f s", rid, self.timeout_s)
+            logger.warning("kv transfer %s timed out: nothing for %.1f s", rid, exp.timeout_s)
             self.dropped["timeout"] += 1
             if exp.sender is not None:
                 self._socket.send_multipart([exp.sender, encode(MessageKind.FAILED, rid, reason="timeout")])

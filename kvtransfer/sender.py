@@ -42,7 +42,10 @@ class _Peer:
 class _Outgoing:
     destination: Destination
     src_block_ids: list[int]
-    deadline: float
+    deadline: float | None = None
+    """When the receiver's ack is overdue: timeout_s after the latest layer sent, so that a
+    request waiting in the prefill queue, or between its chunks, never times out (NOTE:
+    timeouts count from work, not from queues)."""
     trackers: list[zmq.MessageTracker] = field(default_factory=list)
     """One per message with frames of the pool: done once ZMQ no longer reads them."""
     ended: TransferEvent | None = None
@@ -55,7 +58,8 @@ class KVSender:
         """kv_cache: the pool read from, [layers, 2, blocks, block_size, kv_heads, head_dim].
         layout: the pool as receivers see it, when send_layer is given every row (a
         tensor-parallel worker's pool holds only some heads per rank; default: kv_cache's).
-        timeout_s: a request fails when its receiver has not acked it this long after `begin`.
+        timeout_s: a request fails when its receiver has not acked it this long after its
+        latest layer was sent (not after `begin`: the prompt may wait in a queue before that).
         model: the weights' identity (model_fingerprint), which a receiver that names one
         must share. checksum: a CRC-32 of every layer's payload goes with it (ZMQ frames only).
         """
@@ -115,8 +119,7 @@ class KVSender:
         if destination.request_id in self._outgoing:
             raise ValueError(f"{destination.request_id}: its KV is being sent already")
         self.connect(destination.address)
-        self._outgoing[destination.request_id] = _Outgoing(
-            destination, list(src_block_ids), time.monotonic() + self.timeout_s)
+        self._outgoing[destination.request_id] = _Outgoing(destination, list(src_block_ids))
 
     def send_layer(self, request_id: str, layer: int, token_start: int | None = None, token_end: int | None = None,
                    src_block_ids: list[int] | None = None,
@@ -131,6 +134,7 @@ class KVSender:
         out = self._outgoing.get(request_id)
         if out is None or out.ended is not None:
             return False
+        out.deadline = time.monotonic() + self.timeout_s
         dest = out.destination
         start = dest.num_cached_tokens if token_start is None else token_start
         end = dest.num_tokens if token_end is None else token_end
@@ -222,7 +226,7 @@ class KVSender:
                     self._end(request_id, TransferEvent(request_id, status, reason))
         now = time.monotonic()
         for request_id, out in self._outgoing.items():
-            if out.ended is None and out.deadline <= now:
+            if out.ended is None and out.deadline is not None and out.deadline <= now:
                 logger.warning("kv transfer %s: no ack within %.1f s", request_id, self.timeout_s)
                 self._end(request_id, TransferEvent(request_id, TransferStatus.FAILED, "timed out waiting for the receiver"))
         released = [r for r, o in self._outgoing.items() if o.ended is not None and all(t.done for t in o.trackers)]

@@ -167,10 +167,11 @@ class SenderWorker:
         self.payload = _init_dist(dist)
         self.pools = {lane: spec.make() for lane, spec in pools.items()}
         self.senders = {lane: KVSender(self.pools[lane], timeout_s, self.payload) for lane in pools}
-        self.begun_at: dict[str, float] = {}
+        self.active_at: dict[str, float] = {}
+        """When each request was last begun or sent: its sender's timeout runs from then."""
 
     def begin(self, lane: str, dest: Destination, plan: Plan) -> None:
-        self.begun_at[dest.request_id] = time.monotonic()
+        self.active_at[dest.request_id] = time.monotonic()
         self.senders[lane].begin(dest, list(plan.src_block_ids))
 
     def send(self, lane: str, plans: list[Plan], layers: list[int] | None = None) -> list[bool]:
@@ -184,6 +185,7 @@ class SenderWorker:
                 for plan in plans:
                     if i < len(plan.chunks):
                         sent.append(sender.send_layer(plan.request_id, layer, *plan.chunks[i]))
+                        self.active_at[plan.request_id] = time.monotonic()
         return sent
 
     def send_header_only(self, lane: str, plan: Plan, layer: int) -> bool:
@@ -197,9 +199,9 @@ class SenderWorker:
             del payload.send
 
     def wait(self, lane: str, request_id: str, timeout_s: float) -> tuple[TransferEvent, float]:
-        """-> the request's event and the seconds since its `begin`."""
+        """-> the request's event and the seconds since its `begin` or latest send."""
         event = self.senders[lane].wait(request_id, timeout_s)
-        return event, time.monotonic() - self.begun_at[request_id]
+        return event, time.monotonic() - self.active_at[request_id]
 
     def state(self, lane: str) -> dict[str, Any]:
         return {"num_pending": self.senders[lane].num_pending}

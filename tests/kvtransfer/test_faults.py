@@ -197,6 +197,26 @@ def test_a_transfer_that_stalls_times_out_on_both_sides(fault_report):
                           f"{sender_s:.2f} s (told by the receiver before its own 0.6 s), with no other traffic")
 
 
+def test_waiting_before_the_first_layer_is_never_timed():
+    """A prompt that waits in the prefill queue past both timeouts after begin/expect, then
+    runs: its transfer completes, bytes exact. The clocks run from the latest layer."""
+    src, dst = random_pool(2, 4, 16, 1, 4, torch.float32, 1), random_pool(2, 4, 16, 1, 4, torch.float32, 2)
+    receiver = KVReceiver(dst, timeout_s=0.3)
+    sender = KVSender(src, timeout_s=0.3)
+    try:
+        sender.begin(receiver.expect("req", [1], 10), [3])
+        time.sleep(1.0)  # three timeouts' worth of queueing; the receiver's sweep runs meanwhile
+        assert sender.poll() == [] and receiver.get_event(0) is None
+        assert receiver.num_pending == 1 and sender.num_pending == 1
+        assert all(sender.send_layer("req", layer) for layer in range(2))
+        assert receiver.get_event(5).status is TransferStatus.DONE
+        assert sender.wait("req", 5).status is TransferStatus.DONE
+        assert torch.equal(token_rows(dst, [1], 10), token_rows(src, [3], 10))
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_sender_gives_up_on_a_receiver_that_never_answers():
     sender = KVSender(random_pool(2, 4, 16, 1, 4, torch.float32, 1))
     dead = zmq.Context.instance().socket(zmq.ROUTER)  # bound, but nobody reads it
