@@ -4,14 +4,17 @@ then decodes it in its continuous batch and streams the tokens.
 A request's life here (the whole way: docs/architecture.md):
 1. reserved: `reserve` holds blocks for the prompt and the first step (a prefix this pool
    caches is shared, not sent) and tells the KV receiver to expect the rest.
-2. KV arrived (the receiver's DONE event, read in `_tick`) and first token (`start`, from
-   the prefill worker through the router): either may come first.
-3. running: with both, the sequence joins the running batch; the engine loop steps it.
+2. first token (`start`, from the prefill worker through the router, as soon as it is
+   sampled): streamed at once, while the KV is still arriving (for n > 1 and beam search
+   only once the KV is in: they fork the prompt's blocks).
+3. KV arrived (the receiver's DONE event, read in `_tick`): with the first token too, the
+   sequence joins the running batch; the engine loop steps it.
 4. streamed: each step's tokens go out through `stream`, until the last delta.
-Exits: a finish frees the blocks in the scheduler. `abort` (cancel, deadline, the prefill
-worker gone, a reader that leaves early) first stops the receiver writing, then frees them.
-KV that fails or times out aborts the request with an error delta. A dead worker's pool
-dies with its process.
+Exits: a finish frees the blocks in the scheduler (a first token that ends the request
+frees them once the transfer has ended). `abort` (cancel, deadline, the prefill worker
+gone, a reader that leaves early) first stops the receiver writing, then frees them. KV
+that fails or times out aborts the request with an error delta. A dead worker's pool dies
+with its process.
 """
 
 from __future__ import annotations
@@ -24,9 +27,12 @@ import torch
 
 from tandem.decoding.beam_search import num_candidates
 from tandem.engine.engine import LLMEngine
+from tandem.engine.sequence import Sequence
 from tandem.engine.snapshots import EngineInventory
 from tandem.kvtransfer.protocol import Destination, TransferStatus
+from tandem.engine.model_runner import private_pool
 from tandem.kvtransfer.receiver import DEFAULT_ADDRESS, KVReceiver
+from tandem.kvtransfer.shared_pool import SHM_DIR, HostSharedPool
 from tandem.outputs import FirstSample
 from tandem.parallel.runner import TensorParallelRunner
 from tandem.worker.api import PoolFull, PrefillResult, Role, StreamDelta, WorkerRequest, checked
@@ -40,19 +46,36 @@ class DecodeWorker(Worker):
     role = Role.DECODE
 
     def __init__(self, instance: str = "decode-0", transfer_address: str = DEFAULT_ADDRESS,
-                 transfer_timeout_s: float = 30.0, **kwargs: Any) -> None:
+                 transfer_timeout_s: float = 30.0, node_id: str | None = None, kv_shm_dir: str | None = SHM_DIR,
+                 **kwargs: Any) -> None:
         """transfer_timeout_s: how long a reservation waits for the rest of its KV after the
         latest layer message (a prompt queued on the prefill worker has no deadline here: the
-        router ends its reservation on every exit path)."""
+        router ends its reservation on every exit path).
+        node_id: this worker's node (Ray's node id under Ray; default: the host's identity).
+        kv_shm_dir: where the KV pool's file goes, so that prefill workers of this node write
+        the KV straight into it (None, or no room there: a private pool, KV by socket only)."""
         self._transfer_address = transfer_address
         self._transfer_timeout_s = transfer_timeout_s
+        self._node_id = node_id
+        self._shared_pool: HostSharedPool | None = None
+        """The KV pool's file in shared memory, when it has one (tensor_parallel_size 1)."""
+
+        def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            self._shared_pool = HostSharedPool.create(shape, dtype, kv_shm_dir) if kv_shm_dir else None
+            return private_pool(shape, dtype) if self._shared_pool is None else self._shared_pool.kv_cache
+
         self._arrived: set[str] = set()
         """Requests whose KV is in their blocks, waiting for their first token."""
         self._first_tokens: dict[str, PrefillResult] = {}
-        """First tokens that came before their KV."""
+        """First tokens that came before their KV and wait for it (n > 1, beam search)."""
+        self._streamed_first: set[str] = set()
+        """Requests whose first token went out before their KV arrived, still going."""
+        self._finished_first: dict[str, Sequence] = {}
+        """Requests that their first token ended before their KV arrived: their blocks are
+        freed when the transfer ends."""
         self._readers: set[str] = set()
         """Requests whose stream is being read (on the actor's event loop)."""
-        super().__init__(instance, **kwargs)
+        super().__init__(instance, allocate_kv=allocate_kv, **kwargs)
 
     def _start_loop(self) -> EngineLoop:
         runner = self.engine.runner
@@ -60,13 +83,15 @@ class DecodeWorker(Worker):
         # carries it to every rank (see parallel.kv_writes).
         sink = runner.kv_writes if isinstance(runner, TensorParallelRunner) else None
         self.receiver = KVReceiver(runner.kv_cache, self._transfer_address, self._transfer_timeout_s,
-                                   model=self.fingerprint, sink=sink)
+                                   model=self.fingerprint, sink=sink, shared_pool=self._shared_pool,
+                                   node_id=self._node_id)
         self.metrics.kv_bytes["received"] = lambda: self.receiver.num_bytes_received
         self.metrics.num_transferring = lambda: self.receiver.num_pending
         return EngineLoop(self.engine, tick=self._tick)
 
     def _held(self, inventory: EngineInventory) -> dict[str, int]:
-        return dict(num_reserved=inventory.num_reserved, num_first_tokens=len(self._first_tokens),
+        return dict(num_reserved=inventory.num_reserved,
+                    num_first_tokens=len(self._first_tokens) + len(self._streamed_first) + len(self._finished_first),
                     num_arrived=len(self._arrived), num_pending_transfers=self.receiver.num_pending)
 
     async def reserve(self, request: WorkerRequest) -> Destination:
@@ -125,7 +150,7 @@ class DecodeWorker(Worker):
         seq = engine.get_sequence(first.request_id)
         if seq is None:
             return  # aborted or failed meanwhile
-        if seq.num_output_tokens or first.request_id in self._first_tokens:
+        if seq.num_output_tokens or first.request_id in self._first_tokens or seq.status.is_finished:
             raise ValueError(f"{first.request_id} has its first token already")
         params = seq.params
         num_expected = (num_candidates(params.beam_width, len(engine.config.model.eos_token_ids))
@@ -139,31 +164,47 @@ class DecodeWorker(Worker):
         if len(first.logprobs) != num_expected or len(first.generator_states) != num_states:
             raise ValueError(f"{first.request_id}: need {num_expected} logprobs and {num_states} generator states, "
                              f"got {len(first.logprobs)} and {len(first.generator_states)}")
-        self._first_tokens[first.request_id] = first
-        self._start_if_ready(engine, first.request_id)
+        rid = first.request_id
+        self.receiver.all_sent(rid)
+        if rid in self._arrived or not engine.may_accept_first_sample(seq):
+            self._first_tokens[rid] = first
+            self._start_if_ready(engine, rid)
+            return
+        # The KV is still on its way: the first token need not wait for it.
+        for delta in engine.accept_first_sample(rid, _first_sample(first)):
+            self.loop.publish_engine_delta(delta)
+        if seq.status.is_finished:
+            self._finished_first[rid] = seq
+        else:
+            self._streamed_first.add(rid)
 
     def _start_if_ready(self, engine: LLMEngine, request_id: str) -> None:
         if request_id not in self._arrived or request_id not in self._first_tokens:
             return
         self._arrived.discard(request_id)
         first = self._first_tokens.pop(request_id)
-        states = [None if s is None else torch.from_numpy(np.frombuffer(s, dtype=np.uint8).copy())
-                  for s in first.generator_states]
-        for delta in engine.start_prefilled(request_id, FirstSample(first.token_ids, first.logprobs, states)):
+        for delta in engine.start_prefilled(request_id, _first_sample(first)):
             self.loop.publish_engine_delta(delta)
 
     def _tick(self) -> None:
         while (event := self.receiver.get_event(0)) is not None:
             rid = event.request_id
-            seq = self.engine.get_sequence(rid)
+            finished = self._finished_first.pop(rid, None)
+            seq = finished or self.engine.get_sequence(rid)
             if seq is None:
                 continue
             self.metrics.transfer_ended(seq.arrival_time, None if event.status is TransferStatus.DONE else event.reason)
-            if event.status is TransferStatus.DONE:
+            if finished is not None:
+                self.engine.release_blocks(finished)  # the receiver writes no more into them
+            elif event.status is TransferStatus.DONE and rid in self._streamed_first:
+                self._streamed_first.discard(rid)
+                self.engine.start_prefilled(rid)
+            elif event.status is TransferStatus.DONE:
                 self._arrived.add(rid)
                 self._start_if_ready(self.engine, rid)
             else:
                 self._first_tokens.pop(rid, None)
+                self._streamed_first.discard(rid)
                 delta = self.engine.abort_request(rid)
                 if delta is not None:
                     self.loop.publish_engine_delta(delta, error=f"the prompt's KV never arrived: {event.reason}")
@@ -173,6 +214,11 @@ class DecodeWorker(Worker):
         self.receiver.abort(request_id)
         self._arrived.discard(request_id)
         self._first_tokens.pop(request_id, None)
+        self._streamed_first.discard(request_id)
+        finished = self._finished_first.pop(request_id, None)
+        if finished is not None:  # its stream has ended: only its blocks are left
+            engine.release_blocks(finished)
+            return False
         delta = engine.abort_request(request_id)
         if delta is not None:
             self.loop.publish_engine_delta(delta)
@@ -181,3 +227,11 @@ class DecodeWorker(Worker):
     def shutdown(self) -> None:
         super().shutdown()
         self.receiver.close()
+        if self._shared_pool is not None:
+            self._shared_pool.close()
+
+
+def _first_sample(first: PrefillResult) -> FirstSample:
+    states = [None if s is None else torch.from_numpy(np.frombuffer(s, dtype=np.uint8).copy())
+              for s in first.generator_states]
+    return FirstSample(first.token_ids, first.logprobs, states)

@@ -19,12 +19,19 @@ _DTYPE_NAMES: Mapping[torch.dtype, str] = MappingProxyType({v: k for k, v in TOR
 
 def layout_of(kv_cache: torch.Tensor) -> KVLayout:
     """kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]"""
-    num_layers, two, num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-    if two != 2 or not kv_cache.is_contiguous():
+    if not kv_cache.is_contiguous():
         raise ValueError(f"kv_cache must be a contiguous [layers, 2, blocks, block_size, heads, dim], got {tuple(kv_cache.shape)}")
-    if kv_cache.dtype not in _DTYPE_NAMES:
-        raise ValueError(f"kv_cache dtype must be one of {list(TORCH_DTYPES)}, got {kv_cache.dtype}")
-    return KVLayout(num_layers, num_blocks, block_size, num_kv_heads, head_dim, _DTYPE_NAMES[kv_cache.dtype])
+    return layout_for(tuple(kv_cache.shape), kv_cache.dtype)
+
+
+def layout_for(shape: tuple[int, ...], dtype: torch.dtype) -> KVLayout:
+    """The layout of a pool of `shape` [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] and `dtype`."""
+    num_layers, two, num_blocks, block_size, num_kv_heads, head_dim = shape
+    if two != 2:
+        raise ValueError(f"kv_cache must be a contiguous [layers, 2, blocks, block_size, heads, dim], got {shape}")
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"kv_cache dtype must be one of {list(TORCH_DTYPES)}, got {dtype}")
+    return KVLayout(num_layers, num_blocks, block_size, num_kv_heads, head_dim, _DTYPE_NAMES[dtype])
 
 
 def layer_rows(kv_cache: torch.Tensor, layer: int, kv: int) -> torch.Tensor:

@@ -3,7 +3,8 @@
 Every message on the wire is a ZMQ multipart message whose first frame is a msgpack map
 with at least `v` (PROTOCOL_VERSION), `kind` (MessageKind) and `request_id`; LAYER
 messages are followed by the K frames and then the V frames of their payload (or, on the
-torch.distributed data path, by nothing: the tensors follow on the process group).
+torch.distributed data path, by nothing: the tensors follow on the process group; or, on
+the shared-memory path, by nothing: the rows are in the receiver's pool already).
 """
 
 from __future__ import annotations
@@ -104,6 +105,9 @@ class LayerHeader:
     travels on torch.distributed instead of in the message."""
     crc32: int | None = None
     """CRC-32 of the payload frames in order (K frames, then V), when the sender checksums."""
+    in_place: bool = False
+    """The rows are written already, straight into the receiver's shared pool (a sender that
+    negotiated that path in its handshake): no payload follows."""
 
 
 def payload_crc32(frames: Iterable[memoryview | bytes]) -> int:
@@ -155,8 +159,11 @@ def layer_header(request_id: str, msg: dict[str, Any]) -> LayerHeader:
     crc = msg.get("crc32")
     if crc is not None and not (isinstance(crc, int) and 0 <= crc < 2**32):
         raise ProtocolError("malformed", "crc32 must be an unsigned 32-bit integer")
+    if not isinstance(msg.get("in_place", False), bool):
+        raise ProtocolError("malformed", "in_place must be a boolean")
     return LayerHeader(request_id, msg["layer"], msg["token_start"], msg["num_tokens"], tuple(msg["block_ids"]),
-                       msg["dtype"], tuple(msg["row_shape"]), tuple(msg["frame_tokens"]), crc)
+                       msg["dtype"], tuple(msg["row_shape"]), tuple(msg["frame_tokens"]), crc,
+                       msg.get("in_place", False))
 
 
 @dataclass(frozen=True)
@@ -174,6 +181,17 @@ class Destination:
     """Leading tokens whose KV the receiver holds already (its prefix cache, whole blocks of
     its block size, shared with other requests): the sender sends only the tokens from
     here to num_tokens, in every layer, and must never write into the cached blocks."""
+    node_id: str = ""
+    """The receiving worker's node: Ray's node id under Ray, else its host's identity
+    (placement.host_identity). A sender on the same node may write the KV straight into
+    `shm_pool`; empty: unknown, never the same."""
+    shm_pool: str = ""
+    """Name of the file under /dev/shm that holds the receiver's KV pool, for same-node
+    senders to map (shared_pool.NAME); empty when the pool is private (sockets only)."""
+    shm_grant: int = 0
+    """The reservation's token in that pool's grant table: a same-node sender writes into
+    the reserved blocks only while the table holds it for them (fence.py); 0 without a
+    shared pool."""
 
 
 class TransferStatus(enum.IntEnum):

@@ -5,6 +5,10 @@ against the request's reservation before writing a byte, acks finished requests 
 sender, and fails requests whose deadline passes (the sweep runs on a timer, traffic or
 not). The owner (the decode worker) reserves blocks, calls `expect`, and frees the blocks
 when `get_event` reports the request DONE and done with, or FAILED.
+
+With a pool in shared memory (shared_pool.py), a same-node sender that negotiated it writes
+the rows itself; its headers are checked all the same, and its grant is revoked under the
+fence (fence.py) whenever its reservation ends.
 """
 
 from __future__ import annotations
@@ -14,19 +18,21 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
 
-import numpy as np
 import torch
 import zmq
 
+from tandem.kvtransfer.fence import granted_blocks
+from tandem.kvtransfer.handshake import answer_hello
 from tandem.kvtransfer.payload import TORCH_DTYPES, DistPayload, rows_of
+from tandem.kvtransfer.placement import host_identity
 from tandem.kvtransfer.protocol import (
     Destination, KVLayout, LayerHeader, MessageKind, ProtocolError, TransferEvent, TransferStatus, decode, encode,
     layer_header, payload_crc32,
 )
+from tandem.kvtransfer.reservation import Reservation, check_layer, layer_slots
+from tandem.kvtransfer.shared_pool import HostSharedPool
 from tandem.kvtransfer.sink import KVSink, PoolSink
-from tandem.kvtransfer.slots import covering_blocks, token_slots
 
 logger = logging.getLogger(__name__)
 
@@ -35,31 +41,26 @@ SWEEP_INTERVAL_S = 0.05
 MAX_ENDED = 100_000  # ended request ids remembered, so late messages are told to stop
 
 
-@dataclass
-class _Expected:
-    destination: Destination
-    timeout_s: float
-    received: list[int]
-    """Tokens in place so far, per layer (they arrive in order after the cached prefix)."""
-    sender: bytes | None = None
-    """ZMQ identity of the sender, once it has sent a layer."""
-    deadline: float | None = None
-    """When the KV is overdue: timeout_s after the sender's latest layer message, so that a
-    reservation whose prompt waits in the prefill queue, or between its chunks, never times
-    out; before the first one its owner ends it (NOTE: timeouts count from work, not from
-    queues)."""
-
-
 class KVReceiver:
     def __init__(self, kv_cache: torch.Tensor | None, address: str = DEFAULT_ADDRESS, timeout_s: float = 30.0,
                  dist_payload: DistPayload | None = None, model: str | None = None,
-                 sink: KVSink | None = None) -> None:
+                 sink: KVSink | None = None, shared_pool: HostSharedPool | None = None,
+                 node_id: str | None = None) -> None:
         """kv_cache: the pool written into, [layers, 2, blocks, block_size, kv_heads, head_dim]
         (or None with a sink that takes the rows instead).
         timeout_s: a request fails when its KV has not all arrived this long after its latest
         layer message (not after `expect`: the prompt may wait in the prefill queue before that).
         model: the weights' identity (model_fingerprint): senders must name the same one.
+        shared_pool: kv_cache's file in shared memory, offered to same-node senders.
+        node_id: this worker's node, which Destinations name (default: placement.host_identity()).
         """
+        if shared_pool is not None and (sink is not None or kv_cache is None
+                                        or kv_cache.data_ptr() != shared_pool.kv_cache.data_ptr()):
+            raise ValueError("a shared pool must be the very pool written into (kv_cache, no sink)")
+        self.shared_pool = shared_pool
+        self.node_id = host_identity() if node_id is None else node_id
+        self._shm_senders: set[bytes] = set()
+        """ZMQ identities of the senders that negotiated the shared-memory path (the I/O thread's)."""
         self.model = model
         self.kv_cache = kv_cache
         self.sink: KVSink = sink if sink is not None else PoolSink(kv_cache)
@@ -70,7 +71,7 @@ class KVReceiver:
         """Messages dropped, by reason (malformed, unknown_request, wrong_dtype, ...)."""
         self.num_bytes_received = 0
         """KV payload bytes written into the pool (K and V), for the metrics."""
-        self._expected: dict[str, _Expected] = {}
+        self._expected: dict[str, Reservation] = {}
         self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self._lock = threading.Lock()
         self._events: queue.Queue[TransferEvent] = queue.Queue()
@@ -96,13 +97,17 @@ class KVReceiver:
         if not 0 <= num_cached_tokens < num_tokens or num_cached_tokens % self.layout.block_size:
             raise ValueError(f"{request_id}: {num_cached_tokens} cached tokens is not a whole number of "
                              f"blocks of {self.layout.block_size} below {num_tokens}")
-        dest = Destination(request_id, self.address, tuple(block_ids), num_tokens, num_cached_tokens)
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        pool = self.shared_pool
+        granted = None if pool is None else granted_blocks(block_ids, self.layout.block_size, num_cached_tokens)
         with self._lock:
             if request_id in self._expected:
                 raise ValueError(f"{request_id}: already expected")
             self._ended.pop(request_id, None)
-            self._expected[request_id] = _Expected(dest, timeout_s, [num_cached_tokens] * self.layout.num_layers)
+            dest = Destination(request_id, self.address, tuple(block_ids), num_tokens, num_cached_tokens, self.node_id,
+                               "" if pool is None else pool.name, 0 if pool is None else pool.fence.grant(granted))
+            self._expected[request_id] = Reservation(dest, timeout_s, [num_cached_tokens] * self.layout.num_layers,
+                                                     granted)
         return dest
 
     def abort(self, request_id: str) -> bool:
@@ -110,12 +115,20 @@ class KVReceiver:
 
         NOTE: once this returns, no byte is written into the request's blocks any more.
         """
-        with self._lock:  # the writer holds the lock while it writes
-            exp = self._expected.pop(request_id, None)
-            self._remember_ended(request_id)
+        with self._lock:  # the writer holds the lock while it writes (a same-node sender: see _close)
+            exp = self._close(request_id)
         if exp is not None and exp.sender is not None:
             self._outbox.put((exp.sender, encode(MessageKind.ABORT, request_id)))
         return exp is not None
+
+    def all_sent(self, request_id: str) -> None:
+        """The sender has sent every layer (e.g. the prompt's first token, sampled after its
+        last chunk, is here): the rest of the KV is due within timeout_s from now, even if
+        none of it has arrived yet (a sender that died with its layers still queued)."""
+        with self._lock:
+            exp = self._expected.get(request_id)
+            if exp is not None and exp.deadline is None:
+                exp.deadline = time.monotonic() + exp.timeout_s
 
     def get_event(self, timeout: float | None = None) -> TransferEvent | None:
         try:
@@ -166,31 +179,26 @@ class KVReceiver:
             self._receive_layer(sender, layer_header(request_id, msg), frames[1:], msg.get("dist_rank"))
         elif kind is MessageKind.ABORT:
             with self._lock:
-                exp = self._expected.pop(request_id, None)
-                self._remember_ended(request_id)
+                exp = self._close(request_id)
             if exp is not None:
                 self._events.put(TransferEvent(request_id, TransferStatus.FAILED, "aborted by the sender"))
         else:
             raise ProtocolError("malformed", f"a receiver does not expect {kind.name}")
 
     def _handshake(self, sender: bytes, msg: dict) -> None:
+        dist_rank = None if self.dist_payload is None else self.dist_payload.rank
         try:
-            theirs = KVLayout.from_dict(msg.get("layout"))
+            why, reply = answer_hello(msg, self.layout, self.model, dist_rank, self.shared_pool)
         except ProtocolError as e:
             self._socket.send_multipart([sender, encode(MessageKind.REFUSED, reason=str(e))])
             raise
-        why = self.layout.incompatibility(theirs)
-        if why is None and self.model is not None and msg.get("model") != self.model:
-            why = f"model differs: receiver serves {self.model!r}, sender {msg.get('model')!r}"
-        if why is None and ("dist_rank" in msg) != (self.dist_payload is not None):
-            why = "one side sends KV on torch.distributed, the other expects it in ZMQ frames"
+        self._shm_senders.discard(sender)
         if why is not None:
             logger.warning("kv receiver refused a sender: %s", why)
             self._socket.send_multipart([sender, encode(MessageKind.REFUSED, reason=why)])
             return
-        reply = {"layout": self.layout.as_dict()}
-        if self.dist_payload is not None:
-            reply["dist_rank"] = self.dist_payload.rank
+        if "shm_pool" in reply:  # the offer taken: this sender writes in place
+            self._shm_senders.add(sender)
         self._socket.send_multipart([sender, encode(MessageKind.HELLO_OK, **reply)])
 
     def _receive_layer(self, sender: bytes, h: LayerHeader, frames: list[zmq.Frame], dist_rank: object) -> None:
@@ -203,16 +211,17 @@ class KVReceiver:
                     raise ProtocolError("ended_request", f"{h.request_id} has ended")
                 raise ProtocolError("unknown_request", h.request_id)
             exp.deadline = time.monotonic() + exp.timeout_s  # the sender is at work: a stall is timed
-            slots = self._check(h, exp)
+            check_layer(h, exp, self.layout)
             exp.sender = sender
-            for kv, parts in ((0, k_parts), (1, v_parts)):
-                self.sink.write(h.layer, kv, slots, parts)
+            if not h.in_place:  # (in place: the sender wrote them already)
+                slots = layer_slots(h, self.layout)
+                for kv, parts in ((0, k_parts), (1, v_parts)):
+                    self.sink.write(h.layer, kv, slots, parts)
             exp.received[h.layer] += h.num_tokens
             self.num_bytes_received += 2 * h.num_tokens * self.layout.row_bytes
             complete = all(n == exp.destination.num_tokens for n in exp.received)
-            if complete:
-                del self._expected[h.request_id]
-                self._remember_ended(h.request_id)
+            if complete:  # nothing more may be written: its blocks are the decoder's now
+                self._close(h.request_id)
         if complete:
             self._socket.send_multipart([sender, encode(MessageKind.DONE, h.request_id)])
             self._events.put(TransferEvent(h.request_id, TransferStatus.DONE))
@@ -221,7 +230,11 @@ class KVReceiver:
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """-> the K and the V rows the message carries, as pieces ([n_i, *row_shape]) in token order."""
         dist_parts = None
-        if self.dist_payload is not None:
+        if h.in_place:
+            if sender not in self._shm_senders or frames:
+                raise ProtocolError("not_negotiated", f"{h.request_id}: rows in place from a sender that did not "
+                                    "negotiate shared memory (or with frames)")
+        elif self.dist_payload is not None:
             # Drained before any check (see DistPayload), as the header claims it.
             if not isinstance(dist_rank, int) or frames or h.dtype not in TORCH_DTYPES:
                 raise ProtocolError("malformed", "a torch.distributed LAYER has dist_rank, a dtype and no frames")
@@ -235,6 +248,8 @@ class KVReceiver:
             raise ProtocolError("wrong_dtype", f"{h.request_id}: {h.dtype}, the pool holds {self.layout.dtype}")
         if h.row_shape != (self.layout.num_kv_heads, self.layout.head_dim):
             raise ProtocolError("wrong_shape", f"{h.request_id}: rows of {h.row_shape}")
+        if h.in_place:
+            return [], []
         if dist_parts is not None:
             return dist_parts
         if len(frames) != 2 * len(h.frame_tokens) or sum(h.frame_tokens) != h.num_tokens \
@@ -251,30 +266,12 @@ class KVReceiver:
             raise ProtocolError("checksum", f"{h.request_id}: layer {h.layer}")
         return parts
 
-    def _check(self, h: LayerHeader, exp: _Expected) -> np.ndarray:
-        """The destination slots of a LAYER message, once it is proven to touch only its own blocks."""
-        layout, dest = self.layout, exp.destination
-        if h.layer >= layout.num_layers:
-            raise ProtocolError("layer_out_of_range", f"{h.request_id}: layer {h.layer}")
-        if h.token_start < exp.received[h.layer]:
-            raise ProtocolError("duplicate_layer", f"{h.request_id}: layer {h.layer} tokens from {h.token_start} again")
-        if h.token_start > exp.received[h.layer] or h.num_tokens == 0 \
-                or h.token_start + h.num_tokens > dest.num_tokens:
-            raise ProtocolError("bad_token_range", f"{h.request_id}: layer {h.layer} tokens "
-                                f"[{h.token_start}, {h.token_start + h.num_tokens}) after {exp.received[h.layer]}")
-        if any(not 0 <= b < layout.num_blocks for b in h.block_ids):
-            raise ProtocolError("block_out_of_range", f"{h.request_id}: {h.block_ids}")
-        end = h.token_start + h.num_tokens
-        if list(h.block_ids) != covering_blocks(dest.block_ids, layout.block_size, h.token_start, end):
-            raise ProtocolError("foreign_block", f"{h.request_id}: blocks {h.block_ids} are not its own")
-        return token_slots(h.block_ids, layout.block_size, h.token_start, end, h.token_start // layout.block_size)
-
     def _fail_request(self, sender: bytes, request_id: str, reason: str) -> None:
         """Fail one request that is expected (nothing when it is not) and tell its sender."""
         with self._lock:
-            if self._expected.pop(request_id, None) is None:
+            if request_id not in self._expected:
                 return
-            self._remember_ended(request_id)
+            self._close(request_id)
         self._socket.send_multipart([sender, encode(MessageKind.FAILED, request_id, reason=reason)])
         self._events.put(TransferEvent(request_id, TransferStatus.FAILED, reason))
 
@@ -284,8 +281,7 @@ class KVReceiver:
         with self._lock:
             lost = [rid for rid, e in self._expected.items() if e.sender == sender or rid == request_id]
             for rid in lost:
-                del self._expected[rid]
-                self._remember_ended(rid)
+                self._close(rid)
         for rid in lost:
             self._events.put(TransferEvent(rid, TransferStatus.FAILED, reason))
 
@@ -293,15 +289,23 @@ class KVReceiver:
         now = time.monotonic()
         with self._lock:
             expired = [rid for rid, e in self._expected.items() if e.deadline is not None and e.deadline <= now]
-            ended = [(rid, self._expected.pop(rid)) for rid in expired]
-            for rid in expired:
-                self._remember_ended(rid)
+            ended = [(rid, self._close(rid)) for rid in expired]
         for rid, exp in ended:
             logger.warning("kv transfer %s timed out: nothing for %.1f s", rid, exp.timeout_s)
             self.dropped["timeout"] += 1
             if exp.sender is not None:
                 self._socket.send_multipart([exp.sender, encode(MessageKind.FAILED, rid, reason="timeout")])
             self._events.put(TransferEvent(rid, TransferStatus.FAILED, "timed out waiting for KV"))
+
+    def _close(self, request_id: str) -> Reservation | None:
+        """Under self._lock: the request is expected no more; -> its reservation, if any.
+        NOTE: the fence: revoking waits for a layer a same-node sender is writing; after it,
+        not a byte of that sender lands in the blocks."""
+        exp = self._expected.pop(request_id, None)
+        self._remember_ended(request_id)
+        if exp is not None and exp.granted is not None:
+            self.shared_pool.fence.revoke(exp.granted)
+        return exp
 
     def _remember_ended(self, request_id: str) -> None:
         self._ended[request_id] = None

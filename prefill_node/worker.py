@@ -57,10 +57,13 @@ class PrefillWorker(Worker):
     role = Role.PREFILL
 
     def __init__(self, instance: str = "prefill-0", transfer_timeout_s: float = 30.0, kv_checksum: bool = False,
-                 **kwargs: Any) -> None:
-        """kv_checksum: a CRC-32 goes with every layer sent (the receiver checks it)."""
+                 node_id: str | None = None, **kwargs: Any) -> None:
+        """kv_checksum: a CRC-32 goes with every layer sent in frames (the receiver checks it).
+        node_id: this worker's node (Ray's node id under Ray; default: the host's identity):
+        decode workers on the same one get the KV written straight into their shared pools."""
         self._transfer_timeout_s = transfer_timeout_s
         self._kv_checksum = kv_checksum
+        self._node_id = node_id
         self._prefills: dict[str, _Prefill] = {}
         super().__init__(instance, **kwargs)
 
@@ -73,7 +76,8 @@ class PrefillWorker(Worker):
     def _start_loop(self) -> EngineLoop:
         runner = self.engine.runner
         self.sender = KVSender(runner.kv_cache, timeout_s=self._transfer_timeout_s, model=self.fingerprint,
-                               checksum=self._kv_checksum, layout=None if self._tp_runner is None else runner.layout)
+                               checksum=self._kv_checksum, layout=None if self._tp_runner is None else runner.layout,
+                               node_id=self._node_id)
         self.metrics.kv_bytes["sent"] = lambda: self.sender.num_bytes_sent
         self.metrics.num_transferring = lambda: self.sender.num_pending
         return EngineLoop(self.engine, tick=self._tick)
@@ -112,7 +116,8 @@ class PrefillWorker(Worker):
         # worker samples the rest with the request's own params.
         params = dataclasses.replace(request.params, max_tokens=1, stop=())
         engine.check_request(request.request_id, request.prompt_token_ids)
-        self.sender.begin(destination)  # first: a refused handshake must leave no sequence behind
+        path = self.sender.begin(destination)  # first: a refused handshake must leave no sequence behind
+        self.metrics.transfer_began(path)
         # Its blocks are freed once the decode worker has the KV (see _tick).
         seq = engine.add_request(request.request_id, request.prompt_token_ids, params, keep_blocks=True)
         # The receiver's cached prefix is never sent: start counting after it.

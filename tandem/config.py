@@ -177,6 +177,9 @@ class EngineConfig:
     """Token budget of one step; without chunked prefill at least max_model_len."""
     enable_prefix_caching: bool
     enable_chunked_prefill: bool
+    long_prefill_token_threshold: int
+    """Tokens a prompt being chunked takes first in a step, before waiting prompts that fit whole
+    (then what they leave): see tandem/engine/prefill_policy.py. No cap without chunked prefill."""
     num_swap_blocks: int
     """Host blocks that preempted sequences may swap their KV into (0: never swap)."""
     preemption_mode: str
@@ -219,6 +222,7 @@ class EngineConfig:
         max_num_batched_tokens: int = DEFAULTS["max_num_batched_tokens"],
         enable_prefix_caching: bool = True,
         enable_chunked_prefill: bool = True,
+        long_prefill_token_threshold: int | None = None,
         swap_space_gib: float = DEFAULTS["swap_space_gib"],
         num_swap_blocks: int | None = None,
         preemption_mode: str = DEFAULTS["preemption_mode"],
@@ -265,6 +269,10 @@ class EngineConfig:
         if not enable_chunked_prefill:
             # A whole prompt must fit in one step's budget.
             max_num_batched_tokens = max(max_num_batched_tokens, limit)
+        # Default: half the budget each for the long prompt being chunked and the short ones.
+        threshold = (max(1, max_num_batched_tokens // 2) if long_prefill_token_threshold is None
+                     else long_prefill_token_threshold)
+        _require(threshold >= 1, "long_prefill_token_threshold", threshold, ">= 1")
         return cls(
             model=model,
             dtype_name=dtype,
@@ -275,6 +283,8 @@ class EngineConfig:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill,
+            long_prefill_token_threshold=min(threshold, max_num_batched_tokens) if enable_chunked_prefill
+            else max_num_batched_tokens,
             num_swap_blocks=num_swap_blocks,
             preemption_mode=preemption_mode,
             num_speculative_tokens=num_speculative_tokens,

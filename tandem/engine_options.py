@@ -53,6 +53,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "longest sequence, prompt + output (default: the model's context, at most what the pool holds)"),
     EngineOption("max_num_seqs", int, 64, "sequences running at once (default %(default)s)"),
     EngineOption("max_num_batched_tokens", int, 1024, "token budget of one step (default %(default)s)"),
+    EngineOption("long_prefill_token_threshold", int, None,
+                 "most tokens of one long prompt's chunk per step, so that short prompts behind it start in "
+                 "the next step (default: half the token budget)", metavar="TOKENS"),
     EngineOption("swap_space_gib", float, 0.5,
                  "host memory that preempted sequences swap their KV into, in GiB (default %(default)s; "
                  "0: always recompute)"),

@@ -1,14 +1,16 @@
-"""Load-test a tandem router as ``vllm bench serve`` does: disaggregated vs colocated.
+"""Load-test a tandem router as ``vllm bench serve`` does: disaggregated vs the best colocated.
 
 Gamma arrivals (burstiness 1: Poisson) at each --request-rate of a seeded mix of short
 chats and long prompts; reports request and output-token throughput, TTFT, TPOT, ITL and
-end-to-end latency (mean, p50, p90, p99) and goodput under --goodput SLOs. Without
---server it starts, one after the other on one local Ray, a disaggregated cluster
-(1 prefill + 1 decode worker) and a colocated one on the same total cores, each behind a
-router on a free port, runs the same workload against both and prints the ratios; it also
-measures the router hop's added latency. Writes results.json and PNG plots to --out-dir.
-It drives the gRPC API, or with --api openai (and --server at the HTTP port) the
-OpenAI-compatible one: streamed POST /v1/completions, measured the same way.
+end-to-end latency (mean, p50, p90, p99) and goodput under the --goodput SLO. Without
+--server it starts, on one local Ray, a fresh cluster for every run: the disaggregated one
+(1 prefill + 1 decode worker) and colocated ones at each --colocated-budgets prefill chunk
+budget, all on the same total cores; it compares disaggregated with the best colocated run
+at each rate (sweep.py), searches each mode's highest rate with --slo-attainment of the
+requests within the SLO (slo_search.py), breaks each run's time down from the cluster's
+/metrics (breakdown.py), and measures the router hop's added latency. Writes results.json
+and PNG plots to --out-dir. It drives the gRPC API, or with --api openai (and --server at
+the HTTP port) the OpenAI-compatible one: streamed POST /v1/completions, measured the same way.
 """
 
 from __future__ import annotations
@@ -17,17 +19,16 @@ import argparse
 import asyncio
 import json
 import logging
-import os
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
 MODES = ("disaggregated", "colocated")
-DEFAULT_SLO = ["ttft:2000", "tpot:200"]
-"""Goodput SLO in ms: a CPU-sized chat SLO (2 s to the first token, 5 tokens/s after it)."""
-GOAL_TPOT_RATIO, SETTLE_S = 0.5, 30.0
+DEFAULT_SLO = ["ttft:4000", "tpot:200"]
+"""The SLO in ms, of goodput and of the max-rate search: sized for the default model on two
+CPU cores, where one thread prefills a 1200-token prompt in about 2-3 s unloaded and a
+decode step of a few sequences takes 60-100 ms (5 tokens/s after the first at worst)."""
 SEED_WORKLOAD, SEED_ARRIVALS, SEED_WARM_UP, SEED_OVERHEAD = range(4)
 """Second entry of each seed ([--seed, purpose, ...]): every draw has a stream of its own."""
 
@@ -44,10 +45,14 @@ class Settings:
     long_fraction: float
     kv_cache_memory_gib: float
     overhead_requests: int
+    budgets: list[int]
+    """The colocated worker's prefill chunk budgets swept (max_num_batched_tokens)."""
+    slo_probes: int
+    """New probes per mode in the max-SLO-rate search (0: no search)."""
 
 
-FULL = Settings([0.25, 0.5, 1.0], 40, (20, 80), (600, 1200), (16, 64), 0.2, 1.0, 20)
-QUICK = Settings([2.0], 6, (8, 32), (100, 200), (4, 8), 0.2, 0.1, 4)
+FULL = Settings([0.5, 1.0], 20, (20, 80), (600, 1200), (16, 64), 0.2, 1.0, 20, [128, 256, 512, 1024], 3)
+QUICK = Settings([2.0], 6, (8, 32), (100, 200), (4, 8), 0.2, 0.1, 4, [128, 512], 1)
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -59,15 +64,22 @@ def add_args(parser: argparse.ArgumentParser) -> None:
       help="drive this running router (one mode) instead of starting clusters; with --api openai its HTTP port")
     a("--api", choices=APIS, default="grpc", help="what to drive: the gRPC API (default) or the OpenAI-compatible "
       "HTTP API (streamed POST /v1/completions, the token ids as prompt; needs --server)")
+    a("--metrics-url", default=None, metavar="URL", help="with --server: the router's /metrics (e.g. "
+      "http://127.0.0.1:9464/metrics), scraped before and after each rate for the time breakdown")
     a("--model", default=None, help="local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    a("--quick", action="store_true", help="tiny run: 6 short requests at 2 req/s, small KV pools")
+    a("--quick", action="store_true", help="tiny run: 6 short requests at 2 req/s, 2 colocated budgets, 1 probe "
+      "per mode, small KV pools")
     a("--request-rate", type=float, nargs="+", default=None,
-      help="requests/s, 'inf' sends all at once (default: 0.25 0.5 1)")
-    a("--num-prompts", type=int, default=None, help="requests per rate (default: 40)")
+      help="requests/s of the sweep, 'inf' sends all at once (default: 0.5 1)")
+    a("--num-prompts", type=int, default=None, help="requests per run (default: 20)")
     a("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps: 1 Poisson, <1 burstier")
     a("--max-concurrency", type=int, default=None, help="cap on requests in flight (default: none, open loop)")
-    a("--goodput", nargs="+", default=DEFAULT_SLO, metavar="KEY:MS", help="SLOs in ms, keys ttft tpot e2el "
-      f"(default: {' '.join(DEFAULT_SLO)})")
+    a("--goodput", nargs="+", default=DEFAULT_SLO, metavar="KEY:MS", help="the SLO in ms, keys ttft tpot e2el, "
+      f"of goodput and of the max-rate search (default: {' '.join(DEFAULT_SLO)})")
+    a("--slo-attainment", type=float, default=0.9, help="share of requests within the SLO a sustained rate needs "
+      "(default: 0.9)")
+    a("--slo-probes", type=int, default=None, help="new probes per mode in the max-SLO-rate search, each on a "
+      "fresh cluster; 0: no search (default: 3)")
     a("--short-prompt-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
       help="chat prompts (default: 20 80)")
     a("--long-prompt-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
@@ -80,7 +92,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--cores", type=int, default=None, help="torch threads per mode in all (default: this machine's cores)")
     a("--colocated-workers", type=int, default=1, help="colocated workers, sharing --cores (default: 1)")
     a("--kv-cache-memory-gib", type=float, default=None, help="KV pool of each worker (default: 1.0)")
-    a("--max-num-batched-tokens", type=int, default=1024, help="token budget per engine step, every worker")
+    a("--max-num-batched-tokens", type=int, default=1024,
+      help="token budget per engine step of the disaggregated workers (default: 1024)")
+    a("--colocated-budgets", type=int, nargs="+", default=None, metavar="TOKENS",
+      help="the colocated workers' token budgets per step (prefill chunk) swept (default: 128 256 512 1024)")
+    a("--retries", type=int, default=2, help="runs repeated (once each) when other processes took >= 10%% of the "
+      "CPU during them, at most this many in all (default: 2)")
     a("--overhead-requests", type=int, default=None, help="1-token pairs for the router overhead (default: 20)")
     a("--out-dir", default="bench-results/serve", help="where results.json and the PNGs go")
 
@@ -96,9 +113,13 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         long_fraction=pick(args.long_fraction, base.long_fraction),
         kv_cache_memory_gib=pick(args.kv_cache_memory_gib, base.kv_cache_memory_gib),
         overhead_requests=pick(args.overhead_requests, base.overhead_requests),
+        budgets=list(pick(args.colocated_budgets, base.budgets)), slo_probes=pick(args.slo_probes, base.slo_probes),
     )
     if min(s.rates) <= 0 or s.num_prompts < 1 or s.overhead_requests < 1:
         raise ValueError("request rates must be > 0, --num-prompts and --overhead-requests >= 1")
+    if min(s.budgets) < 1 or s.slo_probes < 0 or args.retries < 0 or not 0 < args.slo_attainment <= 1:
+        raise ValueError("--colocated-budgets must be >= 1, --slo-probes and --retries >= 0, --slo-attainment in "
+                         "(0, 1]")
     if args.api == "openai" and not args.server:
         raise ValueError("--api openai needs --server HOST:PORT (a running `tandem serve`'s HTTP port): the "
                          "clusters this bench starts itself serve the gRPC API only")
@@ -130,7 +151,8 @@ def token_pool(tokenizer, vocab_size: int, eos_token: str | None):
 
 
 class Bench:
-    """One run: the workload (built once, the same for every mode) and the results so far."""
+    """One invocation: the workload (the same request shapes at every rate, for every setup)
+    and the results so far."""
 
     def __init__(self, args: argparse.Namespace, settings: Settings) -> None:
         from tandem.bench.serving.load import Mix, parse_goodput
@@ -138,23 +160,34 @@ class Bench:
         self.args, self.settings = args, settings
         self.slo = parse_goodput(args.goodput)
         self.mix = Mix(settings.short_prompt_len, settings.long_prompt_len, settings.output_len, settings.long_fraction)
-        self.workloads: list[list] | None = None
-        """One per rate, each drawn with its own seed: a prompt seen at an earlier rate would
-        hit the server's prefix cache. The same for every mode."""
+        self.shapes: list | None = None
+        """The requests' kinds and lengths, drawn once: rates differ by their rate alone."""
+        self.rate_keys: dict[float, int] = {}
         self.pool = None
         self.runs: list[dict] = []
+        self.slo_search: dict | None = None
         self.overhead: dict[str, dict] = {}
+        self.elapsed_s: float | None = None
+        self.retries_left = args.retries
+        self.discarded: list[dict] = []
+        """Runs repeated because other processes took the CPU during them (local.measured_run)."""
         self.model: str | None = None
         """With --api openai, the model every body names (the server's, from GET /v1/models)."""
 
     def build_workload(self, pool) -> None:
         from tandem.bench.serving.load import make_requests
 
-        if self.workloads is None:
+        if self.shapes is None:
             self.pool = pool
-            n, seed = self.settings.num_prompts, self.args.seed
-            self.workloads = [make_requests(n, pool, self.mix, [seed, SEED_WORKLOAD, i])
-                              for i in range(len(self.settings.rates))]
+            self.shapes = make_requests(self.settings.num_prompts, pool, self.mix, [self.args.seed, SEED_WORKLOAD])
+
+    def workload(self, rate: float) -> list:
+        """The shared shapes with prompt tokens of this rate's own: against one --server, a
+        prompt seen at an earlier rate would hit its prefix cache."""
+        from tandem.bench.serving.load import with_fresh_tokens
+
+        key = self.rate_keys.setdefault(rate, len(self.rate_keys))
+        return with_fresh_tokens(self.shapes, self.pool, [self.args.seed, SEED_WORKLOAD, key])
 
     async def warm_up(self, target: str, mode: str, num_workers: int = 1) -> None:
         """Untimed requests, a short and a long prompt per worker at once, so that first-call
@@ -163,7 +196,8 @@ class Bench:
 
         mix = replace(self.mix, output_len=(4, 4), long_fraction=0.5)
         warm = make_requests(2 * num_workers, self.pool, mix, [self.args.seed, SEED_WARM_UP])
-        results, _ = await run_load(target, warm, [0.0] * len(warm), tag=f"warm-{mode}", desc="warm-up",
+        tag = f"warm-{mode.replace('/', '-')}"  # request ids hold no "/"
+        results, _ = await run_load(target, warm, [0.0] * len(warm), tag=tag, desc="warm-up",
                                     timeout=self.args.request_timeout, progress=False, api=self.args.api,
                                     model=self.model)
         for result in results:
@@ -178,84 +212,58 @@ class Bench:
         return [r.prompt_token_ids for r in make_requests(n, self.pool, Mix((24, 24), (1, 1), (1, 1), 0.0),
                                                           [self.args.seed, SEED_OVERHEAD])]
 
-    async def run_rates(self, target: str, mode: str, backend=None) -> None:
-        """Every rate in turn, each starting on idle workers when the backend is at hand."""
+    async def measure(self, target: str, label: str, rate: float, metrics_url: str | None = None,
+                      settle=None) -> dict:
+        """One run at ``rate`` -> its metrics, requests and time breakdown (from ``metrics_url``
+        scraped before and after; ``settle``: awaited before the second scrape)."""
+        from tandem.bench.serving.breakdown import RunScrapes
         from tandem.bench.serving.load import arrival_offsets, result_dicts, run_load, summarize
 
-        for rate, requests in zip(self.settings.rates, self.workloads):
-            if backend is not None:
-                await _settle(backend)
-            # The same gaps at every rate, scaled (common random numbers).
-            offsets = arrival_offsets(len(requests), rate, self.args.burstiness, [self.args.seed, SEED_ARRIVALS])
-            results, duration = await run_load(
-                target, requests, offsets, tag=f"{mode}-r{rate:g}", desc=f"{mode} @ {rate:g} req/s",
-                timeout=self.args.request_timeout, max_concurrency=self.args.max_concurrency, api=self.args.api,
-                model=self.model)
-            metrics = summarize(results, duration, self.slo)
-            logger.info("%s @ %g req/s: %d/%d completed in %.1f s, p99 TPOT %s ms, goodput %.3f req/s", mode, rate,
-                        metrics["completed"], len(results), duration, metrics["tpot_ms"]["p99"], metrics["goodput"])
-            self.runs.append({"mode": mode, "rate": rate, "metrics": metrics, "requests": result_dicts(results)})
+        requests = self.workload(rate)
+        # The same gaps at every rate, scaled (common random numbers).
+        offsets = arrival_offsets(len(requests), rate, self.args.burstiness, [self.args.seed, SEED_ARRIVALS])
+        scrapes = RunScrapes(metrics_url)
+        await scrapes.start()
+        results, duration = await run_load(
+            target, requests, offsets, tag=f"{label.replace('/', '-')}-r{rate:g}", desc=f"{label} @ {rate:g} req/s",
+            timeout=self.args.request_timeout, max_concurrency=self.args.max_concurrency, api=self.args.api,
+            model=self.model)
+        if settle is not None:
+            await settle()
+        metrics = summarize(results, duration, self.slo)
+        logger.info("%s @ %g req/s: %d/%d completed in %.1f s, p99 TPOT %.1f ms, goodput %.3f req/s", label, rate,
+                    metrics["completed"], len(results), duration, metrics["tpot_ms"]["p99"] or float("nan"),
+                    metrics["goodput"])
+        return {"metrics": metrics, "requests": result_dicts(results), **await scrapes.finish()}
 
     def results(self, config: dict) -> dict:
-        from tandem.bench.serving.plots import compare
+        from tandem.bench.serving.slo_search import max_rate_ratio
+        from tandem.bench.serving.sweep import BEST_RULE, compare
 
         s = self.settings
+        search = self.slo_search
+        if search is not None and len(search["setups"]) == 2:
+            value, qualifier = max_rate_ratio(search["setups"]["disaggregated"], search["setups"]["colocated"])
+            search = {**search, "max_rate_ratio": value, "max_rate_ratio_qualifier": qualifier}
+        shapes = self.shapes or []
         return {
             "config": {**config, "api": self.args.api, "served_model": self.model, "seed": self.args.seed,
                        "rates": s.rates, "num_prompts": s.num_prompts, "burstiness": self.args.burstiness,
                        "max_concurrency": self.args.max_concurrency, "slo_ms": self.slo, "quick": self.args.quick,
                        "kv_cache_memory_gib": s.kv_cache_memory_gib,
-                       "max_num_batched_tokens": self.args.max_num_batched_tokens},
+                       "max_num_batched_tokens": self.args.max_num_batched_tokens, "colocated_budgets": s.budgets,
+                       "slo_attainment": self.args.slo_attainment, "slo_probes": s.slo_probes,
+                       "best_rule": BEST_RULE, "elapsed_s": self.elapsed_s, "retries": self.args.retries},
             "workload": {"prompts": "uniform random token ids (added, special and EOS ids excluded), "
-                                    "no shared prefixes",
+                                    "no shared prefixes; the same kinds and lengths at every rate",
                          "short_prompt_len": list(s.short_prompt_len), "long_prompt_len": list(s.long_prompt_len),
                          "output_len": list(s.output_len), "long_fraction": s.long_fraction,
-                         "num_long": [sum(r.kind == "long" for r in w) for w in self.workloads or []],
+                         "num_long": [sum(r.kind == "long" for r in shapes)] * len(s.rates),
                          "sampling": "temperature=0, ignore_eos=True, max_tokens=output_len",
                          "arrivals": "gamma(shape=burstiness, mean=1/rate) gaps, first request at 0"},
-            "runs": self.runs, "router_overhead": self.overhead,
-            "comparison": compare(self.runs, GOAL_TPOT_RATIO),
+            "runs": self.runs, "router_overhead": self.overhead, "comparison": compare(self.runs),
+            "slo_search": search, "discarded_runs": self.discarded,
         }
-
-
-async def _settle(backend, timeout: float = SETTLE_S) -> None:
-    """Wait until no worker runs or queues anything (aborts and frees finish in the background)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if all(l.num_running == 0 and l.num_waiting == 0 for l in await backend.loads()):
-            return
-        await asyncio.sleep(0.2)
-    logger.warning("the workers were still busy %.0f s after the run", timeout)
-
-
-async def run_local(bench: Bench, configs: dict) -> None:
-    """Each mode in turn: start its cluster and router, warm up, overhead pairs, every rate, stop."""
-    from tokenizers import Tokenizer
-
-    from tandem.bench.serving.overhead import router_overhead
-    from tandem.router.cluster import start_cluster, stop_cluster
-    from tandem.router.server import bound_port, drain, serve
-
-    for mode in bench.args.modes:
-        logger.info("starting the %s cluster: %s", mode, configs[mode])
-        t0 = time.perf_counter()
-        backend = await start_cluster(configs[mode])
-        server = None
-        try:
-            backend.start_polling()
-            server = await serve(backend, "127.0.0.1", 0)
-            target = f"127.0.0.1:{bound_port(server)}"
-            logger.info("%s cluster serving on %s after %.1f s", mode, target, time.perf_counter() - t0)
-            spec = backend.tokenizer_spec
-            bench.build_workload(token_pool(Tokenizer.from_str(spec.tokenizer_json), spec.vocab_size, spec.eos_token))
-            await bench.warm_up(target, mode, configs[mode].num_workers)
-            bench.overhead[mode] = await router_overhead(target, backend, bench.overhead_prompts(), f"overhead-{mode}")
-            await bench.run_rates(target, mode, backend)
-        finally:
-            if server is not None:
-                await drain(server, grace=1.0)
-            await backend.stop_polling()
-            stop_cluster(backend)
 
 
 async def run_server(bench: Bench) -> None:
@@ -268,11 +276,13 @@ async def run_server(bench: Bench) -> None:
 
         bench.model = await served_model(bench.args.server)
     await bench.warm_up(bench.args.server, "server")
-    await bench.run_rates(bench.args.server, "server")
+    for rate in bench.settings.rates:
+        run = await bench.measure(bench.args.server, "server", rate, bench.args.metrics_url)
+        bench.runs.append({"mode": "server", "budget": None, "rate": rate, "phase": "sweep", "label": "server", **run})
 
 
 def run(args: argparse.Namespace) -> int:
-    from tandem.bench.serving import plots as serve_plots, report as serve_report
+    from tandem.bench.serving import plots as serve_plots, report as serve_report, sweep_plots
 
     settings = settings_from_args(args)
     bench = Bench(args, settings)
@@ -284,29 +294,14 @@ def run(args: argparse.Namespace) -> int:
         config = {"server": args.server, "modes": {"server": {"note": "an already running router"}}}
         asyncio.run(run_server(bench))
     else:
-        import ray
+        from tandem.bench.serving.local import run_clusters
 
-        cores = args.cores or len(os.sched_getaffinity(0))
-        worker_args = {"model": args.model, "kv_cache_memory_gib": settings.kv_cache_memory_gib,
-                       "max_num_batched_tokens": args.max_num_batched_tokens}
-        configs = cluster_configs(cores, args.colocated_workers, worker_args)
-        config = {"cores": cores, "modes": {
-            m: {"prefill_workers": c.num_prefill if not c.colocated else 0,
-                "decode_workers": c.num_decode if not c.colocated else 0, "colocated_workers": c.colocated,
-                "threads_per_worker": c.worker_args["num_threads"],
-                "total_threads": c.worker_args["num_threads"] * c.num_workers}
-            for m, c in configs.items() if m in args.modes},
-            "router": "in the benchmark's process, on the load generator's event loop"}
-        # Logical CPUs for Ray's bookkeeping only: workers are limited by their torch threads.
-        ray.init(num_cpus=max(4, cores), include_dashboard=False, logging_level="WARNING")
-        try:
-            asyncio.run(run_local(bench, configs))
-        finally:
-            ray.shutdown()
+        config = run_clusters(bench, cluster_configs)
     results = bench.results(config)
     json_path = out_dir / "results.json"
     json_path.write_text(json.dumps(results, indent=2))
-    plots = [serve_report.write_distributions(results, out_dir), *serve_plots.write_plots(results, out_dir)]
+    plots = [serve_report.write_distributions(results, out_dir), *serve_plots.write_plots(results, out_dir),
+             *sweep_plots.write_sweep_plots(results, out_dir)]
     paths = [json_path, *plots, serve_report.write_html(results, out_dir, plots)]
     serve_plots.print_report(results)
     print("\nwrote " + ", ".join(str(p) for p in paths))

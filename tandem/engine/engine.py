@@ -85,19 +85,46 @@ class LLMEngine:
         seq.num_cached_prompt_tokens = num_cached_tokens
         return list(seq.block_ids)
 
-    def start_prefilled(self, request_id: str, sample: FirstSample) -> list[RequestDelta]:
-        """The prompt KV of a reserved request has arrived and its first sample was drawn
-        elsewhere: it joins the running batch (unless that sample already ends it)."""
+    @staticmethod
+    def may_accept_first_sample(seq: Sequence) -> bool:
+        """Whether a reserved ``seq`` can take its first sample before its KV has arrived
+        (:meth:`accept_first_sample`): a single completion (n > 1 forks the prompt's
+        blocks, beam search its candidates, both only once the KV is in them)."""
+        return seq.group is None and seq.num_output_tokens == 0
+
+    def accept_first_sample(self, request_id: str, sample: FirstSample) -> list[RequestDelta]:
+        """The first sample of a reserved request, drawn by a prefill worker, while its KV is
+        still arriving: the token goes out now (its delta), and the request joins the
+        running batch at :meth:`start_prefilled`. A sample that ends the request finishes
+        it here; its blocks then wait for :meth:`release_blocks` (see may_accept_first_sample)."""
+        seq = self.sequences[request_id]
+        # NOTE: the KV may still be landing in these blocks: they stay until the transfer
+        # has ended, whatever the sample does to the sequence.
+        seq.keep_blocks = True
+        self._set_generator_states(seq, sample)
+        return self._deltas(self.scheduler.advance(seq, [(sample.token_ids, sample.logprobs)]))
+
+    def start_prefilled(self, request_id: str, sample: FirstSample | None = None) -> list[RequestDelta]:
+        """The prompt KV of a reserved request has arrived: it joins the running batch with
+        its first sample, drawn elsewhere (unless that sample already ends it), or with the
+        one :meth:`accept_first_sample` took before (sample None)."""
         seq = self.sequences[request_id]
         seq.num_computed_tokens = len(seq.prompt_token_ids)
         self.block_manager.cache_full_blocks(seq)
-        for target, state in zip(self._first_sample_targets(seq), sample.generator_states):
-            if target.generator is not None and state is not None:
-                target.generator.set_state(state)
+        if sample is None:
+            seq.keep_blocks = False
+            self.scheduler.add_running(seq)
+            return []
+        self._set_generator_states(seq, sample)
         self.scheduler.add_running(seq)
         outputs = ([(sample.token_ids, sample.logprobs)] if seq.params.use_beam_search
                    else [([t], [lp]) for t, lp in zip(sample.token_ids, sample.logprobs)])
         return self._deltas(self.scheduler.advance(seq, outputs))
+
+    def _set_generator_states(self, seq: Sequence, sample: FirstSample) -> None:
+        for target, state in zip(self._first_sample_targets(seq), sample.generator_states):
+            if target.generator is not None and state is not None:
+                target.generator.set_state(state)
 
     @staticmethod
     def first_sample(seq: Sequence) -> FirstSample | None:

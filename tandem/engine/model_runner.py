@@ -17,17 +17,25 @@ from tandem.model.llama import LlamaModel
 from tandem.sampling_params import SamplingParams
 
 
+KVAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
+"""(shape, dtype) -> a zeroed, contiguous KV pool tensor."""
+
+
+def private_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed pool in this process's own memory."""
+    return torch.zeros(shape, dtype=dtype)
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: LlamaModel) -> None:
+    def __init__(self, config: EngineConfig, model: LlamaModel, allocate_kv: KVAllocator = private_pool) -> None:
+        """allocate_kv: where the KV pool lives (a decode worker's may be in shared memory)."""
         self.config = config
         self.model = model
         m = config.model
         # kv_cache: [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim], the
         # model's own KV heads (a tensor-parallel rank's share)
-        self.kv_cache = torch.zeros(
-            m.num_layers, 2, config.num_kv_blocks, config.block_size, model.num_kv_heads, m.head_dim,
-            dtype=config.dtype,
-        )
+        self.kv_cache = allocate_kv(
+            (m.num_layers, 2, config.num_kv_blocks, config.block_size, model.num_kv_heads, m.head_dim), config.dtype)
         self.swapper = KVSwapper(self.kv_cache, config.num_swap_blocks)
         self.sampler = Sampler()
 

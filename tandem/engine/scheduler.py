@@ -1,6 +1,7 @@
 """Continuous batching: which sequences run this step, and how many tokens each.
 
-Policy only (FCFS, token budget, who gives way: the Preemptor swaps or drops their KV).
+Policy only (FCFS, token budget, who gives way: the Preemptor swaps or drops their KV; how
+prompt chunks share the budget: the PrefillPacker, prefill_policy.py).
 :meth:`Scheduler.update` is the one place where a sequence's state moves forward.
 """
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from tandem.config import EngineConfig
 from tandem.decoding.beam_stepper import BeamStepper
 from tandem.decoding.speculation import Speculator
+from tandem.engine.prefill_policy import PrefillPacker
 from tandem.engine.preemption import Preemptor
 from tandem.engine.sampler import StepOutput
 from tandem.engine.sequence import Sequence, SequenceStatus, SequenceUpdate
@@ -81,6 +83,7 @@ class Scheduler:
         self.preemptor = Preemptor(config, block_manager, SwapPool(config.num_swap_blocks, config.num_kv_blocks))
         self.speculator = Speculator(config, block_manager)
         self.beam_stepper = BeamStepper(self)
+        self.prefill_packer = PrefillPacker(self)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -92,6 +95,9 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         bm = self.block_manager
         budget = self.config.max_num_batched_tokens
+        # NOTE: a prefill chunk is capped at first so that waiting prompts that fit get in
+        # behind it; PrefillPacker gives it the budget they leave (prefill_policy.py).
+        cap = self.config.long_prefill_token_threshold
         entries: list[tuple[Sequence, int]] = []
         draft_token_ids: dict[int, list[int]] = {}
         swap_out: list[tuple[int, int]] = []
@@ -111,7 +117,7 @@ class Scheduler:
             if seq.status != SequenceStatus.RUNNING or seq.num_uncomputed_tokens == 0:
                 continue  # preempted for an earlier one, or a beam waiting for the others
             drafts = self.speculator.propose(seq, budget)
-            n = min(seq.num_uncomputed_tokens, budget) + len(drafts)
+            n = min(seq.num_uncomputed_tokens, budget, cap) + len(drafts)
             while not bm.can_allocate(seq, n):
                 victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
                 self.running.remove(victim)
@@ -124,7 +130,9 @@ class Scheduler:
                 if victim is seq:
                     break
             if seq.status != SequenceStatus.RUNNING:
-                break
+                # It was the newest left: only older prompts being chunked may follow it,
+                # and they may still fit in what it gave back (else the batch could be empty).
+                continue
             copies += bm.allocate(seq, n)
             entries.append((seq, n))
             draft_token_ids[id(seq)] = drafts
@@ -135,7 +143,7 @@ class Scheduler:
         # freed here are only taken again by a later step's swap-out, whose copies run later.
         while self.swapped and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens, budget, cap)
             if not self.preemptor.can_swap_in(seq, n):
                 break
             self.swapped.popleft()
@@ -144,27 +152,9 @@ class Scheduler:
             entries.append((seq, n))
             budget -= n
 
-        # Then new (or recompute-preempted) sequences in arrival order, once no swapped one
-        # waits to resume, unless we just preempted.
-        while (self.waiting and not self.swapped and budget > 0 and not preempted
-               and len(self.running) < self.config.max_num_seqs):
-            seq = self.waiting[0]
-            cached_block_ids = bm.find_cached_prefix(seq)
-            remaining = seq.num_tokens - len(cached_block_ids) * bm.block_size
-            n = min(remaining, budget)
-            if n < remaining and not self.config.enable_chunked_prefill:
-                break
-            if not bm.can_allocate(seq, n, cached_block_ids):
-                break
-            self.waiting.popleft()
-            bm.allocate(seq, n, cached_block_ids)
-            if seq.num_preemptions == 0:
-                seq.num_cached_prompt_tokens = seq.num_computed_tokens
-                seq.first_scheduled_time = time.monotonic()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            entries.append((seq, n))
-            budget -= n
+        # Then waiting (new or recompute-preempted) prompts, once no swapped one waits to
+        # resume, unless we just preempted; what is left goes back to the capped chunks.
+        self.prefill_packer.pack(entries, budget, admit=not preempted and not self.swapped)
 
         entries.sort(key=lambda e: e[1] != 1)  # stable: decodes first, then prefill chunks
         return ScheduledBatch([s for s, _ in entries], [n for _, n in entries], swap_out, swap_in,

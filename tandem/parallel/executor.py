@@ -10,7 +10,7 @@ import torch.distributed as dist
 from tandem.kvcache.swap_copier import KVSwapper
 from tandem.model.llama import LlamaModel
 from tandem.model.loader import LoadedModel
-from tandem.parallel.shard import RankShard, rank_shards, shard_weights
+from tandem.parallel.shard import rank_shards, shard_weights
 from tandem.parallel.step_message import StepMessage
 
 
@@ -61,12 +61,11 @@ class RankExecutor:
         f = msg.forward
         if f is None:
             return None
-        hook = on_layer_stored
-        if f.gather_slots is not None:
-            def hook(layer: int) -> None:
-                self._gather(layer, f.gather_slots)
-                if on_layer_stored is not None:
-                    on_layer_stored(layer)
+        def gather_then_hook(layer: int) -> None:
+            self._gather(layer, f.gather_slots)
+            if on_layer_stored is not None:
+                on_layer_stored(layer)
+        hook = on_layer_stored if f.gather_slots is None else gather_then_hook
         return self.model.forward(f.input_ids, f.positions, self.kv_cache, f.meta, logits_indices, hook)
 
     def _gather(self, layer: int, slots: torch.Tensor) -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.config import EngineConfig
-from tandem.engine.model_runner import ModelRunner
+from tandem.engine.model_runner import KVAllocator, ModelRunner, private_pool
 from tandem.model.llama import LlamaModel
 from tandem.model.loader import LoadedModel
 from tandem.parallel.executor import rank_model
@@ -26,14 +26,15 @@ class EngineModel:
 
 
 def start_engine_model(loaded: LoadedModel, config: EngineConfig, model: str | None, num_threads: int | None,
-                       placement_group: Any = None) -> EngineModel:
+                       placement_group: Any = None, allocate_kv: KVAllocator = private_pool) -> EngineModel:
     """``loaded`` (quantized as config says) as this process's model, and with
     config.tensor_parallel_size > 1 the ranks beside it, which load ``model`` themselves
-    (placed in ``placement_group``'s bundles 1.., see RankGroup)."""
+    (placed in ``placement_group``'s bundles 1.., see RankGroup). allocate_kv: where the
+    KV pool lives at tp=1 (each rank of a tensor-parallel engine holds a private share)."""
     tp = config.tensor_parallel_size
     if tp == 1:
         part = LlamaModel(loaded.config, loaded.weights, config.max_model_len)
-        return EngineModel(part, ModelRunner(config, part), None)
+        return EngineModel(part, ModelRunner(config, part, allocate_kv), None)
     rank_shards(loaded.config, tp)  # refuses a tp the heads do not split by, before any rank starts
     rank_args = dict(dtype=config.dtype_name, block_size=config.block_size,
                      num_kv_blocks=config.num_kv_blocks, num_swap_blocks=config.num_swap_blocks,

@@ -11,7 +11,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.hooks import PrefillHooks
-from tandem.engine.model_runner import ModelRunner
+from tandem.engine.model_runner import KVAllocator, ModelRunner, private_pool
 from tandem.engine.snapshots import EngineInventory
 from tandem.engine_options import ENGINE_DEFAULTS
 from tandem.model.dtypes import DTYPES
@@ -34,10 +34,11 @@ class Worker:
 
     def __init__(self, instance: str, model: str | None = None, dtype: str = ENGINE_DEFAULTS["dtype"],
                  num_threads: int | None = None, loaded: LoadedModel | None = None,
-                 placement_group: Any = None, **engine_args: Any) -> None:
+                 placement_group: Any = None, allocate_kv: KVAllocator = private_pool, **engine_args: Any) -> None:
         """loaded: weights already in this process (tests); otherwise `model` is loaded here
         (and by the other ranks with tensor_parallel_size > 1, which `placement_group`, a Ray
-        placement group with a bundle per rank, places; see parallel.ranks.RankGroup)."""
+        placement group with a bundle per rank, places; see parallel.ranks.RankGroup).
+        allocate_kv: where the KV pool lives (at tensor_parallel_size 1)."""
         if num_threads is not None:
             torch.set_num_threads(num_threads)  # pinned: workers sharing a host do not fight
         self.instance = instance
@@ -48,7 +49,7 @@ class Worker:
         loaded = quantized(loaded, config.quantization, source)
         self.fingerprint = model_fingerprint(loaded)
         """The weights' identity, which KV transfer peers must share (the whole model's, on any tp)."""
-        started = start_engine_model(loaded, config, model, num_threads, placement_group)
+        started = start_engine_model(loaded, config, model, num_threads, placement_group, allocate_kv)
         self.ranks = started.ranks
         if started.ranks is not None:  # keep rank 0's part only: the whole model's weights go
             loaded = LoadedModel(loaded.config, started.model.weights, loaded.tokenizer)

@@ -32,6 +32,8 @@ class WorkerHost:
         kv_checksum: prefill workers send a CRC-32 with every layer."""
         if role is Role.PREFILL:
             worker_args["kv_checksum"] = kv_checksum
+        if role in (Role.PREFILL, Role.DECODE):  # KV goes in place between workers of one Ray node
+            worker_args["node_id"] = ray.get_runtime_context().get_node_id()
         if kv_transfer_host is not None and role is Role.DECODE:
             if kv_transfer_host == "node-ip":
                 kv_transfer_host = ray.util.get_node_ip_address()

@@ -21,6 +21,8 @@ from tandem.worker.api import Role
 from tandem.worker.metric_buckets import REQUEST_SECONDS
 
 LABELS = ("model_name", "role", "instance")
+TRANSFER_PATHS = ("shm", "zmq", "dist")
+"""KV data paths (KVSender.begin): in place in a same-node shared pool, ZMQ frames, torch.distributed."""
 
 
 # (what a reason says, its label), first match wins; anything else is "error".
@@ -57,6 +59,12 @@ class WorkerMetrics:
         if role is not Role.COLOCATED:  # every series from the start at 0
             for kind in (*(kind for _, kind in _FAILURE_KINDS), "error"):
                 self._transfer_failures.labels(*self.label_values, kind)
+        self._transfer_paths: Counter | None = None
+        if role is Role.PREFILL:  # the sender picks the path
+            self._transfer_paths = Counter("tandem_kv_transfer_paths", "KV transfers begun, by data path.",
+                                           (*LABELS, "path"), registry=self.registry)
+            for path in TRANSFER_PATHS:
+                self._transfer_paths.labels(*self.label_values, path)
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
         self.last_batch_size = 0
@@ -93,6 +101,11 @@ class WorkerMetrics:
             self.decode_time.observe(time.monotonic() - seq.first_token_time)
 
     # -- transfers ----------------------------------------------------------------------
+    def transfer_began(self, path: str) -> None:
+        """A prefill worker began sending a request's KV by `path` (one of TRANSFER_PATHS)."""
+        assert self._transfer_paths is not None, "only a prefill worker sends KV"
+        self._transfer_paths.labels(*self.label_values, path).inc()
+
     def transfer_ended(self, started: float, failure: str | None) -> None:
         """A request's KV transfer ended: well (failure None, its time observed) or not."""
         assert self.kv_transfer_time is not None, "a colocated worker transfers no KV"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,10 +15,10 @@ import numpy as np
 import pytest
 
 from tandem.bench import serve as bench_serve
-from tandem.bench.serving import plots as serve_plots
 from tandem.bench.serving.load import (
     Mix, RequestResult, arrival_offsets, make_requests, meets_slo, parse_goodput, summarize,
 )
+from tandem.bench.serving.sweep import best_key, compare
 from tandem.bench.workload import allowed_token_ids
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -75,7 +76,7 @@ def test_summary_slo_and_ratios():
     assert m["ttft_ms"]["median"] == 100 and m["e2el_ms"]["mean"] == pytest.approx(10050 / 3)
     runs = [{"mode": mode, "rate": 1.0, "metrics": summarize(rs, 2.0, slo), "requests": []}
             for mode, rs in (("disaggregated", results[:1]), ("colocated", results[:3]))]
-    (row,) = serve_plots.compare(runs, 0.5)
+    (row,) = compare(runs)
     assert row["p99_tpot_ratio"] == pytest.approx(100 / np.percentile([100, 100, 500], 99))
     assert row["goodput_ratio"] == 1.0 and row["goal_met"] is False  # goodput not higher
 
@@ -95,28 +96,34 @@ def test_quick_defaults_and_overrides():
 
 @pytest.mark.slow
 def test_quick_run_end_to_end(tmp_path: Path):
-    """Both clusters (3 model loads) and 6 requests each at 2 req/s: about 30-60 s."""
+    """Five fresh clusters (7 model loads): disaggregated and colocated at budgets 128 and 512,
+    6 requests each at 2 req/s, then one max-SLO-rate probe per mode: about 1.5-2 min quiet."""
     out_dir = tmp_path / "serve"
     cmd = [sys.executable, "-m", "tandem", "bench", "serve", "--quick", "--out-dir", str(out_dir)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for text in ("Successful requests:", "P99 TPOT (ms):", "disaggregated / colocated", "goal (p99 TPOT ratio",
-                 "router hop: added latency", "added p99"):
+    for text in ("Successful requests:", "P99 TPOT (ms):", "disaggregated / best colocated",
+                 "best colocated at a rate = the highest goodput", "where the time goes", "KV transfer tail",
+                 "max SLO rate: the highest request rate", "goals (issue 19)", "max SLO rate >= 1.5x",
+                 "others' CPU", "router hop: added latency", "added p99"):
         assert text in proc.stdout, text
+    assert re.search(r"run \d+ of at most \d+ \(slo search\): colocated/\d+ @ [\d.]+ req/s", proc.stderr)  # progress
 
     results = json.loads((out_dir / "results.json").read_text())
-    assert {"config", "workload", "runs", "router_overhead", "comparison"} <= results.keys()
+    assert {"config", "workload", "runs", "router_overhead", "comparison", "slo_search"} <= results.keys()
     cfg = results["config"]
     assert cfg["modes"]["disaggregated"]["total_threads"] == cfg["modes"]["colocated"]["total_threads"]
-    assert cfg["slo_ms"] == {"ttft": 2000.0, "tpot": 200.0}
-    assert [(r["mode"], r["rate"]) for r in results["runs"]] == [("disaggregated", 2.0), ("colocated", 2.0)]
+    assert cfg["slo_ms"] == {"ttft": 4000.0, "tpot": 200.0} and cfg["colocated_budgets"] == [128, 512]
+    runs = results["runs"]
+    assert [(r["mode"], r["budget"], r["rate"]) for r in runs] == [
+        ("disaggregated", 1024, 2.0), ("colocated", 128, 2.0), ("colocated", 512, 2.0)]
     assert results["workload"]["num_long"] == [1]
     prompts = None
-    for run in results["runs"]:
+    for run in runs:
         m, requests = run["metrics"], run["requests"]
         assert len(requests) == 6 and m["completed"] == 6 and m["failed"] == 0 and m["exact_output_len"] == 6
         shape = [(q["kind"], q["prompt_len"], q["requested_output_len"]) for q in requests]
-        assert prompts in (None, shape)  # the same workload in both modes
+        assert prompts in (None, shape)  # the same workload in every setup
         prompts = shape
         for q in requests:
             assert q["success"] and q["error"] is None and q["finish_reason"] == "length"
@@ -129,20 +136,54 @@ def test_quick_run_end_to_end(tmp_path: Path):
         assert m["tpot_ms"]["p99"] == pytest.approx(np.percentile(tpots, 99))
         assert m["ttft_ms"]["mean"] == pytest.approx(np.mean([q["ttft_ms"] for q in requests]))
         assert m["itl_ms"]["p50"] == pytest.approx(np.median([x for q in requests for x in q["itl_ms"]]))
-        good = sum(q["ttft_ms"] <= 2000 and q["tpot_ms"] <= 200 for q in requests)
+        good = sum(q["ttft_ms"] <= 4000 and q["tpot_ms"] <= 200 for q in requests)
         assert m["good_requests"] == good and m["goodput"] == pytest.approx(good / m["duration_s"])
         assert m["output_throughput"] == pytest.approx(sum(q["output_tokens"] for q in requests) / m["duration_s"])
         assert max(q["send_s"] for q in requests) < m["duration_s"]
+        # The breakdown: this run's 6 requests, queue + prefill + delivery adding up to the
+        # router's TTFT, which starts after the client's clock and ends before it.
+        b = run["breakdown"]
+        assert b is not None and b["mode"] == run["mode"] and b["requests"] == 6, run.get("breakdown_note")
+        assert b["queue_ms"] + b["prefill_ms"] + b["delivery_ms"] == pytest.approx(b["ttft_ms"])
+        assert 0 < b["ttft_ms"] < m["ttft_ms"]["mean"] and 0 < b["e2e_ms"] < m["e2el_ms"]["mean"]
+        assert b["prefill_ms"] > 0 and b["decode_ms"] > 0 and b["delivery_ms"] > 0
+        assert (b["transfer_tail_ms"] is None) == (run["mode"] == "colocated")
+        assert 0 <= run["others_cpu"] <= 1
     for mode in ("disaggregated", "colocated"):
         o = results["router_overhead"][mode]
         assert o["num_pairs"] == 4 and len(o["added_ms_values"]) == 4
         assert o["router_ms"]["p50"] > 0 and o["direct_ms"]["p50"] > 0
+
     (row,) = results["comparison"]
-    d, c = (r["metrics"] for r in results["runs"])
+    best = min(runs[1:], key=best_key)  # the rule, by hand: most good requests, then p99 TPOT
+    assert row["colocated_budget"] == best["budget"]
+    assert not any(r["metrics"]["good_requests"] > best["metrics"]["good_requests"] for r in runs[1:])
+    d, c = runs[0]["metrics"], best["metrics"]
     assert row["p99_tpot_ratio"] == pytest.approx(d["tpot_ms"]["p99"] / c["tpot_ms"]["p99"])
+    assert row["p99_ttft_ratio"] == pytest.approx(d["ttft_ms"]["p99"] / c["ttft_ms"]["p99"])
+    assert row["goals"]["p99_tpot_ratio"] == (row["p99_tpot_ratio"] <= 0.5)
     assert isinstance(row["goal_met"], bool)
-    for name in ("distributions.png", "latency_cdf.png", "goodput.png"):
+
+    search = results["slo_search"]
+    assert search["setups"]["colocated"]["budget"] == best["budget"]  # searched: the best at the top rate
+    for s in search["setups"].values():
+        probes = s["probes"]
+        assert [p["rate"] for p in probes] == sorted({p["rate"] for p in probes})
+        assert [p["rate"] for p in probes if p["source"] == "sweep"] == [2.0]
+        assert sum(p["source"] == "probe" for p in probes) <= 1
+        for p in probes:
+            total = p["metrics"]["completed"] + p["metrics"]["failed"]
+            assert p["attainment"] == p["metrics"]["good_requests"] / total and p["passed"] == (p["attainment"] >= 0.9)
+        passed = {p["rate"]: p["passed"] for p in probes}
+        if s["bound"] == "bracketed":  # a probed pass, and the next probe above it failed
+            above = min(r for r in passed if r > s["max_rate"])
+            assert passed[s["max_rate"]] and above == s["next_failed_rate"] and not passed[above]
+        elif s["bound"] == "lower":
+            assert all(passed.values()) and s["max_rate"] == max(passed)
+        else:
+            assert s["max_rate"] is None and not any(passed.values())
+    for name in ("distributions.png", "latency_cdf.png", "goodput.png", "sweep.png", "slo_attainment.png"):
         assert (out_dir / name).read_bytes().startswith(PNG_SIGNATURE)
     report = (out_dir / "report.html").read_text()
-    assert report.count("<tr><td>") == 2 and '<img src="distributions.png"' in report
+    assert report.count("<tr><td>") == 3 and '<img src="distributions.png"' in report
     assert f"<td>{d['ttft_ms']['p99']:.1f}</td>" in report and f"<td>{c['tpot_ms']['p50']:.1f}</td>" in report

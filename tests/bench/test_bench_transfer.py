@@ -1,5 +1,5 @@
-"""``tandem bench transfer --quick`` runs end to end (two processes, every transport) and
-reports what it measured."""
+"""``tandem bench transfer --quick`` runs end to end (two processes, every transport, shared
+memory included) and reports what it measured, with the bytes checked at the receiver."""
 
 from __future__ import annotations
 
@@ -24,8 +24,12 @@ def test_quick_run_reports_every_transport(tmp_path):
     assert (layout["num_layers"], layout["num_kv_heads"], layout["head_dim"]) == (30, 3, 64)
     assert results["weights"] == "random" and results["quick"] is True
     points = [(t["transport"], t["block_order"], t["num_tokens"]) for t in results["transfers"]]
-    assert points == [(t, o, n) for t in ("ipc", "tcp", "gloo") for o in ("contiguous", "shuffled") for n in (32, 100)]
+    assert points == [(t, o, n) for t in ("ipc", "tcp", "gloo", "shm") for o in ("contiguous", "shuffled")
+                      for n in (32, 100)]
     for t in results["transfers"]:
+        # The checked run's rows, hashed where they landed in the receiver, are the sender's.
+        assert t["received_digest"] == t["sent_digest"] and len(t["sent_digest"]) == 32
+        assert t["path"] == {"gloo": "dist", "shm": "shm"}.get(t["transport"], "zmq")
         assert t["bytes"] == 2 * 30 * t["num_tokens"] * 3 * 64 * 4
         assert t["latency_s"] > 0 and t["send_calls_s"] > 0 and len(t["latencies_s"]) == 1
         assert t["bytes_per_s"] == pytest.approx(t["bytes"] / t["latency_s"])
@@ -39,4 +43,5 @@ def test_quick_run_reports_every_transport(tmp_path):
     # The last layer is stored before the step ends: its tail is the longer one.
     assert overlap["tail_after_last_stored_s"] >= overlap["tail_s"]
     assert "goal, ipc >= 50% of copy bandwidth" in out.stdout and "goal, tail < 10%" in out.stdout
+    assert "goal, shm >= 80% of copy bandwidth" in out.stdout
     assert (tmp_path / "transfer.png").read_bytes().startswith(PNG_SIGNATURE)

@@ -10,7 +10,7 @@ import concurrent.futures
 import pytest
 
 from metrics_text import parse_samples, total
-from completions_checks import FINISHED, by_index, completions, sampled_request
+from completions_checks import completions, sampled_request
 from reference import english_token_ids, hf_beam_search
 from tandem.proto import generation_pb2 as pb
 from tandem.router.cluster import ClusterConfig

@@ -5,7 +5,6 @@ affected, ended with a clear status, leaked, recovery) and ends with every worke
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import concurrent.futures
 import heapq

@@ -217,6 +217,18 @@ def test_waiting_before_the_first_layer_is_never_timed():
         receiver.close()
 
 
+def test_kv_due_once_all_of_it_was_sent(receiver):
+    """The first token came, so the sender sent every layer: KV that never lands (a sender
+    that died with its layers queued) fails within the timeout though no layer arrived."""
+    receiver.expect("req", DST_BLOCKS, NUM_TOKENS, timeout_s=0.3)
+    time.sleep(0.5)
+    assert receiver.get_event(0) is None  # not yet due: the prompt may still be queued
+    receiver.all_sent("req")
+    event = receiver.get_event(5)
+    assert (event.request_id, event.status) == ("req", TransferStatus.FAILED)
+    assert receiver.num_pending == 0 and receiver.dropped["timeout"] == 1
+
+
 def test_sender_gives_up_on_a_receiver_that_never_answers():
     sender = KVSender(random_pool(2, 4, 16, 1, 4, torch.float32, 1))
     dead = zmq.Context.instance().socket(zmq.ROUTER)  # bound, but nobody reads it

@@ -39,3 +39,15 @@ def test_transfer_failures_are_labelled_from_a_fixed_set():
     assert [failure_kind(r) for r in ("timed out waiting for the receiver", "aborted by the sender",
                                       "receiver: refused: layout", "receiver not accepting messages",
                                       "the disk is on fire")] == ["timeout", "aborted", "refused", "unreachable", "error"]
+
+
+def test_transfer_paths_are_counted_on_prefill_workers_only(make_llm):
+    engine = make_llm(block_size=16, num_kv_blocks=4).engine
+    prefill = WorkerMetrics(Role.PREFILL, "prefill-0", "m", engine)
+    for path in ("shm", "shm", "zmq"):
+        prefill.transfer_began(path)
+    s = parse_samples(prefill.render())
+    counts = {p: total(s, "tandem_kv_transfer_paths_total", role="prefill", path=p) for p in ("shm", "zmq", "dist")}
+    assert counts == {"shm": 2, "zmq": 1, "dist": 0}  # every path's series from the start
+    assert "tandem_kv_transfer_paths" not in WorkerMetrics(Role.DECODE, "decode-0", "m", engine).render()
+    promtool_check_metrics(prefill.render())

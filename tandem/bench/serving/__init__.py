@@ -1,1 +1,3 @@
-"""Helpers of `tandem bench serve`: the load generator, its OpenAI client, the overhead probe, the report and the plots."""
+"""Helpers of `tandem bench serve`: the load generator and its OpenAI client, the clusters it
+starts (local), the colocated budget sweep, the max-SLO-rate search, the time breakdown from
+/metrics, the overhead probe, the report and the plots."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from pathlib import Path
 
 import matplotlib
@@ -13,6 +12,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from tandem.bench.plots import _table  # noqa: E402
+from tandem.bench.serving import sweep_report  # noqa: E402
+from tandem.bench.serving.sweep import best_colocated, compared_runs, run_label  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -24,47 +25,19 @@ API_LINES = {"grpc": "the gRPC API (Generation.Generate, one stream per request)
                        "token ids as prompt; output tokens from the usage chunk)"}
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
-        return None if a is None or b is None or a == 0 else math.inf
-    return a / b
-
-
-def compare(runs: list[dict], goal_tpot_ratio: float) -> list[dict]:
-    """Per rate run in both modes: disaggregated / colocated ratios, and whether the goal
-    (p99 TPOT ratio <= goal_tpot_ratio and strictly higher goodput) holds."""
-    by = {(r["mode"], r["rate"]): r["metrics"] for r in runs}
-    rows = []
-    for rate in sorted({r["rate"] for r in runs}):
-        d, c = by.get(("disaggregated", rate)), by.get(("colocated", rate))
-        if d is None or c is None:
-            continue
-        row = {"rate": rate, "p99_tpot_ratio": _ratio(d["tpot_ms"]["p99"], c["tpot_ms"]["p99"]),
-               "p50_tpot_ratio": _ratio(d["tpot_ms"]["p50"], c["tpot_ms"]["p50"]),
-               "p99_ttft_ratio": _ratio(d["ttft_ms"]["p99"], c["ttft_ms"]["p99"]),
-               "p99_itl_ratio": _ratio(d["itl_ms"]["p99"], c["itl_ms"]["p99"]),
-               "output_throughput_ratio": _ratio(d["output_throughput"], c["output_throughput"]),
-               "goodput_ratio": _ratio(d["goodput"], c["goodput"]),
-               "goodput": {"disaggregated": d["goodput"], "colocated": c["goodput"]}}
-        row["goal_met"] = bool(row["p99_tpot_ratio"] is not None and row["p99_tpot_ratio"] <= goal_tpot_ratio
-                               and d["goodput"] > c["goodput"])
-        rows.append(row)
-    return rows
-
-
 def _ms(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}"
 
 
-def _x(x: float | None) -> str:
-    return "-" if x is None else ("inf" if math.isinf(x) else f"{x:.2f}x")
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
 
 
 def print_run(run: dict) -> None:
     """One run in vllm bench serve's layout (plus p90)."""
     m = run["metrics"]
     line = lambda name, value: print(f"{name:<40}{value:<10}")  # noqa: E731
-    print(f"\n{' ' + run['mode'] + ' @ ' + format(run['rate'], 'g') + ' req/s ':=^50}")
+    print(f"\n{' ' + run_label(run) + ' @ ' + format(run['rate'], 'g') + ' req/s ':=^50}")
     line("Successful requests:", m["completed"])
     line("Failed requests:", m["failed"])
     line("Benchmark duration (s):", f"{m['duration_s']:.2f}")
@@ -102,30 +75,26 @@ def print_report(results: dict) -> None:
             workers = (f"{m['colocated_workers']} colocated worker(s)" if m["colocated_workers"]
                        else f"{m['prefill_workers']} prefill + {m['decode_workers']} decode worker(s)")
             print(f"{mode}: {workers} x {m['threads_per_worker']} torch thread(s) = {m['total_threads']} threads")
-    for run in results["runs"]:
+    compared = compared_runs(results["runs"])
+    if len(compared) < len(results["runs"]):
+        print("each rate's disaggregated run and best colocated run in full (the other budgets: the summary)")
+    for run in compared:
         print_run(run)
 
-    print("\nsummary (ms; goodput and throughput per second)")
+    print("\nsummary (ms; goodput and throughput per second; budget: tokens per engine step; * the best colocated "
+          "run at its rate;\nothers' CPU: the machine's CPU other processes took during the run, interference.py)")
     rows = []
-    for r in results["runs"]:
+    for r in sorted(results["runs"], key=lambda r: (r["rate"], r["mode"] != "disaggregated", r.get("budget") or 0)):
         m = r["metrics"]
-        rows.append([r["mode"], f"{r['rate']:g}", f"{m['completed']}/{m['completed'] + m['failed']}",
+        best = "*" if r["mode"] == "colocated" and best_colocated(results["runs"], r["rate"]) is r else ""
+        rows.append([r["mode"] + best, str(r.get("budget") or "-"), f"{r['rate']:g}",
+                     f"{m['completed']}/{m['completed'] + m['failed']}",
                      f"{m['output_throughput']:.1f}", _ms(m["ttft_ms"]["p50"]), _ms(m["ttft_ms"]["p99"]),
                      _ms(m["tpot_ms"]["p50"]), _ms(m["tpot_ms"]["p99"]), _ms(m["itl_ms"]["p99"]),
-                     _ms(m["e2el_ms"]["p99"]), f"{m['goodput']:.3f}"])
-    print(_table(["mode", "req/s", "done", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
-                  "ITL p99", "E2EL p99", "goodput"], rows))
-
-    if results["comparison"]:
-        print("\ndisaggregated / colocated (same workload, same total threads)")
-        rows = [[f"{c['rate']:g}", _x(c["p99_tpot_ratio"]), _x(c["p50_tpot_ratio"]), _x(c["p99_ttft_ratio"]),
-                 _x(c["p99_itl_ratio"]), _x(c["output_throughput_ratio"]), _x(c["goodput_ratio"]),
-                 "yes" if c["goal_met"] else "no"] for c in results["comparison"]]
-        print(_table(["req/s", "TPOT p99", "TPOT p50", "TTFT p99", "ITL p99", "out tok/s", "goodput",
-                      "goal met"], rows))
-        met = [c["rate"] for c in results["comparison"] if c["goal_met"]]
-        print(f"goal (p99 TPOT ratio <= 0.5 and higher goodput): met at {len(met)} of {len(results['comparison'])} "
-              f"rates" + (f" ({', '.join(f'{r:g}' for r in met)} req/s)" if met else ""))
+                     _ms(m["e2el_ms"]["p99"]), f"{m['goodput']:.3f}", _share(r.get("others_cpu"))])
+    print(_table(["mode", "budget", "req/s", "done", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
+                  "ITL p99", "E2EL p99", "goodput", "others' CPU"], rows))
+    sweep_report.print_sweep_report(results)
 
     if not results["router_overhead"]:
         print("\nrouter hop: not measured (with --server the backend is not in this process)")
@@ -141,9 +110,10 @@ def print_report(results: dict) -> None:
 
 
 def write_plots(results: dict, out_dir: Path) -> list[Path]:
-    """latency_cdf.png (TTFT and TPOT CDFs, one line per mode and rate) and goodput.png
-    (goodput and p99 TPOT vs rate, per mode). Returns the paths written."""
-    runs = results["runs"]
+    """latency_cdf.png (TTFT and TPOT CDFs of the compared runs: disaggregated and the best
+    colocated at each rate) and goodput.png (goodput and p99 TPOT vs rate, per setup).
+    Returns the paths written."""
+    runs = compared_runs(results["runs"])
     rates = sorted({r["rate"] for r in runs})
     colors = {rate: f"C{i}" for i, rate in enumerate(rates)}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
@@ -153,7 +123,7 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
             if len(values):
                 ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post",
                         linestyle=STYLES.get(run["mode"], "-"), color=colors[run["rate"]],
-                        label=f"{run['mode']} @ {run['rate']:g} req/s")
+                        label=f"{run_label(run)} @ {run['rate']:g} req/s")
         if key[:4] in results["config"]["slo_ms"]:
             ax.axvline(results["config"]["slo_ms"][key[:4]], color="grey", linestyle=":", label="SLO")
         ax.set_xscale("log")
@@ -168,9 +138,10 @@ def write_plots(results: dict, out_dir: Path) -> list[Path]:
     plt.close(fig)
 
     fig, (good, tpot) = plt.subplots(1, 2, figsize=(11, 4))
-    for i, mode in enumerate(dict.fromkeys(r["mode"] for r in runs)):
-        mine = sorted((r for r in runs if r["mode"] == mode), key=lambda r: r["rate"])
-        x, style, color = [r["rate"] for r in mine], "o" + STYLES.get(mode, "-"), f"C{i}"
+    runs = results["runs"]
+    for i, mode in enumerate(dict.fromkeys(run_label(r) for r in runs)):
+        mine = sorted((r for r in runs if run_label(r) == mode), key=lambda r: r["rate"])
+        x, style, color = [r["rate"] for r in mine], "o" + STYLES.get(mine[0]["mode"], "-"), f"C{i}"
         good.plot(x, [r["metrics"]["goodput"] for r in mine], style, color=color, label=f"{mode} goodput")
         good.plot(x, [r["metrics"]["request_throughput"] for r in mine], "x:", color=color, alpha=0.5,
                   label=f"{mode} throughput")

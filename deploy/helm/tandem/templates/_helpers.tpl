@@ -155,3 +155,31 @@ affinity:
     medium: Memory
     sizeLimit: {{ .Values.ray.shmSize }}
 {{- end }}
+
+{{/* A quantity in Mi: "1Gi" -> 1024, "512Mi" -> 512. */}}
+{{- define "tandem.mebibytes" -}}
+{{- $q := toString . }}
+{{- if hasSuffix "Gi" $q }}
+{{- int (ceil (mulf (float64 (trimSuffix "Gi" $q)) 1024)) }}
+{{- else if hasSuffix "Mi" $q }}
+{{- int (ceil (float64 (trimSuffix "Mi" $q))) }}
+{{- else }}
+{{- fail (printf "ray.shmSize must be in Gi or Mi, not %q" $q) }}
+{{- end }}
+{{- end }}
+
+{{/* /dev/shm of a worker pod: (dict "root" $ "role" <pool>). A decode worker's KV pool lives
+there too (so that prefill workers on its node could write the KV straight into it; without
+room it falls back to private memory): Ray's object store plus engine.kvCacheMemoryGib and
+64Mi for the pool's grant table and rounding. */}}
+{{- define "tandem.workerShmVolume" -}}
+{{- if eq .role "decode" }}
+{{- $mi := add (include "tandem.mebibytes" .root.Values.ray.shmSize | atoi) (int (ceil (mulf (float64 .root.Values.engine.kvCacheMemoryGib) 1024))) 64 }}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ printf "%dMi" $mi }}
+{{- else }}
+{{- include "tandem.shmVolume" .root }}
+{{- end }}
+{{- end }}

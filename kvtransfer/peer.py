@@ -1,0 +1,111 @@
+"""A sender's connection to one receiver: its DEALER socket, the handshake, and the data path
+the two settle on (frames, torch.distributed, or in place in a shared pool)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from tandem.kvtransfer.protocol import KVLayout, MessageKind, TransferRefused, decode, encode
+from tandem.kvtransfer.shared_pool import MappedPool
+
+logger = logging.getLogger(__name__)
+
+SEND_QUEUE_MESSAGES = 100_000
+
+
+@dataclass
+class Peer:
+    """A sender's connection to one receiver, owned by the sender's thread."""
+
+    socket: zmq.Socket
+    layout: KVLayout
+    """The receiver's pool layout, from the handshake."""
+    dist_rank: int | None
+    shm: MappedPool | None = None
+    """The receiver's pool mapped here, when the rows are written into it in place."""
+
+    @property
+    def path(self) -> str:
+        """The data path: "shm", "dist" (torch.distributed) or "zmq" (frames)."""
+        return "shm" if self.shm is not None else "zmq" if self.dist_rank is None else "dist"
+
+    def unmap_if_orphaned(self, address: str) -> None:
+        """Let go of the receiver's pool once its owner is gone: mapped here, a dead
+        worker's pool would stay in memory."""
+        if self.shm is not None and not self.shm.owner_alive():
+            logger.warning("kv sender: the pool of %s has no owner any more: unmapped", address)
+            self.shm.close()
+            self.shm = None  # its tensors go with it, and with them the mapping
+
+    def close(self) -> None:
+        self.socket.close()
+        if self.shm is not None:
+            self.shm.close()
+
+
+def connect_peer(address: str, hello: dict[str, Any], timeout_s: float, shm_pool: str = "") -> Peer:
+    """Handshake with the receiver at `address` with `hello` (the sender's fields).
+
+    shm_pool: the receiver's pool file, offered when this process can open it: the rows go
+    in place if the receiver agrees and the file is a pool of its layout, else by socket.
+    Raises TransferRefused when the receiver refuses, TimeoutError when it does not answer.
+    """
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
+    # Queue nothing for a receiver that is gone (sends fail at once instead), and allow
+    # many layers in flight: queued frames are views of the pool, not copies.
+    sock.setsockopt(zmq.IMMEDIATE, 1)
+    sock.setsockopt(zmq.SNDHWM, SEND_QUEUE_MESSAGES)
+    sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+    sock.connect(address)
+    shm_fd = None
+    if shm_pool:
+        try:
+            shm_fd = MappedPool.open(shm_pool)
+            hello = {**hello, "shm_pool": shm_pool, "shm_bytes": os.fstat(shm_fd).st_size}
+        except (OSError, ValueError) as e:
+            logger.warning("kv sender: cannot open %s's pool %s (%s): sockets instead", address, shm_pool, e)
+    try:
+        msg = _handshake(sock, address, hello, timeout_s)
+        layout = KVLayout.from_dict(msg.get("layout"))
+    except BaseException:
+        sock.close()
+        if shm_fd is not None:
+            os.close(shm_fd)
+        raise
+    shm = None if shm_fd is None else _map(address, shm_pool, shm_fd, layout, msg.get("shm_pool"))
+    return Peer(sock, layout, msg.get("dist_rank"), shm)
+
+
+def _handshake(sock: zmq.Socket, address: str, hello: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """-> the receiver's HELLO_OK."""
+    try:
+        sock.send(encode(MessageKind.HELLO, **hello))
+    except zmq.Again:
+        raise TimeoutError(f"no KV receiver accepted a connection at {address} within {timeout_s} s") from None
+    if not sock.poll(int(timeout_s * 1000)):
+        raise TimeoutError(f"no KV receiver answered at {address} within {timeout_s} s")
+    kind, _, msg = decode(sock.recv())
+    if kind is not MessageKind.HELLO_OK:
+        raise TransferRefused(f"KV receiver at {address} refused the transfer: {msg.get('reason')}")
+    return msg
+
+
+def _map(address: str, name: str, fd: int, layout: KVLayout, accepted: object) -> MappedPool | None:
+    """The receiver's pool mapped over `fd` (taken), or None (logged) when the receiver
+    declined the offer or the file is not a pool of its layout."""
+    try:
+        if accepted != name:
+            raise ValueError("the receiver declined it")
+        return MappedPool(name, fd, layout)
+    except (OSError, ValueError) as e:
+        os.close(fd)
+        logger.warning("kv sender: no shared memory with %s (%s): sockets instead", address, e)
+        return None

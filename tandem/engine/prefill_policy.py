@@ -1,0 +1,125 @@
+"""Prefill packing: how the token budget a step has left after its decodes goes to prompts.
+
+A step's budget is filled with prompt chunks of several sequences, in four passes (the
+policy is explained in docs/scheduling.md, "Prefill packing"):
+
+1. each prompt already being prefilled (running, or swapped back in) takes its next chunk,
+   oldest first, capped at ``long_prefill_token_threshold`` tokens (the Scheduler applies
+   the cap: it is the only place a running sequence may preempt another);
+2. waiting prompts, in queue order, each whole if it fits in what is left. While pass 1
+   capped a prompt, a waiting one that does not fit is passed over, so the shorter prompts
+   behind it still start; otherwise the first that does not fit takes the rest as its
+   first chunk (plain FCFS: shorter ones behind it wait for one chunk of it);
+3. what is left goes back to the prompts pass 1 capped, oldest first;
+4. if budget is still left (every capped prompt finished), the first prompt pass 2 passed
+   over takes it as its first chunk.
+
+So a short prompt waits behind a long one for at most one chunk of it, a long prompt gets
+at least ``min(threshold, budget left)`` tokens a step, and long prompts start one after
+the other (the oldest gets everything the short ones leave).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from tandem.engine.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from tandem.engine.scheduler import Scheduler
+
+Entry = tuple[Sequence, int]
+"""A sequence scheduled this step and how many of its tokens run."""
+
+
+class PrefillPacker:
+    """Passes 2 to 4 above, over a Scheduler's queues and block manager."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+
+    def pack(self, entries: list[Entry], budget: int, admit: bool) -> int:
+        """Fill ``budget`` (what the running and swapped-in sequences left) with prompt
+        chunks: admit waiting sequences (if ``admit``) and lengthen the chunks of capped
+        entries; ``entries`` is updated in place. -> the budget left."""
+        # Entries cut short of their last token: capped by pass 1 (or out of budget).
+        capped = [i for i, (seq, n) in enumerate(entries) if n < seq.num_uncomputed_tokens]
+        passed_over: Sequence | None = None
+        if admit:
+            budget, passed_over = self._admit_waiting(entries, budget, pass_over_long=bool(capped))
+        budget = self._refill(entries, capped, budget)
+        if passed_over is not None and budget > 0:
+            budget = self._admit_first_chunk(entries, passed_over, budget)
+        return budget
+
+    def _admit_waiting(self, entries: list[Entry], budget: int, pass_over_long: bool) -> tuple[int, Sequence | None]:
+        """Pass 2. -> the budget left, and the first prompt passed over (or None)."""
+        sched = self.scheduler
+        bm, config = sched.block_manager, sched.config
+        passed_over: Sequence | None = None
+        for seq in list(sched.waiting):
+            if budget <= 0 or len(sched.running) >= config.max_num_seqs:
+                break
+            cached_block_ids = bm.find_cached_prefix(seq)
+            remaining = seq.num_tokens - len(cached_block_ids) * bm.block_size
+            n = min(remaining, budget)
+            if n < remaining:
+                if pass_over_long:
+                    if passed_over is None:
+                        passed_over = seq
+                    continue
+                if not config.enable_chunked_prefill:
+                    break  # NOTE: FCFS: a prompt that must run whole keeps the ones behind it waiting.
+            # NOTE: out of blocks, nothing newer starts either: a short prompt never takes
+            # the blocks an older one waits for.
+            if not bm.can_allocate(seq, n, cached_block_ids):
+                break
+            self._admit(entries, seq, n, cached_block_ids)
+            budget -= n
+        return budget, passed_over
+
+    def _refill(self, entries: list[Entry], capped: list[int], budget: int) -> int:
+        """Pass 3: give the capped entries, oldest first, what is left, as far as free
+        blocks allow (a refill never preempts: the capped chunk already made progress)."""
+        bm = self.scheduler.block_manager
+        for i in capped:
+            if budget <= 0:
+                break
+            seq, n = entries[i]
+            # NOTE: the capped chunk's allocation already copied any shared block it writes,
+            # so every further block is a fresh one.
+            room = (len(seq.block_ids) + bm.num_free_blocks) * bm.block_size - seq.num_computed_tokens
+            extra = min(seq.num_uncomputed_tokens - n, budget, room - n)
+            if extra <= 0:
+                continue
+            bm.allocate(seq, n + extra)
+            entries[i] = (seq, n + extra)
+            budget -= extra
+        return budget
+
+    def _admit_first_chunk(self, entries: list[Entry], seq: Sequence, budget: int) -> int:
+        """Pass 4: start the prompt pass 2 passed over with the rest of the budget."""
+        sched = self.scheduler
+        bm = sched.block_manager
+        if len(sched.running) >= sched.config.max_num_seqs:
+            return budget
+        # Found again: blocks taken since pass 2 may have evicted part of the cached prefix.
+        cached_block_ids = bm.find_cached_prefix(seq)
+        n = min(seq.num_tokens - len(cached_block_ids) * bm.block_size, budget)
+        if not bm.can_allocate(seq, n, cached_block_ids):
+            return budget
+        self._admit(entries, seq, n, cached_block_ids)
+        return budget - n
+
+    def _admit(self, entries: list[Entry], seq: Sequence, n: int, cached_block_ids: list[int]) -> None:
+        """Move waiting ``seq`` to the running set with its first ``n`` tokens scheduled."""
+        sched = self.scheduler
+        sched.waiting.remove(seq)
+        sched.block_manager.allocate(seq, n, cached_block_ids)
+        if seq.num_preemptions == 0:
+            seq.num_cached_prompt_tokens = seq.num_computed_tokens
+            seq.first_scheduled_time = time.monotonic()
+        seq.status = SequenceStatus.RUNNING
+        sched.running.append(seq)
+        entries.append((seq, n))
