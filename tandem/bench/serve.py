@@ -19,6 +19,7 @@ import argparse
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -213,7 +214,7 @@ class Bench:
                                                           [self.args.seed, SEED_OVERHEAD])]
 
     async def measure(self, target: str, label: str, rate: float, metrics_url: str | None = None,
-                      settle=None) -> dict:
+                      settle: Callable[[], Awaitable[None]] | None = None) -> dict:
         """One run at ``rate`` -> its metrics, requests and time breakdown (from ``metrics_url``
         scraped before and after; ``settle``: awaited before the second scrape)."""
         from tandem.bench.serving.breakdown import RunScrapes

@@ -20,6 +20,11 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from tandem.bench.serve import Bench
+    from tandem.router.cluster import ClusterConfig
 
 logger = logging.getLogger(__name__)
 
@@ -33,7 +38,7 @@ class Setup:
 
     mode: str
     budget: int
-    config: object
+    config: ClusterConfig
 
     @property
     def label(self) -> str:
@@ -95,7 +100,7 @@ async def _wait_exited(pids: list[int], timeout: float = EXIT_WAIT_S) -> None:
         logger.warning("stopped workers were still running %.0f s later", timeout)
 
 
-async def fresh_run(bench, setup: Setup, rate: float, phase: str, progress: Progress) -> dict:
+async def fresh_run(bench: Bench, setup: Setup, rate: float, phase: str, progress: Progress) -> dict:
     """One measured run of ``bench``'s workload at ``rate`` on a fresh cluster of ``setup``;
     the first run of each mode also measures the router hop (bench.overhead)."""
     from tokenizers import Tokenizer
@@ -143,7 +148,7 @@ async def fresh_run(bench, setup: Setup, rate: float, phase: str, progress: Prog
             "cluster_start_s": started_s, **run}
 
 
-async def measured_run(bench, setup: Setup, rate: float, phase: str, progress: Progress) -> dict:
+async def measured_run(bench: Bench, setup: Setup, rate: float, phase: str, progress: Progress) -> dict:
     """fresh_run, repeated once when other processes took SUSPECT or more of the CPU during it
     (while bench.retries_left lasts); the run with the smaller share is kept, the other goes
     to bench.discarded."""
@@ -162,7 +167,7 @@ async def measured_run(bench, setup: Setup, rate: float, phase: str, progress: P
     return kept
 
 
-async def run_local(bench, setups: list[Setup]) -> None:
+async def run_local(bench: Bench, setups: list[Setup]) -> None:
     """The sweep into bench.runs, then (with both modes and a probe budget) the search into
     bench.slo_search."""
     from tandem.bench.serving.sweep import search_budget
@@ -180,7 +185,7 @@ async def run_local(bench, setups: list[Setup]) -> None:
     bench.elapsed_s = progress.elapsed_s
 
 
-async def search_max_rates(bench, setups: list[Setup], progress: Progress) -> dict:
+async def search_max_rates(bench: Bench, setups: list[Setup], progress: Progress) -> dict:
     """The max-SLO-rate search on each setup, seeded with its sweep runs, probes alternating
     between the setups, at most bench.settings.slo_probes new probes each."""
     from tandem.bench.serving.slo_search import RateSearch, attainment, search_summary
@@ -217,7 +222,7 @@ async def search_max_rates(bench, setups: list[Setup], progress: Progress) -> di
             "setups": {x.mode: search_summary(searches[x.label], probes[x.label], x.label, x.budget) for x in setups}}
 
 
-def run_clusters(bench, cluster_configs) -> dict:
+def run_clusters(bench: Bench, cluster_configs: Callable[[int, int, dict], dict]) -> dict:
     """Everything run_local does, on a local Ray of its own -> the clusters' description for
     results.json. ``cluster_configs``: serve.cluster_configs (cores, workers, worker args)."""
     import os
