@@ -21,8 +21,9 @@ class InPlaceWrites:
     def __init__(self, pool: MappedPool, dest: Destination, src_block_size: int) -> None:
         """src_block_size: tokens per block of the pool the rows come from."""
         bs = pool.layout.block_size
-        if not 0 <= dest.num_cached_tokens // bs < len(dest.block_ids):
-            raise ValueError(f"{dest.request_id}: no block of {dest.block_ids} after its "
+        if not 0 <= dest.num_cached_tokens // bs < len(dest.block_ids) \
+                or not 0 <= dest.block_ids[dest.num_cached_tokens // bs] < pool.layout.num_blocks:
+            raise ValueError(f"{dest.request_id}: no block of the pool in {dest.block_ids} after its "
                              f"{dest.num_cached_tokens} cached tokens")
         self.pool = pool
         self.dest = dest

@@ -186,8 +186,9 @@ class Destination:
     (placement.host_identity). A sender on the same node may write the KV straight into
     `shm_pool`; empty: unknown, never the same."""
     shm_pool: str = ""
-    """Name of the file under /dev/shm that holds the receiver's KV pool, for same-node
-    senders to map (shared_pool.NAME); empty when the pool is private (sockets only)."""
+    """Name of the receiver's KV pool in shared memory (shared_pool.NAME: the receiver's
+    pid, the descriptor it holds the pool's unlinked file open by, a tag), for same-node
+    senders to open and map; empty when the pool is private (sockets only)."""
     shm_grant: int = 0
     """The reservation's token in that pool's grant table: a same-node sender writes into
     the reserved blocks only while the table holds it for them (fence.py); 0 without a

@@ -1,5 +1,5 @@
 """Child processes for the shared-memory tests: a same-node writer mapping a decode pool, and a
-pool owner that dies without cleaning up. Spawned (fresh interpreters), so only their
+pool owner that gets killed. Spawned (fresh interpreters), so only their
 arguments cross: a pool's name, its layout, a Destination, multiprocessing primitives."""
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ def hold_the_lock(name: str, layout: dict, dest: Destination, holding: Event) ->
         time.sleep(3600)
 
 
-def own_a_pool(directory: str, shape: tuple[int, ...], conn: Connection) -> None:
-    """Make a shared pool, say where, and wait to be killed (no cleanup runs)."""
-    pool = HostSharedPool.create(shape, torch.float32, directory)
-    conn.send(pool.path)
+def own_a_pool(shape: tuple[int, ...], conn: Connection) -> None:
+    """Make a shared pool, give its name, and wait to be killed (no cleanup runs)."""
+    pool = HostSharedPool.create(shape, torch.float32)
+    conn.send(pool.name)
     time.sleep(3600)

@@ -1,8 +1,8 @@
 """The fence of the shared-memory path, across processes: once KVReceiver.abort returns, a
 same-node writer in another process lands not a byte more in the request's blocks, even when
 they are granted again to the next reservation; a writer hung inside a write holds abort
-until the kernel drops its lock with it. And a killed owner's pool file goes (its watcher),
-senders can tell, and files nobody owns are swept."""
+until the kernel drops its lock with it. And a killed owner's pool leaves no file behind,
+its senders can tell it is gone, and a name that points at another file is not mapped."""
 
 from __future__ import annotations
 
@@ -98,33 +98,42 @@ def test_a_writer_stopped_inside_a_write_holds_abort_until_it_dies(decode_side):
 
 
 @pytest.mark.timeout(120)
-def test_a_killed_owners_pool_goes_and_its_senders_see_it():
+def test_a_killed_owners_pool_leaves_nothing_and_its_senders_see_it():
+    files_before = set(os.listdir(SHM_DIR))
     parent, child = spawn.Pipe()
-    owner = spawn.Process(target=own_a_pool, args=(SHM_DIR, SHAPE, child), daemon=True)
+    owner = spawn.Process(target=own_a_pool, args=(SHAPE, child), daemon=True)
     owner.start()
     assert parent.poll(60)
-    path = parent.recv()
-    name = os.path.basename(path)
+    name = parent.recv()
+    assert set(os.listdir(SHM_DIR)) <= files_before  # the pool's file has no name: nothing to clean up
     mapped = MappedPool(name, MappedPool.open(name), layout_for(SHAPE, torch.float32))
     try:
         assert mapped.owner_alive()
         os.kill(owner.pid, signal.SIGKILL)  # as Ray stops a worker: no cleanup runs in it
         owner.join(10)
-        _wait(lambda: not os.path.exists(path), 10, "the killed owner's pool file stayed")  # its watcher's work
-        assert not mapped.owner_alive()  # so a sender unmaps it (KVSender.poll)
+        assert not mapped.owner_alive()  # so a sender lets go of it (KVSender.poll), and its memory is free
+        with pytest.raises(OSError):
+            MappedPool.open(name)
     finally:
         mapped.close()
 
 
-def test_pool_files_nobody_owns_are_swept(tmp_path):
-    stale = tmp_path / f"tandem-kv-{'ab' * 16}"  # left by an owner that died with its watcher
-    stale.write_bytes(b"\0" * 4096)
-    live = HostSharedPool.create(SHAPE, torch.float32, str(tmp_path))
-    other = HostSharedPool.create(SHAPE, torch.float32, str(tmp_path))
+def test_a_name_that_points_elsewhere_is_not_mapped(decode_side):
+    pool, _ = decode_side
+    other = HostSharedPool.create(SHAPE, torch.float32)
     try:
-        assert not stale.exists()
-        assert os.path.exists(live.path) and os.path.exists(other.path)  # a live owner's file stays
+        # The same process and descriptor, another tag: what a reused pid would show.
+        forged = f"tandem-kv-{os.getpid()}-{other.fd}-{'0' * 32}"
+        fd = MappedPool.open(forged)
+        with pytest.raises(ValueError, match="tag differs"):
+            MappedPool(forged, fd, pool.layout)
+        os.close(fd)
+        read_end, write_end = os.pipe()
+        try:
+            with pytest.raises(ValueError, match="not a file"):
+                MappedPool.open(f"tandem-kv-{os.getpid()}-{read_end}-{'0' * 32}")
+        finally:
+            os.close(read_end)
+            os.close(write_end)
     finally:
-        live.close()
         other.close()
-    assert not os.listdir(tmp_path)
