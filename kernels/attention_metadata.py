@@ -8,6 +8,16 @@ import torch
 
 
 @dataclass(frozen=True)
+class DecodeGroup:
+    """Decode sequences attended together by the torch path, and how many blocks the longest
+    of them spans (known on the host, so that attention slices its tables without a sync)."""
+
+    seq_indices: torch.Tensor
+    """[num_seqs_in_group] int64, on the device: rows of the decode tokens."""
+    num_blocks: int
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     """Layout of a packed batch: decode tokens first (one per sequence), then prefill chunks.
 
@@ -35,6 +45,9 @@ class AttentionMetadata:
     prefill_layout: torch.Tensor
     """[num_prefills, 3] int64: (query start, query length, context length) per chunk, the
     three tuples above as one tensor for kernels."""
+    decode_groups: tuple[DecodeGroup, ...] = ()
+    """The decode sequences by similar context length, for the torch path (empty: it groups
+    them itself, reading the lengths back from the device)."""
 
     @property
     def num_prefills(self) -> int:

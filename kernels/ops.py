@@ -74,13 +74,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
         prefill_attention_triton(q[num_decode:], k_cache, v_cache, meta.prefill_block_tables,
                                  meta.prefill_layout, meta.max_prefill_query_len, scale, out=out[num_decode:])
         return out
+    groups = meta.decode_groups or None
     if meta.num_prefills == 0:
         return paged_decode_attention_torch(
-            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, groups)
     out = torch.empty_like(q)
     if num_decode:
         out[:num_decode] = paged_decode_attention_torch(
-            q[:num_decode], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+            q[:num_decode], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, groups)
     out[num_decode:] = prefill_attention_torch(
         q[num_decode:], k[num_decode:], v[num_decode:], k_cache, v_cache,
         meta.prefill_query_starts, meta.prefill_query_lens,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels.attention_metadata import DecodeGroup
+
 # Sequences attended together; each group gathers only up to its own longest context.
 GROUP_SIZE = 8
 
@@ -16,6 +18,7 @@ def paged_decode_attention_torch(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    groups: tuple[DecodeGroup, ...] | None = None,
 ) -> torch.Tensor:
     """Reference (and CPU) version: gathers each sequence's blocks, then masked attention.
 
@@ -28,15 +31,35 @@ def paged_decode_attention_torch(
     returns: [num_seqs, num_heads, head_dim]
     """
     num_seqs = q.shape[0]
-    if num_seqs <= GROUP_SIZE:
-        return _attend(q, k_cache, v_cache, block_tables, context_lens, scale)
-    block_size = k_cache.shape[1]
+    if groups is None:
+        if num_seqs <= GROUP_SIZE:
+            return _attend(q, k_cache, v_cache, block_tables, context_lens, scale)
+        groups = decode_groups(context_lens.tolist(), k_cache.shape[1], q.device)
+    if len(groups) == 1:
+        return _attend(q, k_cache, v_cache, block_tables[:, :groups[0].num_blocks], context_lens, scale)
     out = torch.empty_like(q)
-    for idx in torch.argsort(context_lens).split(GROUP_SIZE):
-        lens = context_lens[idx]
-        num_blocks = -(-int(lens.max()) // block_size)
-        out[idx] = _attend(q[idx], k_cache, v_cache, block_tables[idx, :num_blocks], lens, scale)
+    for g in groups:
+        idx = g.seq_indices
+        out[idx] = _attend(q[idx], k_cache, v_cache, block_tables[idx, :g.num_blocks], context_lens[idx], scale)
     return out
+
+
+def decode_group_plan(context_lens: list[int], block_size: int) -> list[tuple[list[int], int]]:
+    """-> (sequence rows, blocks of the longest) per group: all in one group when they are at
+    most GROUP_SIZE, else sorted by context length in groups of GROUP_SIZE (host ints only)."""
+    n = len(context_lens)
+    if n <= GROUP_SIZE:
+        chunks = [list(range(n))] if n else []
+    else:
+        order = sorted(range(n), key=context_lens.__getitem__)
+        chunks = [order[i:i + GROUP_SIZE] for i in range(0, n, GROUP_SIZE)]
+    return [(rows, -(-max(context_lens[r] for r in rows) // block_size)) for rows in chunks]
+
+
+def decode_groups(context_lens: list[int], block_size: int, device: torch.device) -> tuple[DecodeGroup, ...]:
+    """decode_group_plan with each group's rows as a tensor on ``device``."""
+    return tuple(DecodeGroup(torch.tensor(rows, dtype=torch.int64, device=device), num_blocks)
+                 for rows, num_blocks in decode_group_plan(context_lens, block_size))
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -166,8 +166,10 @@ class EngineConfig:
     """
 
     model: ModelConfig
+    device_name: str
+    """Where every tensor of the engine lives: cpu, cuda or cuda:N (resolved: never auto)."""
     dtype_name: str
-    """The dtype of weights and KV cache, by name (a key of DTYPE_BYTES): see :attr:`dtype`."""
+    """The dtype of weights and KV cache, by name (a key of DTYPE_BYTES; resolved: never auto)."""
     block_size: int
     num_kv_blocks: int
     max_model_len: int
@@ -204,6 +206,13 @@ class EngineConfig:
         return getattr(torch, self.dtype_name)
 
     @property
+    def device(self) -> torch.device:
+        """The torch device of device_name (torch imported here, as for :attr:`dtype`)."""
+        import torch
+
+        return torch.device(self.device_name)
+
+    @property
     def dtype_bytes(self) -> int:
         """Bytes per element of the weights and KV cache."""
         return DTYPE_BYTES[self.dtype_name]
@@ -213,6 +222,7 @@ class EngineConfig:
         cls,
         model: ModelConfig,
         *,
+        device: str = DEFAULTS["device"],
         dtype: str = DEFAULTS["dtype"],
         block_size: int = DEFAULTS["block_size"],
         kv_cache_memory_gib: float = DEFAULTS["kv_cache_memory_gib"],
@@ -232,9 +242,12 @@ class EngineConfig:
         quantization: str | None = DEFAULTS["quantization"],
         tensor_parallel_size: int = 1,
     ) -> EngineConfig:
-        """The defaults of the engine options are tandem.engine_options' (the CLI flags' too)."""
-        if dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+        """The defaults of the engine options are tandem.engine_options' (the CLI flags' too).
+        device and dtype may be ``auto`` (resolved here: see tandem/device.py)."""
+        from tandem.device import resolve_device, resolve_dtype  # torch only where a GPU is asked about
+
+        device = resolve_device(device)
+        dtype = resolve_dtype(dtype, device)
         _require(block_size >= 1, "block_size", block_size, ">= 1")
         _require(max_num_seqs >= 1, "max_num_seqs", max_num_seqs, ">= 1")
         _require(max_num_batched_tokens >= 1, "max_num_batched_tokens", max_num_batched_tokens, ">= 1")
@@ -275,6 +288,7 @@ class EngineConfig:
         _require(threshold >= 1, "long_prefill_token_threshold", threshold, ">= 1")
         return cls(
             model=model,
+            device_name=device,
             dtype_name=dtype,
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,

@@ -26,3 +26,27 @@ is recomputed."""
 QUANTIZATION_METHODS = ("int8", "int4")
 """Weight-only quantization done at start (tandem/model/quantization.py): int8 with a scale
 per output channel, or int4 in groups of 32 input channels (GGUF Q4_1's form)."""
+
+AUTO = "auto"
+"""The ``device`` and ``dtype`` choice that the engine's device decides (see below)."""
+
+DTYPE_CHOICES: tuple[str, ...] = (AUTO, *DTYPE_NAMES)
+"""What ``--dtype`` takes: ``auto`` or one of DTYPE_NAMES."""
+
+
+def check_device_name(name: str) -> str:
+    """``name`` if it is a device the engine takes: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``;
+    ValueError otherwise."""
+    kind, _, index = name.partition(":")
+    if name in (AUTO, "cpu", "cuda") or (kind == "cuda" and index.isdigit()):
+        return name
+    raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
+
+
+def auto_dtype_name(device: str, bfloat16_supported: bool = True) -> str:
+    """``dtype auto``'s choice on ``device`` (a resolved name: cpu, cuda, cuda:N): bfloat16 on
+    CUDA (float16 where the GPU lacks bfloat16), float32 on the CPU, where float32 is what
+    keeps the engine token-exact with transformers and runs fastest on the default model."""
+    if device == "cpu":
+        return "float32"
+    return "bfloat16" if bfloat16_supported else "float16"

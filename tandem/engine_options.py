@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from tandem.config_names import DTYPE_NAMES, PREEMPTION_MODES, QUANTIZATION_METHODS
+from tandem.config_names import DTYPE_CHOICES, PREEMPTION_MODES, QUANTIZATION_METHODS, check_device_name
 
 MODEL_HELP = "local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)"
 """``--model``'s help, the same in every command that loads (or plans) a model."""
@@ -44,11 +44,20 @@ class EngineOption:
 
 
 ENGINE_OPTIONS: tuple[EngineOption, ...] = (
-    EngineOption("dtype", str, "float32", "weights and KV cache (default %(default)s)", choices=DTYPE_NAMES),
+    EngineOption("device", check_device_name, "auto",
+                 "where weights, KV pool and every step's tensors live: auto (CUDA when this process sees a "
+                 "GPU, else CPU), cpu, cuda or cuda:N (default %(default)s)", metavar="{auto,cpu,cuda,cuda:N}"),
+    EngineOption("dtype", str, "auto",
+                 "weights and KV cache: auto is bfloat16 on CUDA (float16 where the GPU lacks bfloat16), "
+                 "float32 on the CPU (default %(default)s)", choices=DTYPE_CHOICES),
     EngineOption("block_size", int, 16, "tokens per KV block (default %(default)s)"),
     # 1.0 GiB: what LLM(...), tandem chat, the README and the Helm chart's values assume.
     EngineOption("kv_cache_memory_gib", float, 1.0,
                  "KV pool of each engine (each worker, under tandem serve) in GiB (default %(default)s)"),
+    EngineOption("gpu_memory_utilization", float, None,
+                 "fraction of the GPU's memory this engine (each worker, under tandem serve) may use: the KV "
+                 "pool gets what is left after the weights and the measured peak of one full-budget step; "
+                 "replaces --kv-cache-memory-gib on CUDA (default: the fixed pool size)", metavar="FRACTION"),
     EngineOption("max_model_len", int, None,
                  "longest sequence, prompt + output (default: the model's context, at most what the pool holds)"),
     EngineOption("max_num_seqs", int, 64, "sequences running at once (default %(default)s)"),

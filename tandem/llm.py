@@ -11,10 +11,11 @@ import torch
 from tqdm.auto import tqdm
 
 from tandem.config import EngineConfig
+from tandem.device import resolve_device, resolve_dtype
 from tandem.engine.engine import LLMEngine
 from tandem.engine_options import ENGINE_DEFAULTS
 from tandem.model.dtypes import torch_dtype
-from tandem.model.loader import LoadedModel, load_model, quantized
+from tandem.model.loader import LoadedModel, load_model, on_device, quantized
 from tandem.model.source import ModelSource, resolve_model_source
 from tandem.outputs import RequestDelta, RequestOutput
 from tandem.parallel.launch import start_engine_model
@@ -41,29 +42,33 @@ class LLM:
     stop them).
     """
 
-    def __init__(self, model: str | None = None, *, dtype: str = ENGINE_DEFAULTS["dtype"],
-                 num_threads: int | None = None, **engine_args: Any) -> None:
+    def __init__(self, model: str | None = None, *, device: str = ENGINE_DEFAULTS["device"],
+                 dtype: str = ENGINE_DEFAULTS["dtype"], num_threads: int | None = None, **engine_args: Any) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
-        weights_dtype = torch_dtype(dtype)  # a bad name is refused before anything loads
+        # A bad device or dtype is refused before anything loads.
+        device = resolve_device(device)
+        dtype = resolve_dtype(dtype, device)
         source = resolve_model_source(model)
-        self._start(load_model(source, weights_dtype), dtype, engine_args, source, model, num_threads)
+        self._start(load_model(source, torch_dtype(dtype)), dict(engine_args, device=device, dtype=dtype), source,
+                    model, num_threads)
 
     @classmethod
-    def from_loaded(cls, loaded: LoadedModel, *, dtype: str = ENGINE_DEFAULTS["dtype"], **engine_args: Any) -> LLM:
+    def from_loaded(cls, loaded: LoadedModel, **engine_args: Any) -> LLM:
         """A fresh engine on weights already loaded (tests and benchmarks share one load)."""
         llm = cls.__new__(cls)
-        llm._start(loaded, dtype, engine_args)
+        llm._start(loaded, engine_args)
         return llm
 
-    def _start(self, loaded: LoadedModel, dtype: str, engine_args: dict[str, Any], source: ModelSource | None = None,
+    def _start(self, loaded: LoadedModel, engine_args: dict[str, Any], source: ModelSource | None = None,
                model: str | None = None, num_threads: int | None = None) -> None:
         """source: the files ``loaded`` came from (see loader.quantized). model: where the
         other ranks load the weights from, with tensor_parallel_size > 1 (Ray actors, on a
         local Ray unless one is running; see parallel.ranks)."""
         self.tokenizer = loaded.tokenizer
-        config = EngineConfig.build(loaded.config, dtype=dtype, **engine_args)
-        started = start_engine_model(quantized(loaded, config.quantization, source), config, model, num_threads)
+        config = EngineConfig.build(loaded.config, **engine_args)
+        loaded = on_device(quantized(loaded, config.quantization, source), config)
+        started = start_engine_model(loaded, config, model, num_threads)
         self._ranks = started.ranks
         self.engine = LLMEngine(config, started.model, self.tokenizer, runner=started.runner)
         self._request_ids = itertools.count()

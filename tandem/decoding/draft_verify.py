@@ -80,7 +80,7 @@ def verify_drafts(
         probs = filtered_probs(logits, [params] * (1 + num_drafts))  # [1 + d, vocab_size]
         token_ids = []
         for j, draft in enumerate(draft_token_ids):
-            u = torch.rand((), generator=generator, device=probs.device)
+            u = torch.rand((), generator=generator)  # on the generator's device (the host)
             if u < probs[j, draft]:
                 token_ids.append(draft)
                 continue

@@ -11,31 +11,42 @@ from tandem.config import EngineConfig
 from tandem.decoding.draft_verify import sample_step
 from tandem.engine.sampler import Sampler, StepOutput
 from tandem.engine.scheduler import ScheduledBatch
-from tandem.kernels.attention_metadata import AttentionMetadata
+from tandem.engine.step_inputs import StepInputs, to_device
+from tandem.kernels.attention_metadata import AttentionMetadata, DecodeGroup
+from tandem.kernels.paged_decode_attention import decode_group_plan
 from tandem.kvcache.swap_copier import KVSwapper
 from tandem.model.llama import LlamaModel
 from tandem.sampling_params import SamplingParams
 
 
-KVAllocator = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
-"""(shape, dtype) -> a zeroed, contiguous KV pool tensor."""
+KVAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+"""(shape, dtype, device) -> a zeroed, contiguous KV pool tensor on device."""
 
 
-def private_pool(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zeroed pool in this process's own memory."""
-    return torch.zeros(shape, dtype=dtype)
+def private_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed pool in this process's own memory on ``device``."""
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model: LlamaModel, allocate_kv: KVAllocator = private_pool) -> None:
-        """allocate_kv: where the KV pool lives (a decode worker's may be in shared memory)."""
+    def __init__(self, config: EngineConfig, model: LlamaModel, allocate_kv: KVAllocator = private_pool,
+                 pad_decode: bool | None = None) -> None:
+        """allocate_kv: where the KV pool lives (a decode worker's may be in shared memory).
+        pad_decode: pad decode-only batches to a few static sizes (padded_decode_size), as
+        CUDA graphs need; default: on CUDA only (on the CPU padding is work for nothing)."""
         self.config = config
         self.model = model
+        self.pad_decode = config.device.type == "cuda" if pad_decode is None else pad_decode
         m = config.model
+        # NOTE: with padding, the pool has one block more than the block manager hands out:
+        # the scratch block that padding rows write to.
+        num_blocks = config.num_kv_blocks + (1 if self.pad_decode else 0)
+        self.scratch_block_id = config.num_kv_blocks
         # kv_cache: [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim], the
         # model's own KV heads (a tensor-parallel rank's share)
         self.kv_cache = allocate_kv(
-            (m.num_layers, 2, config.num_kv_blocks, config.block_size, model.num_kv_heads, m.head_dim), config.dtype)
+            (m.num_layers, 2, num_blocks, config.block_size, model.num_kv_heads, m.head_dim), config.dtype,
+            config.device)
         self.swapper = KVSwapper(self.kv_cache, config.num_swap_blocks)
         self.sampler = Sampler()
 
@@ -83,12 +94,14 @@ class ModelRunner:
                 generators.append(target.generator)
                 drafts.append(batch.draft_token_ids[i] if batch.draft_token_ids else [])
             offset += num_rows
-        return sample_step(self.sampler, logits[torch.tensor(rows, dtype=torch.long)], params, generators, drafts,
-                           len(self.config.model.eos_token_ids))
+        rows_t = to_device(torch.tensor(rows, dtype=torch.long), logits.device)
+        return sample_step(self.sampler, logits[rows_t], params, generators, drafts, len(self.config.model.eos_token_ids))
 
-    def prepare(self, batch: ScheduledBatch):
+    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """-> (input_ids [T], positions [T], AttentionMetadata, logits_indices [L]): one
-        logits row per sampling entry, or 1 + its drafts for a speculative decode."""
+        logits row per sampling entry, or 1 + its drafts for a speculative decode. All on the
+        engine's device, from one copy (step_inputs.py); a decode-only batch is padded to
+        its bucket (see padded_decode_size)."""
         bs = self.config.block_size
         token_ids: list[np.ndarray] = []
         positions: list[np.ndarray] = []
@@ -124,27 +137,61 @@ class ModelRunner:
                 query_lens.append(n)
                 context_lens.append(start + n)
                 prefill_tables.append(seq.block_ids)
+        decode_width = None
+        if self.pad_decode and num_decode == len(batch.seqs) and offset == num_decode:
+            # Padding rows write their KV into the scratch block and attend to it alone.
+            num_padded = padded_decode_size(num_decode) - num_decode
+            scratch = self.scratch_block_id
+            token_ids.append(np.zeros(num_padded, dtype=np.int64))
+            positions.append(np.zeros(num_padded, dtype=np.int64))
+            slots.append(np.full(num_padded, scratch * bs, dtype=np.int64))
+            decode_tables += [[scratch]] * num_padded
+            decode_lens += [1] * num_padded
+            num_decode += num_padded
+            decode_width = -(-self.config.max_model_len // bs)
+        inputs = StepInputs()
+        num_tokens = num_decode + sum(query_lens)
+        inputs.add("input_ids", np.concatenate(token_ids), (num_tokens,))
+        inputs.add("positions", np.concatenate(positions), (num_tokens,))
+        inputs.add("slot_mapping", np.concatenate(slots), (num_tokens,))
+        inputs.add("logits_indices", logits_indices, (len(logits_indices),))
+        decode_table = padded_tables(decode_tables, decode_width)
+        inputs.add("decode_block_tables", decode_table, decode_table.shape)
+        inputs.add("decode_context_lens", decode_lens, (num_decode,))
+        prefill_table = padded_tables(prefill_tables)
+        inputs.add("prefill_block_tables", prefill_table, prefill_table.shape)
+        inputs.add("prefill_layout", list(zip(starts, query_lens, context_lens)), (len(starts), 3))
+        plan = decode_group_plan(decode_lens, bs)
+        for g, (rows, _) in enumerate(plan):
+            inputs.add(f"decode_group_{g}", rows, (len(rows),))
+        t = inputs.upload(self.config.device)
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)),
+            slot_mapping=t["slot_mapping"],
             num_decode_tokens=num_decode,
-            decode_block_tables=padded_tables(decode_tables),
-            decode_context_lens=torch.tensor(decode_lens, dtype=torch.int64),
+            decode_block_tables=t["decode_block_tables"],
+            decode_context_lens=t["decode_context_lens"],
             max_decode_context_len=max(decode_lens, default=0),
             prefill_query_starts=tuple(starts),
             prefill_query_lens=tuple(query_lens),
             prefill_context_lens=tuple(context_lens),
-            prefill_block_tables=padded_tables(prefill_tables),
-            prefill_layout=torch.tensor(list(zip(starts, query_lens, context_lens)), dtype=torch.int64).view(-1, 3),
+            prefill_block_tables=t["prefill_block_tables"],
+            prefill_layout=t["prefill_layout"],
+            decode_groups=tuple(DecodeGroup(t[f"decode_group_{g}"], num_blocks)
+                                for g, (_, num_blocks) in enumerate(plan)),
         )
-        return (
-            torch.from_numpy(np.concatenate(token_ids)),
-            torch.from_numpy(np.concatenate(positions)),
-            meta,
-            torch.tensor(logits_indices, dtype=torch.int64),
-        )
+        return t["input_ids"], t["positions"], meta, t["logits_indices"]
 
 
-def padded_tables(tables: list[list[int]]) -> torch.Tensor:
-    """-> [len(tables), longest] int64, each table padded with block 0."""
-    width = max((len(t) for t in tables), default=0)
-    return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int64).view(len(tables), width)
+def padded_decode_size(num_seqs: int) -> int:
+    """The bucket a decode-only batch of ``num_seqs`` is padded to: 1, 2, 4, 8, then
+    multiples of 8, so that a step's shapes come from a few sizes (CUDA graphs capture one
+    per size)."""
+    if num_seqs <= 8:
+        return 1 << max(0, num_seqs - 1).bit_length()
+    return -(-num_seqs // 8) * 8
+
+
+def padded_tables(tables: list[list[int]], width: int | None = None) -> np.ndarray:
+    """-> [len(tables), width (default: the longest)] int64, each table padded with block 0."""
+    width = max((len(t) for t in tables), default=0) if width is None else width
+    return np.asarray([t + [0] * (width - len(t)) for t in tables], dtype=np.int64).reshape(len(tables), width)

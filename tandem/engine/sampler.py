@@ -52,8 +52,9 @@ class Sampler:
         Args:
             logits: ``[num_seqs, vocab_size]``, any float dtype (computed in float32).
             params: one ``SamplingParams`` per row.
-            generators: one generator per row, on ``logits``' device; ``None`` uses torch's
-                default generator (then the row is not reproducible on its own).
+            generators: one generator per row (a request's own, on the host; see
+                exponential_race); ``None`` uses torch's default generator on ``logits``'
+                device (then the row is not reproducible on its own).
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [num_seqs, vocab_size], got shape {tuple(logits.shape)}")
@@ -134,9 +135,13 @@ def exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator |
     q = torch.empty_like(probs)  # [rows, vocab_size]
     shared = [i for i, g in enumerate(generators) if g is None]
     for i, gen in enumerate(generators):
-        if gen is not None:
-            # One row, one generator: its draws do not depend on the rest of the batch.
+        if gen is None:
+            continue
+        # One row, one generator: its draws do not depend on the rest of the batch.
+        if gen.device == probs.device:
             q[i].exponential_(generator=gen)
+        else:  # a request's generator stays on the host (its state travels between workers as bytes)
+            q[i].copy_(torch.empty(vocab_size, device=gen.device).exponential_(generator=gen), non_blocking=True)
     if shared:
         # Rows on the default generator are not reproducible anyway: draw them in one call.
         idx = torch.tensor(shared, dtype=torch.long, device=probs.device)

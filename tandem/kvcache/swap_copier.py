@@ -8,7 +8,12 @@ host memory too: the code path is the same.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
+
+from tandem.engine.step_inputs import to_device, to_host
 
 # NOTE: the block dimension of the cache layout
 # [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim] (see ModelRunner).
@@ -27,22 +32,34 @@ class KVSwapper:
         self.host_cache = torch.empty(shape, dtype=device_cache.dtype,
                                       pin_memory=device_cache.is_cuda)
 
+        self._stream = torch.cuda.Stream(device_cache.device) if device_cache.is_cuda else None
+        """Where swap copies run on CUDA, beside the step's stream (None on the CPU)."""
+
     def swap_out(self, block_pairs: list[tuple[int, int]]) -> None:
-        """Copy device blocks to host blocks: pairs of (device block id, host block id)."""
+        """Copy device blocks to host blocks: pairs of (device block id, host block id).
+
+        On CUDA the copy waits for the steps before it (they wrote the blocks) and ends before
+        this returns: the host pool is written by the host (index_copy_), not the stream."""
         if not block_pairs:
             return
         device_ids, host_ids = zip(*block_pairs)
-        blocks = self.device_cache.index_select(BLOCK_DIM, self._ids(device_ids, self.device_cache.device))
-        self.host_cache.index_copy_(BLOCK_DIM, self._ids(host_ids, self.host_cache.device), blocks.cpu())
+        with self._on_side_stream():
+            blocks = self.device_cache.index_select(BLOCK_DIM, self._ids(device_ids, self.device_cache.device))
+            blocks = to_host(blocks)
+        self.host_cache.index_copy_(BLOCK_DIM, self._ids(host_ids, self.host_cache.device), blocks)
 
     def swap_in(self, block_pairs: list[tuple[int, int]]) -> None:
-        """Copy host blocks to device blocks: pairs of (host block id, device block id)."""
+        """Copy host blocks to device blocks: pairs of (host block id, device block id).
+
+        On CUDA the copy runs on the side stream and the step's stream waits for it, so the
+        forward that reads the blocks comes after it without blocking the host."""
         if not block_pairs:
             return
         host_ids, device_ids = zip(*block_pairs)
         blocks = self.host_cache.index_select(BLOCK_DIM, self._ids(host_ids, self.host_cache.device))
         device = self.device_cache.device
-        self.device_cache.index_copy_(BLOCK_DIM, self._ids(device_ids, device), blocks.to(device))
+        with self._on_side_stream():
+            self.device_cache.index_copy_(BLOCK_DIM, self._ids(device_ids, device), to_device(blocks, device))
 
     def copy(self, block_pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to other device blocks: pairs of (source, destination)."""
@@ -53,6 +70,19 @@ class KVSwapper:
         blocks = self.device_cache.index_select(BLOCK_DIM, self._ids(src_ids, device))
         self.device_cache.index_copy_(BLOCK_DIM, self._ids(dst_ids, device), blocks)
 
+    @contextlib.contextmanager
+    def _on_side_stream(self) -> Iterator[None]:
+        """Run the copies inside on the side stream, ordered after the step's stream's work
+        so far, and the step's stream after them (a no-op on the CPU)."""
+        if self._stream is None:
+            yield
+            return
+        current = torch.cuda.current_stream(self.device_cache.device)
+        self._stream.wait_stream(current)
+        with torch.cuda.stream(self._stream):
+            yield
+        current.wait_stream(self._stream)
+
     @staticmethod
     def _ids(block_ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        return torch.tensor(block_ids, dtype=torch.int64, device=device)
+        return to_device(torch.tensor(block_ids, dtype=torch.int64), device)

@@ -85,7 +85,7 @@ class LlamaModel:
         self.kv_size = self.num_kv_heads * config.head_dim
         dtype = weights.embed_tokens.dtype
         # cos, sin: [max_model_len, head_dim], computed as transformers does (float32).
-        positions = torch.arange(max_model_len, dtype=torch.float32)
+        positions = torch.arange(max_model_len, dtype=torch.float32, device=weights.rope_inv_freq.device)
         freqs = positions[:, None] * weights.rope_inv_freq[None, :].float()
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * weights.rope_attention_scaling).to(dtype)

@@ -8,12 +8,13 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from tandem.config import ModelConfig
+from tandem.config import EngineConfig, ModelConfig
 from tandem.model.gguf_cache import cached_source, save_converted
 from tandem.model.gguf_q4 import gguf_path, keep_gguf_int4
 from tandem.model.gptq_awq import is_quantized_checkpoint, load_quantized_checkpoint
 from tandem.model.llama import LayerWeights, ModelWeights
 from tandem.model.loaded import LoadedModel, eos_token_ids_of, load_hf_config
+from tandem.model.placement import weights_on
 from tandem.model.quantization import quantize_weights
 from tandem.model.source import ModelSource, load_tokenizer
 
@@ -77,6 +78,19 @@ def quantized(loaded: LoadedModel, quantization: str | None, source: ModelSource
         return loaded
     logger.info("quantized %s to %s in %.1f s (%.0f MB of weights, from %.0f MB)", loaded.config.name, quantization,
                 time.perf_counter() - start, weights.num_bytes / 1e6, loaded.weights.num_bytes / 1e6)
+    return LoadedModel(loaded.config, weights, loaded.tokenizer)
+
+
+def on_device(loaded: LoadedModel, config: EngineConfig) -> LoadedModel:
+    """``loaded`` with its weights in ``config``'s dtype on its device (itself where they are
+    so already: a CPU engine shares the weights it was given)."""
+    weights = weights_on(loaded.weights, config.device)
+    if weights.embed_tokens.dtype != config.dtype:
+        raise ValueError(f"the weights were loaded in {weights.embed_tokens.dtype}, the engine runs "
+                         f"{config.dtype_name}: load them in the engine's dtype")
+    if weights is loaded.weights:
+        return loaded
+    logger.info("weights on %s (%.0f MB)", config.device, weights.num_bytes / 1e6)
     return LoadedModel(loaded.config, weights, loaded.tokenizer)
 
 

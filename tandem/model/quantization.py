@@ -122,13 +122,15 @@ def quantize_int8(w: torch.Tensor) -> Int8Weight:
 
 
 @functools.lru_cache(maxsize=64)
-def _ones(n: int, dtype: torch.dtype) -> torch.Tensor:
+def _ones(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """Unit scales for the int8 kernel: the real (float32) scales are applied after it."""
-    return torch.ones(n, dtype=dtype)
+    return torch.ones(n, dtype=dtype, device=device)
 
 
 def _use_kernel(num_tokens: int, w: Int8Weight) -> bool:
     """Whether torch's int8 kernel beats dequantizing ``w`` for ``num_tokens`` rows (measured)."""
+    if w.qweight.device.type != "cpu":  # torch's int8 kernel is a CPU one
+        return False
     limit = KERNEL_MAX_TOKENS_LARGE if w.qweight.numel() >= LARGE_WEIGHT_NUMEL else KERNEL_MAX_TOKENS
     return num_tokens <= limit
 
@@ -144,7 +146,7 @@ def int8_matmul(x2: torch.Tensor, w: Int8Weight, use_kernel: bool | None = None)
     if use_kernel is None:
         use_kernel = _use_kernel(x2.shape[0], w)
     if use_kernel:
-        out = torch._weight_int8pack_mm(xc.contiguous(), w.qweight, _ones(w.qweight.shape[0], xc.dtype))
+        out = torch._weight_int8pack_mm(xc.contiguous(), w.qweight, _ones(w.qweight.shape[0], xc.dtype, xc.device))
     else:
         out = F.linear(xc, w.qweight.to(xc.dtype))
     return out.float() * w.scale

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from tandem.config import EngineConfig
+from tandem.device import resolve_device, resolve_dtype
 from tandem.engine.engine import LLMEngine
 from tandem.engine.hooks import PrefillHooks
 from tandem.engine.model_runner import KVAllocator, ModelRunner, private_pool
@@ -16,7 +17,7 @@ from tandem.engine.snapshots import EngineInventory
 from tandem.engine_options import ENGINE_DEFAULTS
 from tandem.model.dtypes import DTYPES
 from tandem.model.fingerprint import model_fingerprint
-from tandem.model.loader import LoadedModel, load_model, quantized
+from tandem.model.loader import LoadedModel, load_model, on_device, quantized
 from tandem.model.source import resolve_model_source
 from tandem.parallel.launch import start_engine_model
 from tandem.worker.api import Role, TokenizerSpec, WorkerInventory, WorkerLoad
@@ -32,8 +33,8 @@ class Worker:
 
     role: Role
 
-    def __init__(self, instance: str, model: str | None = None, dtype: str = ENGINE_DEFAULTS["dtype"],
-                 num_threads: int | None = None, loaded: LoadedModel | None = None,
+    def __init__(self, instance: str, model: str | None = None, device: str = ENGINE_DEFAULTS["device"],
+                 dtype: str = ENGINE_DEFAULTS["dtype"], num_threads: int | None = None, loaded: LoadedModel | None = None,
                  placement_group: Any = None, allocate_kv: KVAllocator = private_pool, **engine_args: Any) -> None:
         """loaded: weights already in this process (tests); otherwise `model` is loaded here
         (and by the other ranks with tensor_parallel_size > 1, which `placement_group`, a Ray
@@ -42,13 +43,16 @@ class Worker:
         if num_threads is not None:
             torch.set_num_threads(num_threads)  # pinned: workers sharing a host do not fight
         self.instance = instance
+        device = resolve_device(device)  # here, in the worker's process: the GPUs Ray gave it
+        dtype = resolve_dtype(dtype, device)
         source = resolve_model_source(model)
         if loaded is None:
             loaded = load_model(source, DTYPES[dtype])
-        config = EngineConfig.build(loaded.config, dtype=dtype, **engine_args)
+        config = EngineConfig.build(loaded.config, device=device, dtype=dtype, **engine_args)
         loaded = quantized(loaded, config.quantization, source)
-        self.fingerprint = model_fingerprint(loaded)
+        self.fingerprint = model_fingerprint(loaded)  # read on the host, before the weights move
         """The weights' identity, which KV transfer peers must share (the whole model's, on any tp)."""
+        loaded = on_device(loaded, config)
         started = start_engine_model(loaded, config, model, num_threads, placement_group, allocate_kv)
         self.ranks = started.ranks
         if started.ranks is not None:  # keep rank 0's part only: the whole model's weights go
@@ -60,8 +64,8 @@ class Worker:
         self.metrics = WorkerMetrics(self.role, instance, loaded.config.name, self.engine)
         self.engine.observer = self.metrics
         self.loop = self._start_loop()
-        logger.info("%s worker %s ready (pid %d, %d torch threads)", self.role.value, instance, os.getpid(),
-                    torch.get_num_threads())
+        logger.info("%s worker %s ready on %s, %s (pid %d, %d torch threads)", self.role.value, instance,
+                    config.device_name, config.dtype_name, os.getpid(), torch.get_num_threads())
 
     def _prefill_hooks(self, runner: ModelRunner) -> PrefillHooks | None:
         """What the engine runs inside each step for this role: a prefill worker's KV sends."""

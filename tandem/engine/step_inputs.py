@@ -1,0 +1,56 @@
+"""A step's integer inputs, built on the host and copied to the device in one transfer.
+
+Every index a step needs (token ids, positions, cache slots, block tables, logits rows,
+attention's decode groups) is laid out in one int64 host buffer; one copy puts it on the
+engine's device and each tensor is a view of the copy. So a step pays one host-to-device
+transfer, whatever its batch, and nothing inside the forward reads a device value back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``: itself on the CPU; on CUDA through pinned memory, so that the
+    copy is asynchronous (the stream orders it before the forward that reads it).
+
+    NOTE: the one place a step's inputs cross to the device (tests/device replaces it under
+    FakeTensorMode, where torch without CUDA cannot copy)."""
+    if device.type == "cpu":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in host memory (itself on the CPU): pinned on CUDA, copied before this returns,
+    since the host reads it next."""
+    if t.device.type == "cpu":
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(t.device).synchronize()
+    return host
+
+
+class StepInputs:
+    """Named int64 arrays of one step, shaped as the forward wants them."""
+
+    def __init__(self) -> None:
+        self._arrays: dict[str, np.ndarray] = {}
+
+    def add(self, name: str, values: np.ndarray | list[int] | list[list[int]], shape: tuple[int, ...]) -> None:
+        """Lay out ``values`` (any int sequence) as ``shape``."""
+        self._arrays[name] = np.asarray(values, dtype=np.int64).reshape(shape)
+
+    def upload(self, device: torch.device) -> dict[str, torch.Tensor]:
+        """-> each array by name as a tensor on ``device``, all views of one copied buffer."""
+        flat = np.concatenate([a.reshape(-1) for a in self._arrays.values()]) if self._arrays else np.zeros(0, np.int64)
+        buffer = to_device(torch.from_numpy(flat), device)
+        tensors: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name, a in self._arrays.items():
+            tensors[name] = buffer[offset:offset + a.size].view(a.shape)
+            offset += a.size
+        return tensors

@@ -1,0 +1,45 @@
+"""Moving a model's weights onto the engine's device, once, after loading and quantizing
+(both run on the host: transformers loads there and the GGUF/int4 code reads files there)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TypeVar
+
+import torch
+
+from tandem.model.int4 import Int4Weight
+from tandem.model.llama import ModelWeights
+from tandem.model.quantization import Int8Weight, Weight, weight_key
+
+W = TypeVar("W", bound=Weight)
+
+
+def weights_on(weights: ModelWeights, device: torch.device) -> ModelWeights:
+    """``weights`` with every tensor on ``device``: the same object where they are there
+    already (a CPU engine shares its weights with whoever loaded them), else a copy in
+    which tied weights stay one tensor (the LM head and the embeddings)."""
+    if weights.embed_tokens.device == device:
+        return weights
+    moved: dict[int, Weight] = {}
+
+    def on(w: W | None) -> W | None:
+        if w is None:
+            return None
+        key = weight_key(w)
+        if key not in moved:
+            moved[key] = _weight_on(w, device)
+        return moved[key]  # type: ignore[return-value]
+
+    layers = [dataclasses.replace(layer, **{f.name: on(getattr(layer, f.name)) for f in dataclasses.fields(layer)})
+              for layer in weights.layers]
+    return dataclasses.replace(weights, embed_tokens=on(weights.embed_tokens), layers=layers, norm=on(weights.norm),
+                               lm_head=on(weights.lm_head), rope_inv_freq=on(weights.rope_inv_freq))
+
+
+def _weight_on(w: Weight, device: torch.device) -> Weight:
+    if isinstance(w, Int8Weight):
+        return Int8Weight(w.qweight.to(device), w.scale.to(device))
+    if isinstance(w, Int4Weight):  # a new instance: no CPU kernel pack comes along
+        return Int4Weight(w.qweight.to(device), w.scale.to(device), w.offset.to(device), w.group_size)
+    return w.to(device)
