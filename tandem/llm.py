@@ -15,7 +15,8 @@ from tandem.device import resolve_device, resolve_dtype
 from tandem.engine.engine import LLMEngine
 from tandem.engine_options import ENGINE_DEFAULTS
 from tandem.model.dtypes import torch_dtype
-from tandem.model.loader import LoadedModel, load_model, on_device, quantized
+from tandem.engine.setup import engine_config_and_weights
+from tandem.model.loader import LoadedModel, load_model
 from tandem.model.source import ModelSource, resolve_model_source
 from tandem.outputs import RequestDelta, RequestOutput
 from tandem.parallel.launch import start_engine_model
@@ -66,8 +67,7 @@ class LLM:
         other ranks load the weights from, with tensor_parallel_size > 1 (Ray actors, on a
         local Ray unless one is running; see parallel.ranks)."""
         self.tokenizer = loaded.tokenizer
-        config = EngineConfig.build(loaded.config, **engine_args)
-        loaded = on_device(quantized(loaded, config.quantization, source), config)
+        config, loaded = engine_config_and_weights(loaded, engine_args, source)
         started = start_engine_model(loaded, config, model, num_threads)
         self._ranks = started.ranks
         self.engine = LLMEngine(config, started.model, self.tokenizer, runner=started.runner)

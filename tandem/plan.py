@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.config import ARCHITECTURE_OF_MODEL_TYPE, ModelConfig, gib_to_bytes, kv_heads_per_rank
-from tandem.config_names import DTYPE_BYTES
+from tandem.config_names import AUTO, DTYPE_BYTES, auto_dtype_name
 from tandem.engine_options import ENGINE_DEFAULTS
 from tandem.kvcache.capacity import KVCapacity
+from tandem.kvcache.memory_plan import DeviceMemoryPlan, estimated_step_peak_bytes
 from tandem.model.source import resolve_model_source
 
 
@@ -100,11 +101,15 @@ class Plan:
     weight_bytes: int
     weights_estimated: bool
     capacity: KVCapacity
+    device_plan: DeviceMemoryPlan | None = None
+    """With --gpu-memory-utilization: the device's share (memory_bytes is then its budget)."""
 
     @property
     def kv_memory_bytes(self) -> int:
-        """memory − weights: what the KV pool is sized from (its blocks may leave a remainder)."""
-        return self.memory_bytes - self.weight_bytes
+        """memory − weights (− a step's peak, on a GPU share): what the KV pool is sized from
+        (its blocks may leave a remainder)."""
+        peak = 0 if self.device_plan is None else self.device_plan.step_peak_bytes
+        return self.memory_bytes - self.weight_bytes - peak
 
     @property
     def kv_cache_memory_gib(self) -> float:
@@ -133,6 +138,8 @@ class Plan:
             f"max concurrency: {c.max_concurrency:.2f}x at max_model_len {c.max_model_len} "
             f"({c.full_length_text()})",
         ]
+        if self.device_plan is not None:
+            lines += self.device_plan.lines()
         if self.tp == 1:
             lines.append(f"same pool: --kv-cache-memory-gib {self.kv_cache_memory_gib!r}")
         lines.append(f"KV pool: {c.describe()}")
@@ -146,9 +153,20 @@ def _mib(num_bytes: int) -> str:
 def make_plan(model: str | None = None, memory_gib: float = 1.0, *, tp: int = 1,
               dtype: str = ENGINE_DEFAULTS["dtype"], block_size: int = ENGINE_DEFAULTS["block_size"],
               max_model_len: int | None = None, weights_memory_gib: float | None = None,
-              shape: ModelConfig | None = None) -> Plan:
+              shape: ModelConfig | None = None, device: str = ENGINE_DEFAULTS["device"],
+              gpu_memory_utilization: float | None = None,
+              max_num_batched_tokens: int = ENGINE_DEFAULTS["max_num_batched_tokens"],
+              max_num_seqs: int = ENGINE_DEFAULTS["max_num_seqs"]) -> Plan:
     """Plan one rank of ``tp`` with ``memory_gib`` GiB for weights and KV (``weights_memory_gib``
-    None: estimated from the shapes). ValueError when the weights leave no room for a KV block."""
+    None: estimated from the shapes). ValueError when the weights leave no room for a KV block.
+
+    With ``gpu_memory_utilization``, ``memory_gib`` is the GPU's memory and the rank takes that
+    fraction of it, less an estimate of one full-budget step's peak (a worker measures it:
+    kvcache/memory_plan.py). dtype auto: as on ``device`` (auto: a GPU with a utilization, else
+    the CPU)."""
+    if device == "auto":
+        device = "cpu" if gpu_memory_utilization is None else "cuda"
+    dtype = auto_dtype_name(device) if dtype == AUTO else dtype
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
     if tp < 1:
@@ -161,7 +179,16 @@ def make_plan(model: str | None = None, memory_gib: float = 1.0, *, tp: int = 1,
         weight_bytes = -(-shape.num_parameters * DTYPE_BYTES[dtype] // tp)
     else:
         weight_bytes = gib_to_bytes(weights_memory_gib)
-    if memory_bytes - weight_bytes <= 0:
+    device_plan = None
+    if gpu_memory_utilization is not None:
+        num_tokens = min(max_num_batched_tokens, shape.context_limit(max_model_len))
+        peak = estimated_step_peak_bytes(shape, num_tokens, max_num_seqs, DTYPE_BYTES[dtype], tp)
+        device_plan = DeviceMemoryPlan(memory_bytes, gpu_memory_utilization, weight_bytes, peak,
+                                       block_size * shape.kv_bytes_per_token(dtype, tp), measured=False)
+        device_plan.num_blocks  # noqa: B018 (refuses a share with no room for a block, saying why)
+        memory_bytes = device_plan.budget_bytes
+    kv_memory_bytes = memory_bytes - weight_bytes - (0 if device_plan is None else device_plan.step_peak_bytes)
+    if kv_memory_bytes <= 0:
         raise ValueError(
             f"--memory {memory_gib} GiB per rank leaves no room for the KV cache: the weights take "
             f"{_mib(weight_bytes)} per rank ({dtype}, tp {tp}); give more --memory, a larger --tp "
@@ -169,10 +196,10 @@ def make_plan(model: str | None = None, memory_gib: float = 1.0, *, tp: int = 1,
         )
     try:
         capacity = KVCapacity.from_memory(
-            memory_bytes - weight_bytes, block_size=block_size, dtype_bytes=DTYPE_BYTES[dtype],
+            kv_memory_bytes, block_size=block_size, dtype_bytes=DTYPE_BYTES[dtype],
             num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
             max_model_len=shape.context_limit(max_model_len), tp=tp,
         )
     except ValueError as e:
         raise ValueError(f"--memory {memory_gib} GiB per rank is too small after the weights: {e}") from None
-    return Plan(shape, dtype, tp, memory_bytes, weight_bytes, weights_memory_gib is None, capacity)
+    return Plan(shape, dtype, tp, memory_bytes, weight_bytes, weights_memory_gib is None, capacity, device_plan)

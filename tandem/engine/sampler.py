@@ -66,7 +66,19 @@ class Sampler:
             )
         if num_seqs == 0:
             return SamplerOutput(token_ids=[], logprobs=[])
+        chosen, logprobs = self.sample_on_device(logits, params, generators)
+        # NOTE: the step's one read of device values, after its forward.
+        return SamplerOutput(token_ids=chosen.tolist(), logprobs=logprobs.tolist())
 
+    def sample_on_device(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """sample's work, left on ``logits``' device: -> (chosen [num_seqs] int64, their
+        logprobs [num_seqs] float32)."""
+        num_seqs = logits.shape[0]
         logits = logits.float()  # logits: [num_seqs, vocab_size]
         device = logits.device
 
@@ -84,7 +96,7 @@ class Sampler:
         # logprob = logit - logsumexp(logits): avoids materialising a full log_softmax.
         chosen_logits = logits.gather(1, chosen.unsqueeze(1)).squeeze(1)  # [num_seqs]
         logprobs = chosen_logits - torch.logsumexp(logits, dim=-1)  # [num_seqs]
-        return SamplerOutput(token_ids=chosen.tolist(), logprobs=logprobs.tolist())
+        return chosen, logprobs
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

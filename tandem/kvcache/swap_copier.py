@@ -29,10 +29,9 @@ class KVSwapper:
         shape[BLOCK_DIM] = num_host_blocks
         # Uninitialised: a host block is only read after a swap-out wrote it, and untouched
         # pages cost no memory. Pinned on a GPU machine, so copies run at full PCIe speed.
-        self.host_cache = torch.empty(shape, dtype=device_cache.dtype,
-                                      pin_memory=device_cache.is_cuda)
-
-        self._stream = torch.cuda.Stream(device_cache.device) if device_cache.is_cuda else None
+        on_gpu = device_cache.is_cuda and torch.cuda.is_available()  # (not a fake CUDA tensor: tests/device)
+        self.host_cache = torch.empty(shape, dtype=device_cache.dtype, pin_memory=on_gpu)
+        self._stream = torch.cuda.Stream(device_cache.device) if on_gpu else None
         """Where swap copies run on CUDA, beside the step's stream (None on the CPU)."""
 
     def swap_out(self, block_pairs: list[tuple[int, int]]) -> None:

@@ -24,6 +24,6 @@ def model_fingerprint(loaded: LoadedModel) -> str:
         fields = [weight] if isinstance(weight, torch.Tensor) else [getattr(weight, f.name)
                                                                     for f in dataclasses.fields(weight)]
         for tensor in (t for t in fields if isinstance(t, torch.Tensor)):
-            sample = tensor.detach().flatten()[:SAMPLE_ELEMENTS].to(torch.float32).contiguous()
+            sample = tensor.detach().flatten()[:SAMPLE_ELEMENTS].to("cpu", torch.float32).contiguous()
             digest.update(sample.numpy().tobytes())
     return f"{loaded.config.name}:{digest.hexdigest()}"

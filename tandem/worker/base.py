@@ -8,7 +8,6 @@ from typing import Any
 
 import torch
 
-from tandem.config import EngineConfig
 from tandem.device import resolve_device, resolve_dtype
 from tandem.engine.engine import LLMEngine
 from tandem.engine.hooks import PrefillHooks
@@ -17,7 +16,8 @@ from tandem.engine.snapshots import EngineInventory
 from tandem.engine_options import ENGINE_DEFAULTS
 from tandem.model.dtypes import DTYPES
 from tandem.model.fingerprint import model_fingerprint
-from tandem.model.loader import LoadedModel, load_model, on_device, quantized
+from tandem.engine.setup import engine_config_and_weights
+from tandem.model.loader import LoadedModel, load_model
 from tandem.model.source import resolve_model_source
 from tandem.parallel.launch import start_engine_model
 from tandem.worker.api import Role, TokenizerSpec, WorkerInventory, WorkerLoad
@@ -48,11 +48,9 @@ class Worker:
         source = resolve_model_source(model)
         if loaded is None:
             loaded = load_model(source, DTYPES[dtype])
-        config = EngineConfig.build(loaded.config, device=device, dtype=dtype, **engine_args)
-        loaded = quantized(loaded, config.quantization, source)
-        self.fingerprint = model_fingerprint(loaded)  # read on the host, before the weights move
+        config, loaded = engine_config_and_weights(loaded, dict(engine_args, device=device, dtype=dtype), source)
+        self.fingerprint = model_fingerprint(loaded)
         """The weights' identity, which KV transfer peers must share (the whole model's, on any tp)."""
-        loaded = on_device(loaded, config)
         started = start_engine_model(loaded, config, model, num_threads, placement_group, allocate_kv)
         self.ranks = started.ranks
         if started.ranks is not None:  # keep rank 0's part only: the whole model's weights go
