@@ -47,22 +47,29 @@ class DecodeWorker(Worker):
 
     def __init__(self, instance: str = "decode-0", transfer_address: str = DEFAULT_ADDRESS,
                  transfer_timeout_s: float = 30.0, node_id: str | None = None, kv_shm_dir: str | None = SHM_DIR,
-                 **kwargs: Any) -> None:
+                 kv_transport: str = "auto", **kwargs: Any) -> None:
         """transfer_timeout_s: how long a reservation waits for the rest of its KV after the
         latest layer message (a prompt queued on the prefill worker has no deadline here: the
         router ends its reservation on every exit path).
         node_id: this worker's node (Ray's node id under Ray; default: the host's identity).
         kv_shm_dir: where the KV pool's file goes, so that prefill workers of this node write
-        the KV straight into it (None, or no room there: a private pool, KV by socket only)."""
+        the KV straight into it (None, or no room there: a private pool, KV by socket only).
+        kv_transport: the prefill workers' (kvtransfer.protocol.KV_TRANSPORTS): only auto
+        writes into a shared pool, so the others need none. The receiver takes any path a
+        sender asks for that its pool allows (torch.distributed pairs: dist_pairs.py)."""
+        if kv_transport != "auto":
+            kv_shm_dir = None
         self._transfer_address = transfer_address
         self._transfer_timeout_s = transfer_timeout_s
         self._node_id = node_id
         self._shared_pool: HostSharedPool | None = None
         """The KV pool's file in shared memory, when it has one (tensor_parallel_size 1)."""
 
-        def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            self._shared_pool = HostSharedPool.create(shape, dtype, kv_shm_dir) if kv_shm_dir else None
-            return private_pool(shape, dtype) if self._shared_pool is None else self._shared_pool.kv_cache
+        def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+            # A pool in device memory is not shared through /dev/shm: KV reaches it by socket.
+            shared = kv_shm_dir is not None and device.type == "cpu"
+            self._shared_pool = HostSharedPool.create(shape, dtype, kv_shm_dir) if shared else None
+            return private_pool(shape, dtype, device) if self._shared_pool is None else self._shared_pool.kv_cache
 
         self._arrived: set[str] = set()
         """Requests whose KV is in their blocks, waiting for their first token."""

@@ -36,7 +36,7 @@ def layout_for(shape: tuple[int, ...], dtype: torch.dtype) -> KVLayout:
 
 def layer_rows(kv_cache: torch.Tensor, layer: int, kv: int) -> torch.Tensor:
     """-> [num_blocks * block_size, num_kv_heads, head_dim], a view: row i is slot i's K (kv=0) or V (kv=1)."""
-    return kv_cache[layer, kv].flatten(0, 1)
+    return kv_cache.select(0, layer).select(0, kv).flatten(0, 1)  # (select: no host index, see staging.py)
 
 
 def frame_of(rows: torch.Tensor) -> memoryview:
@@ -59,22 +59,48 @@ class DistPayload:
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        """group: a group of the default world (None: the world itself); see `over` for a
+        group made outside it."""
         if not dist.is_initialized():
             raise RuntimeError("DistPayload needs torch.distributed.init_process_group first")
         self.group = group
+        self._own: dist.ProcessGroup | None = None
         self.rank = dist.get_rank(group)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
-            else torch.device("cpu")
+        self.backend = str(dist.get_backend(group))
+        self.device = _device_of(self.backend)
+
+    @classmethod
+    def over(cls, group: dist.ProcessGroup, rank: int, backend: str) -> DistPayload:
+        """A payload over a group built outside the default world (dist_pairs.py): its own
+        send/recv are called, since torch.distributed's functions know only the world's groups."""
+        payload = cls.__new__(cls)
+        payload.group, payload._own, payload.rank, payload.backend = None, group, rank, backend
+        payload.device = _device_of(backend)
+        return payload
 
     def send(self, peer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Blocks until both tensors are handed over (unlike the ZMQ path's send_layer)."""
+        """Blocks until both tensors are handed over (unlike the ZMQ path's send_layer).
+        Raises RuntimeError when the peer is gone or does not take them within the timeout."""
         for t in (k, v):
-            dist.send(t.to(self.device).contiguous(), dst=peer, group=self.group)
+            t = t.to(self.device).contiguous()
+            if self._own is not None:
+                self._own.send([t], peer, 0).wait()
+            else:
+                dist.send(t, dst=peer, group=self.group)
 
     def recv(self, peer: int, num_tokens: int, row_shape: tuple[int, int], dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> K and V rows [num_tokens, *row_shape] from `peer`. Raises RuntimeError when it is gone."""
         out = []
         for _ in range(2):
             t = torch.empty(num_tokens, *row_shape, dtype=TORCH_DTYPES[dtype], device=self.device)
-            dist.recv(t, src=peer, group=self.group)
+            if self._own is not None:
+                self._own.recv([t], peer, 0).wait()
+            else:
+                dist.recv(t, src=peer, group=self.group)
             out.append(t)
         return out[0], out[1]
+
+
+def _device_of(backend: str) -> torch.device:
+    """Where a backend's tensors live: NCCL sends from the GPU, gloo from host memory."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")

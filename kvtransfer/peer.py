@@ -11,6 +11,8 @@ from typing import Any
 
 import zmq
 
+from tandem.kvtransfer.dist_pairs import RECEIVER_RANK, join_pair
+from tandem.kvtransfer.payload import DistPayload
 from tandem.kvtransfer.protocol import KVLayout, MessageKind, TransferRefused, decode, encode
 from tandem.kvtransfer.shared_pool import MappedPool
 
@@ -27,8 +29,13 @@ class Peer:
     layout: KVLayout
     """The receiver's pool layout, from the handshake."""
     dist_rank: int | None
+    """The receiver's rank in `dist`'s group, when the rows go by torch.distributed."""
     shm: MappedPool | None = None
     """The receiver's pool mapped here, when the rows are written into it in place."""
+    dist: DistPayload | None = None
+    """The group the rows go by: a pair made in the handshake, or the sender's world."""
+    lost: str = ""
+    """Why the data path broke (a torch.distributed peer gone): nothing more goes by it."""
 
     @property
     def path(self) -> str:
@@ -49,12 +56,16 @@ class Peer:
             self.shm.close()
 
 
-def connect_peer(address: str, hello: dict[str, Any], timeout_s: float, shm_pool: str = "") -> Peer:
+def connect_peer(address: str, hello: dict[str, Any], timeout_s: float, shm_pool: str = "",
+                 dist_pair: str = "", dist_required: bool = False) -> Peer:
     """Handshake with the receiver at `address` with `hello` (the sender's fields).
 
     shm_pool: the receiver's pool file, offered when this process can open it: the rows go
     in place if the receiver agrees and the file is a pool of its layout, else by socket.
-    Raises TransferRefused when the receiver refuses, TimeoutError when it does not answer.
+    dist_pair: a torch.distributed backend ("gloo", "nccl") to send the rows by, in a group
+    of two made now (dist_pairs.py); dist_required: the receiver must take it, or refuse.
+    Raises TransferRefused when the receiver refuses (or the pair cannot be made),
+    TimeoutError when it does not answer.
     """
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -65,6 +76,8 @@ def connect_peer(address: str, hello: dict[str, Any], timeout_s: float, shm_pool
     sock.setsockopt(zmq.SNDHWM, SEND_QUEUE_MESSAGES)
     sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
     sock.connect(address)
+    if dist_pair:
+        hello = {**hello, "dist_pair": dist_pair, "dist_required": dist_required}
     shm_fd = None
     if shm_pool:
         try:
@@ -81,7 +94,14 @@ def connect_peer(address: str, hello: dict[str, Any], timeout_s: float, shm_pool
             os.close(shm_fd)
         raise
     shm = None if shm_fd is None else _map(address, shm_pool, shm_fd, layout, msg.get("shm_pool"))
-    return Peer(sock, layout, msg.get("dist_rank"), shm)
+    if "dist_pair" not in msg:
+        return Peer(sock, layout, msg.get("dist_rank"), shm)
+    try:
+        pair = join_pair(address, msg["dist_pair"], timeout_s)
+    except (RuntimeError, ValueError, OSError) as e:
+        sock.close()
+        raise TransferRefused(f"no torch.distributed pair with the KV receiver at {address}: {e}") from None
+    return Peer(sock, layout, RECEIVER_RANK, shm, dist=pair)
 
 
 def _handshake(sock: zmq.Socket, address: str, hello: dict[str, Any], timeout_s: float) -> dict[str, Any]:

@@ -22,6 +22,12 @@ from tandem.config_names import DTYPE_BYTES as ITEM_SIZES, DTYPE_NAMES as DTYPES
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 1 << 20
 
+KV_TRANSPORTS = ("auto", "zmq", "gloo", "nccl")
+"""How a prefill worker sends KV (`tandem serve --kv-transport`): auto: in place into a
+same-host decode pool in shared memory, else NCCL when both pools are on GPUs, else ZMQ
+frames; zmq: always frames; gloo, nccl: always torch.distributed, in a group of two made
+in the handshake (dist_pairs.py), even on one host."""
+
 
 class ProtocolError(ValueError):
     """A message that does not follow the protocol; the `reason` names the counter it bumps."""

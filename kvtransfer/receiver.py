@@ -22,6 +22,7 @@ import time
 import torch
 import zmq
 
+from tandem.kvtransfer.dist_pairs import SENDER_RANK, ReceiverPairs, can_host
 from tandem.kvtransfer.fence import granted_blocks
 from tandem.kvtransfer.handshake import answer_hello
 from tandem.kvtransfer.payload import TORCH_DTYPES, DistPayload, rows_of
@@ -80,6 +81,8 @@ class KVReceiver:
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.bind(address)
         self.address: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._pairs = ReceiverPairs(self.address, timeout_s)
+        """torch.distributed pairs, with the senders that asked for one (the I/O thread's)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-receiver", daemon=True)
         self._thread.start()
@@ -144,6 +147,7 @@ class KVReceiver:
         self._stop.set()
         self._thread.join()
         self._socket.close()
+        self._pairs.close()
 
     # -- the I/O thread ---------------------------------------------------------------
     def _run(self) -> None:
@@ -187,18 +191,28 @@ class KVReceiver:
 
     def _handshake(self, sender: bytes, msg: dict) -> None:
         dist_rank = None if self.dist_payload is None else self.dist_payload.rank
+        device = self.kv_cache.device if self.kv_cache is not None else torch.device("cpu")
         try:
-            why, reply = answer_hello(msg, self.layout, self.model, dist_rank, self.shared_pool)
+            why, reply = answer_hello(msg, self.layout, self.model, dist_rank, self.shared_pool,
+                                      pair_refused=lambda backend: can_host(backend, device))
         except ProtocolError as e:
             self._socket.send_multipart([sender, encode(MessageKind.REFUSED, reason=str(e))])
             raise
         self._shm_senders.discard(sender)
+        self._pairs.forget(sender)
         if why is not None:
             logger.warning("kv receiver refused a sender: %s", why)
             self._socket.send_multipart([sender, encode(MessageKind.REFUSED, reason=why)])
             return
         if "shm_pool" in reply:  # the offer taken: this sender writes in place
             self._shm_senders.add(sender)
+        if "dist_pair" in reply:  # this side of the pair is built while the sender builds its own
+            try:
+                reply["dist_pair"] = self._pairs.offer(sender, reply["dist_pair"]["backend"])
+            except (OSError, RuntimeError) as e:
+                logger.warning("kv receiver cannot host a torch.distributed pair: %s", e)
+                self._socket.send_multipart([sender, encode(MessageKind.REFUSED, reason=f"no pair here: {e}")])
+                return
         self._socket.send_multipart([sender, encode(MessageKind.HELLO_OK, **reply)])
 
     def _receive_layer(self, sender: bytes, h: LayerHeader, frames: list[zmq.Frame], dist_rank: object) -> None:
@@ -234,13 +248,18 @@ class KVReceiver:
             if sender not in self._shm_senders or frames:
                 raise ProtocolError("not_negotiated", f"{h.request_id}: rows in place from a sender that did not "
                                     "negotiate shared memory (or with frames)")
-        elif self.dist_payload is not None:
+        elif self.dist_payload is not None or sender in self._pairs:
             # Drained before any check (see DistPayload), as the header claims it.
             if not isinstance(dist_rank, int) or frames or h.dtype not in TORCH_DTYPES:
                 raise ProtocolError("malformed", "a torch.distributed LAYER has dist_rank, a dtype and no frames")
             try:
-                k, v = self.dist_payload.recv(dist_rank, h.num_tokens, h.row_shape, h.dtype)
-            except RuntimeError as e:  # the peer died between header and tensors
+                if sender in self._pairs:
+                    payload, dist_rank = self._pairs.payload(sender), SENDER_RANK
+                else:
+                    payload = self.dist_payload
+                k, v = payload.recv(dist_rank, h.num_tokens, h.row_shape, h.dtype)
+            except Exception as e:  # the peer died between header and tensors (or never joined its pair)
+                self._pairs.forget(sender)  # out of step for good: the sender must shake hands again
                 self._fail_sender(sender, h.request_id, f"torch.distributed peer lost: {e}")
                 raise ProtocolError("peer_lost", f"{h.request_id}: {e}") from None
             dist_parts = ([k], [v])

@@ -8,53 +8,43 @@ reading them (message trackers), whether the request ended well, failed or was a
 
 A receiver on this sender's node whose pool is in shared memory gets the rows another way:
 `send_layer` copies them straight into its reserved slots (in_place.py) and sends the
-header alone. The path is chosen once per receiver, in the handshake.
+header alone. With `transport` gloo or nccl (or auto between two GPU pools) the rows go by
+torch.distributed in a group of two made in the handshake (dist_pairs.py), the header by
+ZMQ. A pool on a GPU sends frames staged through pinned host memory (staging.py): a
+layer's message goes out from `poll` or a later `send_layer`, once its copy is done. The
+path is chosen once per receiver, in the handshake.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 import zmq
 
 from tandem.kvtransfer.in_place import InPlaceWrites
+from tandem.kvtransfer.outgoing import Outgoing, StagedMessage, host_frames
 from tandem.kvtransfer.payload import DistPayload, frame_of, layer_rows, layout_of
 from tandem.kvtransfer.peer import Peer, connect_peer
 from tandem.kvtransfer.placement import host_identity
 from tandem.kvtransfer.protocol import (
-    Destination, KVLayout, MessageKind, ProtocolError, TransferEvent, TransferStatus, decode, encode, payload_crc32,
+    KV_TRANSPORTS, Destination, KVLayout, MessageKind, ProtocolError, TransferEvent, TransferStatus, decode, encode,
+    payload_crc32,
 )
-from tandem.kvtransfer.slots import contiguous_runs, covering_blocks, token_slots
+from tandem.kvtransfer.slots import covering_blocks, token_slots
+from tandem.kvtransfer.staging import Staging
 
 logger = logging.getLogger(__name__)
 
-MAX_VIEW_FRAMES = 8  # more runs than this per layer and the rows are gathered into one frame
 POOL_CHECK_S = 1.0  # how often poll looks for shared pools whose owner is gone
-
-
-@dataclass
-class _Outgoing:
-    destination: Destination
-    src_block_ids: list[int]
-    deadline: float | None = None
-    """When the receiver's ack is overdue: timeout_s after the latest layer sent, so that a
-    request waiting in the prefill queue, or between its chunks, never times out (NOTE:
-    timeouts count from work, not from queues)."""
-    trackers: list[zmq.MessageTracker] = field(default_factory=list)
-    """One per message with frames of the pool: done once ZMQ no longer reads them."""
-    ended: TransferEvent | None = None
-    """Set when the request ended but ZMQ may still read its blocks: reported once it does not."""
-    in_place: InPlaceWrites | None = None
-    """The request's writes into the receiver's pool, on the shared-memory path."""
 
 
 class KVSender:
     def __init__(self, kv_cache: torch.Tensor, timeout_s: float = 30.0, dist_payload: DistPayload | None = None,
                  model: str | None = None, checksum: bool = False, layout: KVLayout | None = None,
-                 node_id: str | None = None) -> None:
+                 node_id: str | None = None, transport: str = "auto") -> None:
         """kv_cache: the pool read from, [layers, 2, blocks, block_size, kv_heads, head_dim].
         layout: the pool as receivers see it, when send_layer is given every row (a
         tensor-parallel worker's pool holds only some heads per rank; default: kv_cache's).
@@ -64,7 +54,14 @@ class KVSender:
         must share. checksum: a CRC-32 of every layer's payload goes with it (ZMQ frames only).
         node_id: this sender's node (default: placement.host_identity(); empty: none): a
         receiver on the same one with a shared pool gets the rows in place.
+        transport: protocol.KV_TRANSPORTS: which data paths begin may take (auto: the best
+        each receiver allows; gloo, nccl: a torch.distributed pair with every receiver).
         """
+        if transport not in KV_TRANSPORTS:
+            raise ValueError(f"transport must be one of {KV_TRANSPORTS}, got {transport!r}")
+        if dist_payload is not None and transport not in ("auto", "gloo", "nccl"):
+            raise ValueError("a sender given a torch.distributed world sends by it, not by ZMQ frames")
+        self.transport = transport
         self.node_id = host_identity() if node_id is None else node_id
         self.model = model
         self.checksum = checksum
@@ -72,29 +69,45 @@ class KVSender:
         self.layout = layout if layout is not None else layout_of(kv_cache)
         self.timeout_s = timeout_s
         self.dist_payload = dist_payload
+        self._staging = Staging.for_pool(kv_cache)
+        """A pool on a GPU: frames are staged through pinned host memory on a side stream."""
+        self._staged: collections.deque[StagedMessage] = collections.deque()
+        """Messages whose rows are on their way to the host, in the order they go out."""
         self._peers: dict[str, Peer] = {}
-        self._outgoing: dict[str, _Outgoing] = {}
+        self._outgoing: dict[str, Outgoing] = {}
         self._events: list[TransferEvent] = []
         self._next_pool_check = 0.0
         self.num_bytes_sent = 0
         """KV payload bytes handed to the transport (K and V), for the metrics."""
 
     def connect(self, address: str, timeout_s: float = 10.0, shm_pool: str = "") -> KVLayout:
-        """Handshake with a receiver (once per address). -> its layout.
+        """Handshake with a receiver (once per address, again after its data path broke).
+        -> its layout.
 
         shm_pool: the receiver's pool file (Destination.shm_pool), to write into in place
         when this sender can map it and the receiver agrees; else the sockets.
         Raises TransferRefused when the layouts cannot exchange KV, TimeoutError when it
         does not answer.
         """
-        if address in self._peers:
-            return self._peers[address].layout
+        peer = self._peers.get(address)
+        if peer is not None and not peer.lost:
+            return peer.layout
+        if peer is not None:  # its requests all ended when it broke
+            peer.close()
+            del self._peers[address]
         hello = {"layout": self.layout.as_dict()}
         if self.model is not None:
             hello["model"] = self.model
         if self.dist_payload is not None:
             hello["dist_rank"] = self.dist_payload.rank
-        peer = connect_peer(address, hello, timeout_s, shm_pool)
+        on_gpu = self.kv_cache.device.type == "cuda"
+        # auto: NCCL where both pools are on GPUs (the receiver declines it otherwise).
+        pair = ("" if self.dist_payload is not None else self.transport if self.transport in ("gloo", "nccl")
+                else "nccl" if self.transport == "auto" and on_gpu and not shm_pool else "")
+        peer = connect_peer(address, hello, timeout_s, shm_pool, dist_pair=pair,
+                            dist_required=self.transport in ("gloo", "nccl"))
+        if self.dist_payload is not None:
+            peer.dist = self.dist_payload
         self._peers[address] = peer
         return peer.layout
 
@@ -108,7 +121,8 @@ class KVSender:
         if destination.request_id in self._outgoing:
             raise ValueError(f"{destination.request_id}: its KV is being sent already")
         first = destination.address not in self._peers
-        why_not = ("the receiver's pool is private" if not destination.shm_pool
+        why_not = (f"{self.transport} asked for" if self.transport != "auto"
+                   else "the receiver's pool is private" if not destination.shm_pool
                    else "the receiver is on another node" if not self.node_id or destination.node_id != self.node_id
                    else "this pool is not in host memory" if self.kv_cache.device.type != "cpu" else "")
         self.connect(destination.address, shm_pool="" if why_not else destination.shm_pool)
@@ -117,7 +131,7 @@ class KVSender:
             logger.info("kv sender: KV to %s goes by %s%s", destination.address, peer.path,
                         f" ({why_not})" if why_not else "")
         in_place = InPlaceWrites(peer.shm, destination, self.layout.block_size) if peer.shm is not None else None
-        self._outgoing[destination.request_id] = _Outgoing(destination, list(src_block_ids), in_place=in_place)
+        self._outgoing[destination.request_id] = Outgoing(destination, list(src_block_ids), in_place=in_place)
         return peer.path
 
     def send_layer(self, request_id: str, layer: int, token_start: int | None = None, token_end: int | None = None,
@@ -126,7 +140,7 @@ class KVSender:
         """Send layer `layer`'s K and V of tokens [token_start, token_end) (default: from the
         first token the receiver does not hold, to the end), read from `src_block_ids`
         (default: those given before), or given as `rows` (K, V: [tokens, kv_heads,
-        head_dim], not on torch.distributed; they must not change until the request's event).
+        head_dim]; they must not change until the request's event).
 
         -> False when the request is no longer being sent (aborted or failed): skip it.
         """
@@ -147,10 +161,9 @@ class KVSender:
         header = dict(layer=layer, token_start=start, num_tokens=end - start,
                       block_ids=covering_blocks(dest.block_ids, peer.layout.block_size, start, end),
                       dtype=self.layout.dtype, row_shape=[self.layout.num_kv_heads, self.layout.head_dim])
-        k_rows, v_rows = layer_rows(self.kv_cache, layer, 0), layer_rows(self.kv_cache, layer, 1)
         num_bytes = 2 * (end - start) * self.layout.row_bytes
-        if rows is not None and (self.dist_payload is not None or any(len(r) != end - start for r in rows)):
-            raise ValueError(f"{request_id}: given rows go in ZMQ frames, exactly {end - start} of them")
+        if rows is not None and any(len(r) != end - start for r in rows):
+            raise ValueError(f"{request_id}: given rows must be exactly {end - start} of them")
         if out.in_place is not None:
             # K and V together: one copy op for both where the slots run side by side.
             src, src_blocks = ((torch.stack(rows), None) if rows is not None
@@ -164,30 +177,62 @@ class KVSender:
             self.num_bytes_sent += num_bytes if sent else 0
             return sent
         src_slots = token_slots(out.src_block_ids, self.layout.block_size, start, end)
-        if self.dist_payload is not None:
-            header.update(frame_tokens=[], dist_rank=self.dist_payload.rank)
-            if not self._send(request_id, peer, [encode(MessageKind.LAYER, request_id, **header)]):
-                return False
-            index = torch.from_numpy(src_slots).to(self.kv_cache.device)
-            self.dist_payload.send(peer.dist_rank, k_rows.index_select(0, index), v_rows.index_select(0, index))
-            self.num_bytes_sent += num_bytes
-            return True
-        runs = contiguous_runs(src_slots)
-        if rows is not None:
-            header["frame_tokens"] = [end - start]
-            frames = [frame_of(r) for r in rows]
-        elif len(runs) <= MAX_VIEW_FRAMES:  # a few long runs: frames are views of the pool itself
-            header["frame_tokens"] = [n for _, n in runs]
-            frames = [frame_of(rows[first:first + n]) for rows in (k_rows, v_rows) for first, n in runs]
-        else:  # scattered blocks: one gathered frame each for K and V beats many small ones
-            index = torch.from_numpy(src_slots).to(self.kv_cache.device)
+        if peer.dist is not None:
+            return self._send_dist(request_id, dest.address, peer, header, src_slots, rows, num_bytes)
+        if self._staging is not None and rows is None:  # sent by _flush_staged once on the host
             header["frame_tokens"] = [len(src_slots)]
-            frames = [frame_of(rows.index_select(0, index)) for rows in (k_rows, v_rows)]
+            staged = self._staging.stage(self.kv_cache, layer, src_slots)
+            self._staged.append(StagedMessage(request_id, peer, header, staged, num_bytes))
+            out.num_staged += 1
+            self._flush_staged()
+            return True
+        header["frame_tokens"], frames = host_frames(self.kv_cache, layer, src_slots, rows)
         if self.checksum:
             header["crc32"] = payload_crc32(frames)
         sent = self._send(request_id, peer, [encode(MessageKind.LAYER, request_id, **header), *frames])
         self.num_bytes_sent += num_bytes if sent else 0
         return sent
+
+    def _flush_staged(self) -> None:
+        """Send the staged messages whose rows are on the host, in order (never blocks)."""
+        while self._staged and self._staged[0].rows.ready():
+            s = self._staged.popleft()
+            out = self._outgoing[s.request_id]  # (kept while it has staged layers)
+            out.num_staged -= 1
+            if out.ended is not None:  # aborted or failed meanwhile: nothing more goes out
+                continue
+            frames = [frame_of(s.rows.host[0]), frame_of(s.rows.host[1])]
+            if self.checksum:
+                s.header["crc32"] = payload_crc32(frames)
+            if self._send(s.request_id, s.peer, [encode(MessageKind.LAYER, s.request_id, **s.header), *frames]):
+                self.num_bytes_sent += s.num_bytes
+
+    def _send_dist(self, request_id: str, address: str, peer: Peer, header: dict, src_slots, rows, num_bytes: int
+                   ) -> bool:
+        """The header by ZMQ, then K and V by torch.distributed (blocking until handed over)."""
+        header.update(frame_tokens=[], dist_rank=peer.dist.rank)
+        if not self._send(request_id, peer, [encode(MessageKind.LAYER, request_id, **header)]):
+            return False
+        if rows is None:
+            index = torch.from_numpy(src_slots).to(self.kv_cache.device)
+            layer = header["layer"]
+            rows = tuple(layer_rows(self.kv_cache, layer, kv).index_select(0, index) for kv in (0, 1))
+        try:
+            peer.dist.send(peer.dist_rank, *rows)
+        except RuntimeError as e:  # the receiver is gone (or stuck past the timeout)
+            self._lose(address, peer, f"torch.distributed peer lost: {e}")
+            return False
+        self.num_bytes_sent += num_bytes
+        return True
+
+    def _lose(self, address: str, peer: Peer, reason: str) -> None:
+        """A peer's data path broke: every request to it fails (its stream is out of step);
+        the next `begin` for it shakes hands anew."""
+        logger.warning("kv sender: %s: %s", address, reason)
+        peer.lost = reason
+        for request_id, out in self._outgoing.items():
+            if out.destination.address == address:
+                self._end(request_id, TransferEvent(request_id, TransferStatus.FAILED, reason))
 
     def _send(self, request_id: str, peer: Peer, frames: list) -> bool:
         """Never blocks: a receiver that cannot take the message fails the request."""
@@ -215,8 +260,10 @@ class KVSender:
         out = self._outgoing.get(request_id)
         if out is None or out.ended is not None:
             return False
+        peer = self._peers.get(out.destination.address)
         try:  # best effort: a receiver that is gone times the request out itself
-            self._peers[out.destination.address].socket.send(encode(MessageKind.ABORT, request_id), zmq.DONTWAIT)
+            if peer is not None:
+                peer.socket.send(encode(MessageKind.ABORT, request_id), zmq.DONTWAIT)
         except zmq.Again:
             pass
         self._end(request_id, TransferEvent(request_id, TransferStatus.FAILED, "aborted by the sender"))
@@ -224,6 +271,7 @@ class KVSender:
 
     def poll(self) -> list[TransferEvent]:
         """Requests that ended since the last call: acked, refused, timed out or aborted (never blocks)."""
+        self._flush_staged()
         now = time.monotonic()
         if now >= self._next_pool_check:  # a syscall per shared pool now and then, not every tick
             self._next_pool_check = now + POOL_CHECK_S
@@ -245,7 +293,8 @@ class KVSender:
             if out.ended is None and out.deadline is not None and out.deadline <= now:
                 logger.warning("kv transfer %s: no ack within %.1f s", request_id, self.timeout_s)
                 self._end(request_id, TransferEvent(request_id, TransferStatus.FAILED, "timed out waiting for the receiver"))
-        released = [r for r, o in self._outgoing.items() if o.ended is not None and all(t.done for t in o.trackers)]
+        released = [r for r, o in self._outgoing.items()
+                    if o.ended is not None and not o.num_staged and all(t.done for t in o.trackers)]
         for request_id in released:
             self._events.append(self._outgoing.pop(request_id).ended)
         events, self._events = self._events, []

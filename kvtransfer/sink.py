@@ -11,6 +11,7 @@ import torch
 from tandem.kvtransfer.payload import layer_rows, layout_of
 from tandem.kvtransfer.protocol import KVLayout
 from tandem.kvtransfer.slots import contiguous_runs
+from tandem.kvtransfer.staging import to_device
 
 
 class KVSink(Protocol):
@@ -38,13 +39,16 @@ class PoolSink:
 
 def write_rows(dst: torch.Tensor, slots: np.ndarray, parts: list[torch.Tensor]) -> None:
     """dst[slots[i]] = the i-th row of the concatenated parts; slice copies where slots run
-    side by side (faster than index_copy_), one index_copy_ per part where they are scattered."""
+    side by side (faster than index_copy_), one index_copy_ per part where they are scattered.
+    Rows in host memory for a pool on a GPU cross to it first, in one copy: the writes run there."""
+    if parts and parts[0].device != dst.device:
+        parts = [to_device(parts, dst.device)]
     runs = contiguous_runs(slots)
     if len(runs) > 8:
         offset = 0
         index = torch.from_numpy(slots).to(dst.device)
         for rows in parts:
-            dst.index_copy_(0, index[offset:offset + len(rows)], rows.to(dst.device))
+            dst.index_copy_(0, index[offset:offset + len(rows)], rows)
             offset += len(rows)
         return
     rows = parts[0] if len(parts) == 1 else torch.cat(parts)

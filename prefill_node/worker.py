@@ -57,10 +57,13 @@ class PrefillWorker(Worker):
     role = Role.PREFILL
 
     def __init__(self, instance: str = "prefill-0", transfer_timeout_s: float = 30.0, kv_checksum: bool = False,
-                 node_id: str | None = None, **kwargs: Any) -> None:
+                 node_id: str | None = None, kv_transport: str = "auto", **kwargs: Any) -> None:
         """kv_checksum: a CRC-32 goes with every layer sent in frames (the receiver checks it).
         node_id: this worker's node (Ray's node id under Ray; default: the host's identity):
-        decode workers on the same one get the KV written straight into their shared pools."""
+        decode workers on the same one get the KV written straight into their shared pools.
+        kv_transport: how the KV goes (kvtransfer.protocol.KV_TRANSPORTS; auto: shared memory
+        on one node, else NCCL between GPUs, else ZMQ frames)."""
+        self._kv_transport = kv_transport
         self._transfer_timeout_s = transfer_timeout_s
         self._kv_checksum = kv_checksum
         self._node_id = node_id
@@ -77,7 +80,7 @@ class PrefillWorker(Worker):
         runner = self.engine.runner
         self.sender = KVSender(runner.kv_cache, timeout_s=self._transfer_timeout_s, model=self.fingerprint,
                                checksum=self._kv_checksum, layout=None if self._tp_runner is None else runner.layout,
-                               node_id=self._node_id)
+                               node_id=self._node_id, transport=self._kv_transport)
         self.metrics.kv_bytes["sent"] = lambda: self.sender.num_bytes_sent
         self.metrics.num_transferring = lambda: self.sender.num_pending
         return EngineLoop(self.engine, tick=self._tick)

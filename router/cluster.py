@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from dataclasses import dataclass, field
@@ -11,6 +10,9 @@ from typing import Any
 import ray
 from ray.util.placement_group import remove_placement_group
 
+from tandem.router.placement import (GPU, Placement, Pool, check_memory_share, gpus_per_rank, local_resources,
+                                     worker_device)
+from tandem.router.placement_wait import wait_placeable, wait_ready
 from tandem.router.policy import WorkerState
 from tandem.router.ray_backend import RayBackend
 from tandem.worker.api import Role
@@ -41,6 +43,16 @@ class ClusterConfig:
     """Tensor-parallel ranks per decode (or colocated) worker."""
     num_cpus_per_rank: float = 1.0
     """CPUs Ray reserves for each rank of each worker."""
+    kv_transport: str = "auto"
+    """How prefill workers send KV to decode workers (kvtransfer.protocol.KV_TRANSPORTS);
+    the decode workers are told too (only auto needs their pools in shared memory)."""
+    gpus_per_worker: float | None = None
+    """GPUs Ray reserves for each rank of each worker (a fraction shares one GPU); None:
+    decided from the device and the cluster's GPUs (see placement.gpus_per_rank)."""
+    placement_timeout_s: float = 60.0
+    """How long Ray may take to find room for every worker before the start is refused."""
+    start_timeout_s: float = 600.0
+    """How long the placed workers may take to load the model before the start is refused."""
 
     @property
     def num_workers(self) -> int:
@@ -53,35 +65,75 @@ class ClusterConfig:
             return self.colocated * self.decode_tp
         return self.num_prefill * self.prefill_tp + self.num_decode * self.decode_tp
 
+    @property
+    def device(self) -> str:
+        """The workers' engine device (auto unless worker_args name one)."""
+        return str(self.worker_args.get("device", "auto"))
+
+    def placement(self, cluster_gpus: float) -> Placement:
+        """Every worker's Ray resources on a cluster with ``cluster_gpus`` GPUs; PlacementError
+        (a ValueError) for a device or GPU share that cannot work."""
+        pools = ((Pool(Role.COLOCATED.value, self.colocated, self.decode_tp),) if self.colocated else
+                 (Pool(Role.PREFILL.value, self.num_prefill, self.prefill_tp),
+                  Pool(Role.DECODE.value, self.num_decode, self.decode_tp)))
+        for pool in pools:
+            if pool.tp < 1:
+                raise ValueError(f"the {pool.role} workers' tensor-parallel size must be >= 1, got {pool.tp}")
+        gpus = gpus_per_rank(self.gpus_per_worker, self.device, cluster_gpus, self.num_ranks,
+                             max(p.tp for p in pools))
+        check_memory_share(self.worker_args, gpus)
+        return Placement(pools, self.num_cpus_per_rank, gpus, self.pool_resources)
+
+    def check_fits(self, have: dict[str, float], where: str) -> Placement:
+        """The placement on ``have`` (``where``'s resources), refused unless it fits."""
+        placement = self.placement(have.get(GPU, 0.0))
+        placement.check_fits(have, where, self.device)
+        return placement
+
 
 async def start_cluster(cfg: ClusterConfig) -> RayBackend:
     """Start the workers (each loads the model in its own process) and wait until all serve."""
     if not ray.is_initialized():
+        local = None if cfg.address else local_resources(cfg.num_ranks)
+        if local is not None:  # what this host can never hold is refused in a second, before Ray starts
+            cfg.check_fits(local, "this host")
         cores = len(os.sched_getaffinity(0))
         # Workers are pinned to their share of cores; declare at least one CPU per worker.
         ray.init(address=cfg.address, num_cpus=None if cfg.address else max(cores, cfg.num_ranks),
                  include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
     cores = len(os.sched_getaffinity(0))
-    has_gpu = ray.cluster_resources().get("GPU", 0) > 0
+    placement = cfg.check_fits(ray.cluster_resources(), "the cluster")
+    if placement.needs_beyond(ray.available_resources()):
+        logger.warning("the cluster's free resources do not hold every worker now: waiting up to %g s for them",
+                       cfg.placement_timeout_s)
+    await wait_placeable(placement, cfg.placement_timeout_s)
+    if placement.gpus_per_rank:
+        logger.info("each worker rank reserves %g GPU", placement.gpus_per_rank)
     args = dict(cfg.worker_args)
     args.setdefault("num_threads", max(1, cores // cfg.num_ranks))
+    if worker_device(cfg.device, placement.gpus_per_rank) != cfg.device:
+        args["device"] = worker_device(cfg.device, placement.gpus_per_rank)
     roles = ([(Role.COLOCATED, cfg.colocated)] if cfg.colocated
              else [(Role.PREFILL, cfg.num_prefill), (Role.DECODE, cfg.num_decode)])
     states: dict[Role, list[WorkerState]] = {Role.PREFILL: [], Role.DECODE: [], Role.COLOCATED: []}
     for role, count in roles:
         tp = cfg.prefill_tp if role is Role.PREFILL else cfg.decode_tp
-        if tp < 1:
-            raise ValueError(f"the {role.value} workers' tensor-parallel size must be >= 1, got {tp}")
-        resources = dict(num_cpus=cfg.num_cpus_per_rank, num_gpus=1 if has_gpu else 0)
+        resources = dict(num_cpus=cfg.num_cpus_per_rank, num_gpus=placement.gpus_per_rank)
         for i in range(count):
             instance = f"{cfg.name_prefix}{role.value}-{i}"
             group = worker_placement_group(role, tp, pool_resources=cfg.pool_resources, **resources) if tp > 1 else None
             handle = start_worker(role, instance, pool_resources=cfg.pool_resources, placement_group=group,
-                                  **resources, **args, **({"tensor_parallel_size": tp} if tp > 1 else {}))
+                                  **resources, **args, **({"tensor_parallel_size": tp} if tp > 1 else {}),
+                                  **({"kv_transport": cfg.kv_transport}
+                                     if role is not Role.COLOCATED and cfg.kv_transport != "auto" else {}))
             states[role].append(WorkerState(instance, handle, placement_group=group))
     everyone = [w for ws in states.values() for w in ws]
     logger.info("starting %d workers (each loads the model)...", len(everyone))
-    await asyncio.gather(*(w.handle.is_ready.remote() for w in everyone))
+    try:
+        await wait_ready({w.instance: w.handle for w in everyone}, cfg.start_timeout_s)
+    except BaseException:
+        _stop_workers(everyone)  # none left pending or half-loaded behind the error
+        raise
     spec = await (states[Role.DECODE] or states[Role.COLOCATED])[0].handle.tokenizer_spec.remote()
     backend = RayBackend(states[Role.PREFILL], states[Role.DECODE], states[Role.COLOCATED], cfg.policy, spec)
     await backend.loads()
@@ -90,7 +142,11 @@ async def start_cluster(cfg: ClusterConfig) -> RayBackend:
 
 
 def stop_cluster(backend: RayBackend) -> None:
-    for w in backend.workers:
+    _stop_workers(backend.workers)
+
+
+def _stop_workers(workers: list[WorkerState]) -> None:
+    for w in workers:
         ray.kill(w.handle, no_restart=True)  # its other tensor-parallel ranks go with it (owned actors)
         if w.placement_group is not None:
             remove_placement_group(w.placement_group)

@@ -11,9 +11,11 @@ import sys
 from typing import Any
 
 from tandem.engine_options import ENGINE_DEFAULTS, MODEL_HELP, add_engine_options, engine_options_from_args
+from tandem.kvtransfer.protocol import KV_TRANSPORTS
 from tandem.router.auth import AUTH_TOKEN_ENV, auth_token_from_env
 from tandem.router.limits import add_limit_args, limits_from_args
 from tandem.router.metrics_endpoint import DEFAULT_METRICS_PORT
+from tandem.router.placement import add_placement_args, placement_options
 from tandem.router.policy import POLICIES
 
 logger = logging.getLogger(__name__)
@@ -44,9 +46,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pool-resources", action="store_true",
                         help="each worker asks Ray for the custom resource tandem_prefill/tandem_decode/tandem_colocated, "
                              "so it runs on a node started for its pool")
+    add_placement_args(parser)  # --gpus-per-worker, --placement-timeout, --start-timeout
     parser.add_argument("--kv-transfer-host", default=None, metavar="HOST",
                         help="address decode workers receive KV on (default loopback; 'node-ip': the Ray node's "
                              "address, for pools on several hosts)")
+    parser.add_argument("--kv-transport", default="auto", choices=KV_TRANSPORTS,
+                        help="how KV goes from prefill to decode workers: auto (default: in place through shared "
+                             "memory on one host, NCCL between GPUs, else ZMQ), zmq (always ZMQ frames), "
+                             "gloo or nccl (always torch.distributed, a group per worker pair, even on one host)")
     parser.add_argument("--kv-checksum", action="store_true",
                         help="a CRC-32 with every layer of KV sent: corrupted KV fails its request instead of its output")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
@@ -86,7 +93,8 @@ async def _serve(args: argparse.Namespace) -> int:
     limits = limits_from_args(args)  # refuse bad limits before any worker starts
     cfg = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, colocated=args.colocated,
                         policy=args.policy, address=args.address, worker_args=worker_args(args),
-                        pool_resources=args.pool_resources, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp)
+                        pool_resources=args.pool_resources, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
+                        **placement_options(args))
     mode = f"{cfg.colocated} colocated" if cfg.colocated else f"{cfg.num_prefill} prefill + {cfg.num_decode} decode"
     print(f"tandem: starting {mode} worker(s); each loads the model...", file=sys.stderr, flush=True)
     backend = await start_cluster(cfg)

@@ -116,7 +116,9 @@ def plan(args: argparse.Namespace) -> int:
     weights = None if args.weights_memory == "auto" else float(args.weights_memory)
     try:
         result = make_plan(args.model, args.memory, tp=args.tp, dtype=args.dtype, block_size=args.block_size,
-                           max_model_len=args.max_model_len, weights_memory_gib=weights)
+                           max_model_len=args.max_model_len, weights_memory_gib=weights, device=args.device,
+                           gpu_memory_utilization=args.gpu_memory_utilization,
+                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
     except OSError as e:  # no such model, or an unreadable config
         raise ValueError(str(e)) from None
     print("\n".join(result.lines()))
@@ -140,6 +142,7 @@ BENCH_HELP = {
     "swap": "preemption: swapping KV blocks out and in vs recomputing their tokens",
     "spec": "speculative decoding by prompt lookup: tokens/s and acceptance, with vs without",
     "quant": "weight-only int8 and int4 vs float32 and bfloat16: decode tokens/s, weight bytes, agreement",
+    "gpu": "on a GPU: greedy parity with transformers, decode vs the memory floor, kernels vs SDPA, KV staging",
 }
 
 
@@ -188,9 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     p = commands.add_parser("plan", help="KV capacity per rank for a memory budget, before loading anything",
                             description=plan.__doc__)
     p.add_argument("--model", default=None, help=MODEL_HELP)
-    p.add_argument("--memory", type=float, required=True, metavar="GIB", help="memory per rank for weights and KV, in GiB")
+    p.add_argument("--memory", type=float, required=True, metavar="GIB",
+                   help="memory per rank for weights and KV, in GiB (with --gpu-memory-utilization: the GPU's memory)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
-    add_engine_options(p, ("dtype", "block_size"))  # as the engine would run: its flags and defaults
+    # As the engine would run: its flags and defaults.
+    add_engine_options(p, ("device", "dtype", "block_size", "gpu_memory_utilization", "max_num_batched_tokens",
+                           "max_num_seqs"))
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--weights-memory", type=auto_or_gib, default="auto", metavar="auto|GIB",
                    help="weights per rank in GiB (default auto: parameters from the shapes x dtype bytes / tp)")

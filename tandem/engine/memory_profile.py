@@ -12,7 +12,7 @@ from tandem.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
-from tandem.kvcache.memory_plan import DeviceMemoryPlan
+from tandem.kvcache.memory_plan import DeviceMemoryPlan, estimated_step_peak_bytes
 from tandem.model.llama import LlamaModel
 from tandem.model.loader import LoadedModel
 from tandem.sampling_params import SamplingParams
@@ -20,12 +20,17 @@ from tandem.sampling_params import SamplingParams
 
 def measured_memory_plan(loaded: LoadedModel, config: EngineConfig, utilization: float) -> DeviceMemoryPlan:
     """The plan for ``config``'s CUDA device, ``loaded`` being on it already (and nothing else
-    of this engine yet)."""
-    device = config.device
+    of this engine yet), or whole on the host at tensor_parallel_size > 1."""
+    device, tp = config.device, config.tensor_parallel_size
     torch.cuda.synchronize(device)
     _, total = torch.cuda.mem_get_info(device)
+    block_bytes = config.block_size * config.model.kv_bytes_per_token(config.dtype_name, tp)
+    if tp > 1:  # the weights are still whole, on the host: a rank's share from the shapes, as tandem plan does
+        num_tokens = min(config.max_num_batched_tokens, config.max_model_len)
+        peak = estimated_step_peak_bytes(config.model, num_tokens, config.max_num_seqs, config.dtype_bytes, tp)
+        return DeviceMemoryPlan(total, utilization, -(-loaded.weights.num_bytes // tp), peak, block_bytes,
+                                measured=False)
     weight_bytes = torch.cuda.memory_allocated(device)
-    block_bytes = config.block_size * config.model.kv_bytes_per_token(config.dtype_name, config.tensor_parallel_size)
     return DeviceMemoryPlan(total, utilization, weight_bytes, step_peak_bytes(loaded, config), block_bytes,
                             measured=True)
 

@@ -11,7 +11,7 @@ from tandem.config import EngineConfig
 from tandem.decoding.draft_verify import sample_step
 from tandem.engine.sampler import Sampler, StepOutput
 from tandem.engine.scheduler import ScheduledBatch
-from tandem.engine.step_inputs import StepInputs, to_device
+from tandem.engine import step_inputs
 from tandem.kernels.attention_metadata import AttentionMetadata, DecodeGroup
 from tandem.kernels.paged_decode_attention import decode_group_plan
 from tandem.kvcache.swap_copier import KVSwapper
@@ -94,14 +94,16 @@ class ModelRunner:
                 generators.append(target.generator)
                 drafts.append(batch.draft_token_ids[i] if batch.draft_token_ids else [])
             offset += num_rows
-        rows_t = to_device(torch.tensor(rows, dtype=torch.long), logits.device)
+        rows_t = step_inputs.to_device(torch.tensor(rows, dtype=torch.long), logits.device)
         return sample_step(self.sampler, logits[rows_t], params, generators, drafts, len(self.config.model.eos_token_ids))
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def prepare(self, batch: ScheduledBatch, device: torch.device | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
         """-> (input_ids [T], positions [T], AttentionMetadata, logits_indices [L]): one
-        logits row per sampling entry, or 1 + its drafts for a speculative decode. All on the
-        engine's device, from one copy (step_inputs.py); a decode-only batch is padded to
-        its bucket (see padded_decode_size)."""
+        logits row per sampling entry, or 1 + its drafts for a speculative decode. All on
+        ``device`` (default: the engine's), from one copy (step_inputs.py); a decode-only
+        batch is padded to its bucket (see padded_decode_size). A tensor-parallel runner
+        asks for them on the host, to broadcast them to its ranks."""
         bs = self.config.block_size
         token_ids: list[np.ndarray] = []
         positions: list[np.ndarray] = []
@@ -149,7 +151,7 @@ class ModelRunner:
             decode_lens += [1] * num_padded
             num_decode += num_padded
             decode_width = -(-self.config.max_model_len // bs)
-        inputs = StepInputs()
+        inputs = step_inputs.StepInputs()
         num_tokens = num_decode + sum(query_lens)
         inputs.add("input_ids", np.concatenate(token_ids), (num_tokens,))
         inputs.add("positions", np.concatenate(positions), (num_tokens,))
@@ -164,7 +166,7 @@ class ModelRunner:
         plan = decode_group_plan(decode_lens, bs)
         for g, (rows, _) in enumerate(plan):
             inputs.add(f"decode_group_{g}", rows, (len(rows),))
-        t = inputs.upload(self.config.device)
+        t = inputs.upload(self.config.device if device is None else device)
         meta = AttentionMetadata(
             slot_mapping=t["slot_mapping"],
             num_decode_tokens=num_decode,

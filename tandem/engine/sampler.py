@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tandem.engine import step_inputs
+
 from tandem.sampling_params import SamplingParams
 
 
@@ -85,11 +87,13 @@ class Sampler:
         chosen = torch.empty(num_seqs, dtype=torch.long, device=device)  # chosen: [num_seqs]
         greedy_rows = [i for i, p in enumerate(params) if p.is_greedy]
         random_rows = [i for i, p in enumerate(params) if not p.is_greedy]
+        # Both row lists cross to the device in one transfer.
+        rows = step_inputs.to_device(torch.tensor(greedy_rows + random_rows, dtype=torch.long), device)
         if greedy_rows:
-            idx = torch.tensor(greedy_rows, dtype=torch.long, device=device)
+            idx = rows[:len(greedy_rows)]
             chosen[idx] = torch.argmax(logits[idx], dim=-1)
         if random_rows:
-            idx = torch.tensor(random_rows, dtype=torch.long, device=device)
+            idx = rows[len(greedy_rows):]
             probs = filtered_probs(logits[idx], [params[i] for i in random_rows])
             chosen[idx] = exponential_race(probs, [generators[i] for i in random_rows])
 
@@ -107,28 +111,25 @@ def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     """
     # logits: [rows, vocab_size] float32
     rows, vocab_size = logits.shape
-    device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-    logits = logits / temperature.unsqueeze(1)  # [rows, vocab_size]
+    # top_k <= 0 or >= vocab_size keeps everything: express both as k = vocab_size.
+    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+    min_p, top_p = [p.min_p for p in params], [p.top_p for p in params]
+    # Every row's parameters cross to the device in one transfer (top_k as float32: exact below 2**24).
+    host = torch.tensor([[p.temperature for p in params], min_p, top_p, top_k], dtype=torch.float32)
+    temperature_t, min_p_t, top_p_t, top_k_t = step_inputs.to_device(host, logits.device)  # each: [rows]
+    logits = logits / temperature_t.unsqueeze(1)  # [rows, vocab_size]
 
-    min_p = [p.min_p for p in params]
     if any(m > 0 for m in min_p):
         probs = torch.softmax(logits, dim=-1)  # [rows, vocab_size]
-        min_p_t = torch.tensor(min_p, dtype=torch.float32, device=device)
         threshold = probs.amax(dim=-1, keepdim=True) * min_p_t.unsqueeze(1)  # [rows, 1]
         logits = logits.masked_fill(probs < threshold, float("-inf"))
 
-    # top_k <= 0 or >= vocab_size keeps everything: express both as k = vocab_size.
-    top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
-    top_p = [p.top_p for p in params]
     if any(k < vocab_size for k in top_k) or any(tp < 1.0 for tp in top_p):
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [rows, vocab_size]
-        k_t = torch.tensor(top_k, dtype=torch.long, device=device)
         # Keep every token at least as likely as the k-th (ties at the boundary stay in).
-        kth = sorted_logits.gather(1, (k_t - 1).unsqueeze(1))  # [rows, 1]
+        kth = sorted_logits.gather(1, (top_k_t.long() - 1).unsqueeze(1))  # [rows, 1]
         sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
 
-        top_p_t = torch.tensor(top_p, dtype=torch.float32, device=device)
         sorted_probs = torch.softmax(sorted_logits, dim=-1)  # [rows, vocab_size]
         cumulative = torch.cumsum(sorted_probs, dim=-1)
         # Mass strictly before each position: a token is kept while the tokens above it sum
@@ -154,9 +155,11 @@ def exponential_race(probs: torch.Tensor, generators: Sequence[torch.Generator |
             q[i].exponential_(generator=gen)
         else:  # a request's generator stays on the host (its state travels between workers as bytes)
             q[i].copy_(torch.empty(vocab_size, device=gen.device).exponential_(generator=gen), non_blocking=True)
-    if shared:
+    if len(shared) == rows:  # (the usual case: one call, no row list to send)
+        q.exponential_()
+    elif shared:
         # Rows on the default generator are not reproducible anyway: draw them in one call.
-        idx = torch.tensor(shared, dtype=torch.long, device=probs.device)
+        idx = step_inputs.to_device(torch.tensor(shared, dtype=torch.long), probs.device)
         q[idx] = torch.empty(len(shared), vocab_size, device=probs.device).exponential_()
     # exponential_ may return exactly 0; clamp so a kept token never divides 0 by 0.
     q.clamp_(min=torch.finfo(q.dtype).tiny)

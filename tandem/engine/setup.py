@@ -26,11 +26,13 @@ def engine_config_and_weights(loaded: LoadedModel, engine_args: dict[str, Any],
     if utilization is not None and config.device.type != "cuda":
         raise ValueError(f"gpu_memory_utilization sizes a GPU's KV pool; the engine runs on {config.device_name}: "
                          "give kv_cache_memory_gib (--kv-cache-memory-gib) instead")
-    loaded = on_device(quantized(loaded, config.quantization, source), config)
+    loaded = quantized(loaded, config.quantization, source)
+    if config.tensor_parallel_size == 1:  # tensor-parallel ranks each put their own shard on their device
+        loaded = on_device(loaded, config)
     if utilization is not None and engine_args.get("num_kv_blocks") is None:
         from tandem.engine.memory_profile import measured_memory_plan
 
-        plan = measured_memory_plan(loaded, config, utilization)
+        plan = measured_memory_plan(loaded, config, utilization)  # (estimated at tp > 1: the ranks are not up yet)
         for line in plan.lines():
             logger.info("%s", line)
         config = EngineConfig.build(loaded.config, **dict(engine_args, num_kv_blocks=plan.num_blocks))

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import torch
 
-from tandem.engine.step_inputs import to_device, to_host
+from tandem.engine import step_inputs
 
 # NOTE: the block dimension of the cache layout
 # [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim] (see ModelRunner).
@@ -44,7 +44,7 @@ class KVSwapper:
         device_ids, host_ids = zip(*block_pairs)
         with self._on_side_stream():
             blocks = self.device_cache.index_select(BLOCK_DIM, self._ids(device_ids, self.device_cache.device))
-            blocks = to_host(blocks)
+            blocks = step_inputs.to_host(blocks)
         self.host_cache.index_copy_(BLOCK_DIM, self._ids(host_ids, self.host_cache.device), blocks)
 
     def swap_in(self, block_pairs: list[tuple[int, int]]) -> None:
@@ -58,7 +58,8 @@ class KVSwapper:
         blocks = self.host_cache.index_select(BLOCK_DIM, self._ids(host_ids, self.host_cache.device))
         device = self.device_cache.device
         with self._on_side_stream():
-            self.device_cache.index_copy_(BLOCK_DIM, self._ids(device_ids, device), to_device(blocks, device))
+            blocks = step_inputs.to_device(blocks, device)
+            self.device_cache.index_copy_(BLOCK_DIM, self._ids(device_ids, device), blocks)
 
     def copy(self, block_pairs: list[tuple[int, int]]) -> None:
         """Copy device blocks to other device blocks: pairs of (source, destination)."""
@@ -84,4 +85,4 @@ class KVSwapper:
 
     @staticmethod
     def _ids(block_ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        return to_device(torch.tensor(block_ids, dtype=torch.int64), device)
+        return step_inputs.to_device(torch.tensor(block_ids, dtype=torch.int64), device)

@@ -10,46 +10,69 @@ import torch.distributed as dist
 from tandem.kvcache.swap_copier import KVSwapper
 from tandem.model.llama import LlamaModel
 from tandem.model.loader import LoadedModel
+from tandem.model.placement import weights_on
 from tandem.parallel.shard import rank_shards, shard_weights
-from tandem.parallel.step_message import StepMessage
+from tandem.parallel.step_message import HOST, StepMessage, on_device
 
 
-def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
-    """The ranks' partial sums of a row-parallel projection, added up (in place)."""
-    dist.all_reduce(t)
-    return t
+class DeviceCollectives:
+    """The collectives of a step's forward, on the ranks' device group: NCCL between GPUs,
+    gloo between CPUs. Every tensor they get is on the rank's device (the step messages
+    travel on a separate gloo group: see step_message)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+        """group: the device group (None: the default group)."""
+        self.group = group
+
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """The ranks' partial sums of a row-parallel projection, added up (in place)."""
+        dist.all_reduce(t, group=self.group)
+        return t
+
+    def gather(self, t: torch.Tensor, parts: list[torch.Tensor] | None) -> None:
+        """Every rank's ``t`` into ``parts`` (one per rank) on the first rank; parts is None
+        on the others."""
+        dist.gather(t, parts, dst=0, group=self.group)
 
 
-def rank_model(loaded: LoadedModel, tp: int, rank: int, max_model_len: int) -> LlamaModel:
-    """Rank ``rank``'s part of ``loaded`` (its weights are views or copies of loaded's)."""
+def rank_model(loaded: LoadedModel, tp: int, rank: int, max_model_len: int, collectives: DeviceCollectives,
+               device: torch.device = HOST) -> LlamaModel:
+    """Rank ``rank``'s part of ``loaded`` on ``device``: cut where ``loaded`` is (the host, so
+    that no device holds the whole model), then moved (on the host: views or copies)."""
     shard = rank_shards(loaded.config, tp)[rank]
-    weights = shard_weights(loaded.weights, loaded.config, shard)
-    return LlamaModel(loaded.config, weights, max_model_len, shard.num_heads, shard.num_kv_heads, all_reduce_sum)
+    weights = weights_on(shard_weights(loaded.weights, loaded.config, shard), device)
+    return LlamaModel(loaded.config, weights, max_model_len, shard.num_heads, shard.num_kv_heads,
+                      collectives.all_reduce_sum)
 
 
 class RankExecutor:
-    """A rank's model (its shard of the weights), KV cache (its heads) and host swap space.
+    """A rank's model (its shard of the weights), KV cache (its heads, on its device) and host
+    swap space.
 
     Every rank executes the same messages in the same order, so their caches hold the same
     blocks at all times, each with its own heads.
     """
 
-    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, swapper: KVSwapper, tp: int, rank: int) -> None:
-        """kv_cache: [num_layers, 2, num_blocks, block_size, the rank's KV heads, head_dim]."""
+    def __init__(self, model: LlamaModel, kv_cache: torch.Tensor, swapper: KVSwapper, tp: int, rank: int,
+                 collectives: DeviceCollectives) -> None:
+        """kv_cache: [num_layers, 2, num_blocks, block_size, the rank's KV heads, head_dim], on
+        the rank's device (where every tensor of its step lives)."""
         self.model = model
         self.kv_cache = kv_cache
+        self.device = kv_cache.device
         self.swapper = swapper
+        self.collectives = collectives
         self.shards = rank_shards(model.config, tp)
         self.shard = self.shards[rank]
         self.gathered: tuple[torch.Tensor, torch.Tensor] | None = None
         """On the first rank, after a layer is stored: the K and V rows ([num_slots, all KV
-        heads, head_dim]) of that step's gather_slots."""
+        heads, head_dim], on the device) of that step's gather_slots."""
 
-    def execute(self, msg: StepMessage, logits_indices: torch.Tensor | None = None,
-                on_layer_stored: Callable[[int], None] | None = None) -> torch.Tensor | None:
-        """Apply ``msg``: KV writes first, then swaps out, copies, swaps in (see
-        ModelRunner.swap for why in that order), then the forward. -> logits on the first
-        rank (given logits_indices), None elsewhere."""
+    def execute(self, msg: StepMessage, on_layer_stored: Callable[[int], None] | None = None) -> torch.Tensor | None:
+        """Apply ``msg`` (host tensors, as broadcast): its indices and KV rows go onto this
+        rank's device first; then KV writes, swaps out, copies, swaps in (see ModelRunner.swap
+        for why in that order), then the forward. -> logits on the first rank, None elsewhere."""
+        msg = on_device(msg, self.device)
         if msg.writes is not None:
             heads = self.shard.kv_heads
             # cache rows: [num_layers * 2 * num_slots, num_kv_heads (this rank's), head_dim]
@@ -61,28 +84,33 @@ class RankExecutor:
         f = msg.forward
         if f is None:
             return None
+
         def gather_then_hook(layer: int) -> None:
             self._gather(layer, f.gather_slots)
             if on_layer_stored is not None:
                 on_layer_stored(layer)
+
         hook = on_layer_stored if f.gather_slots is None else gather_then_hook
+        logits_indices = f.logits_indices if self.shard.rank == 0 else None
         return self.model.forward(f.input_ids, f.positions, self.kv_cache, f.meta, logits_indices, hook)
 
     def _gather(self, layer: int, slots: torch.Tensor) -> None:
-        """Collect every head of ``slots``' K and V at ``layer`` on the first rank."""
+        """Collect every head of ``slots``' K and V at ``layer`` on the first rank (slots and
+        every buffer on the device: the gather runs on the device group)."""
         head_dim = self.kv_cache.shape[-1]
         max_heads = max(s.num_kv_heads for s in self.shards)
+        kw = dict(dtype=self.kv_cache.dtype, device=self.device)
         # mine: [2, num_slots, max_heads, head_dim], padded: gather wants one shape from every rank
-        mine = torch.zeros(2, len(slots), max_heads, head_dim, dtype=self.kv_cache.dtype)
+        mine = torch.zeros(2, len(slots), max_heads, head_dim, **kw)
         for kv in range(2):
             mine[kv, :, :self.shard.num_kv_heads] = self.kv_cache[layer, kv].flatten(0, 1).index_select(0, slots)
         if self.shard.rank != 0:
-            dist.gather(mine, None, dst=0)
+            self.collectives.gather(mine, None)
             return
         parts = [torch.empty_like(mine) for _ in self.shards]
-        dist.gather(mine, parts, dst=0)
+        self.collectives.gather(mine, parts)
         num_kv_heads = max(s.kv_head_start + s.num_kv_heads for s in self.shards)
-        full = torch.empty(2, len(slots), num_kv_heads, head_dim, dtype=self.kv_cache.dtype)
+        full = torch.empty(2, len(slots), num_kv_heads, head_dim, **kw)
         for shard, part in zip(self.shards, parts):  # a replicated head: any holder's copy
             full[:, :, shard.kv_heads.start:shard.kv_heads.stop] = part[:, :, :shard.num_kv_heads]
         self.gathered = (full[0], full[1])

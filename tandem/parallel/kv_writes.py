@@ -22,10 +22,12 @@ from tandem.parallel.step_message import KVWrites
 class PendingKVWrites:
     """A KVReceiver sink (see kvtransfer.sink.KVSink) that holds rows for the ranks."""
 
-    def __init__(self, layout: KVLayout) -> None:
-        """layout: every KV head of the model (what senders send), this worker's blocks."""
+    def __init__(self, layout: KVLayout, num_pool_blocks: int | None = None) -> None:
+        """layout: every KV head of the model (what senders send), this worker's blocks.
+        num_pool_blocks: blocks per layer in the ranks' pools (default: the layout's), which
+        may hold one more than senders see: the scratch block of padded decodes."""
         self.layout = layout
-        self._num_slots = layout.num_blocks * layout.block_size
+        self._num_slots = (layout.num_blocks if num_pool_blocks is None else num_pool_blocks) * layout.block_size
         self._lock = threading.Lock()
         self._index: list[torch.Tensor] = []
         self._rows: list[torch.Tensor] = []

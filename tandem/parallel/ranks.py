@@ -1,12 +1,15 @@
 """The other ranks of a tensor-parallel worker: Ray actors placed beside the first rank (one
-placement-group bundle per device), joined to it in a torch.distributed group (gloo on
-CPUs), each executing the first rank's step messages until it stops them."""
+placement-group bundle per device), joined to it in two torch.distributed groups: the
+device group (NCCL between GPUs, gloo between CPUs) for the forward's all-reduces and KV
+gathers on device tensors, and a gloo group for the step messages on host tensors, as vLLM
+keeps its metadata off NCCL. Each rank executes the first rank's messages until it stops them."""
 
 from __future__ import annotations
 
 import datetime
 import logging
 import socket
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -20,7 +23,7 @@ from tandem.engine.model_runner import ModelRunner
 from tandem.model.dtypes import DTYPES
 from tandem.model.loader import load_model, quantized
 from tandem.model.source import resolve_model_source
-from tandem.parallel.executor import RankExecutor, rank_model
+from tandem.parallel.executor import DeviceCollectives, RankExecutor, rank_model
 from tandem.parallel.step_message import StepMessage, StepOp, broadcast_step, receive_step
 
 logger = logging.getLogger(__name__)
@@ -30,10 +33,47 @@ GROUP_TIMEOUT_S = 300.0
 each step afterwards (a rank that is gone fails the worker instead of wedging it)."""
 
 
-def join_group(init_method: str, rank: int, tp: int) -> None:
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=tp,
-                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+@dataclass(frozen=True)
+class RankGroups:
+    """A rank's two process groups (every rank of the worker is in both)."""
+
+    collectives: DeviceCollectives
+    """The forward's all-reduces and KV gathers, on the device group (device tensors)."""
+    step_group: dist.ProcessGroup
+    """gloo: the step messages rank 0 broadcasts (host tensors)."""
+
+
+def device_backend(device: torch.device) -> str:
+    """The backend of the device group: NCCL between GPUs, gloo between CPUs."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(device_name: str, rank: int) -> torch.device:
+    """The device of a rank whose worker runs on ``device_name`` (cpu, cuda or cuda:N): the
+    CPU; or the GPU Ray gave this actor, which CUDA_VISIBLE_DEVICES then holds alone, so
+    ``cuda:0``; or, where Ray gave it none (a process outside Ray), the local rank's GPU."""
+    device = torch.device(device_name)
+    if device.type != "cuda":
+        return device
+    if ray.is_initialized() and ray.get_gpu_ids():
+        return torch.device("cuda", 0)
+    return torch.device("cuda", rank)
+
+
+def join_groups(init_method: str, rank: int, tp: int, device: torch.device) -> RankGroups:
+    """Join the worker's ranks at ``init_method`` as ``rank`` on ``device``: the device
+    group is the default group, the step group a gloo group beside it.
+
+    NOTE: the step group is a group of its own on the CPU too, where the device group is
+    gloo as well: the ranks then run the very topology they run on GPUs, and the backend
+    (with binding the rank to its GPU) is all that differs."""
+    timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL binds each rank to the current device
+    dist.init_process_group(device_backend(device), init_method=init_method, rank=rank, world_size=tp,
+                            timeout=timeout)
+    step_group = dist.new_group(backend="gloo", timeout=timeout)
+    return RankGroups(DeviceCollectives(dist.group.WORLD), step_group)
 
 
 class RankProcess:
@@ -41,28 +81,31 @@ class RankProcess:
 
     def __init__(self, rank: int, tp: int, init_method: str, model: str | None, engine_args: dict[str, Any],
                  num_threads: int | None) -> None:
-        """engine_args: the first rank's EngineConfig.build arguments, pool sizes included,
-        so that every rank holds the same blocks."""
+        """engine_args: the first rank's EngineConfig.build arguments, pool sizes and device
+        name included, so that every rank holds the same blocks (on its own device)."""
         if num_threads is not None:
             torch.set_num_threads(num_threads)
+        device = rank_device(engine_args.get("device", "cpu"), rank)
+        engine_args = {**engine_args, "device": str(device)}
         source = resolve_model_source(model)
         loaded = load_model(source, DTYPES[engine_args["dtype"]])
         config = EngineConfig.build(loaded.config, **engine_args)
-        part = rank_model(quantized(loaded, config.quantization, source), tp, rank, config.max_model_len)
+        self.groups = join_groups(init_method, rank, tp, device)
+        part = rank_model(quantized(loaded, config.quantization, source), tp, rank, config.max_model_len,
+                          self.groups.collectives, device)
         del loaded  # the projections are copied into the part: the whole model's go
         runner = ModelRunner(config, part)
-        self.executor = RankExecutor(part, runner.kv_cache, runner.swapper, tp, rank)
+        self.executor = RankExecutor(part, runner.kv_cache, runner.swapper, tp, rank, self.groups.collectives)
         self.row_shape = (config.model.num_kv_heads, config.model.head_dim)
         self.dtype = config.dtype
         self.rank = rank
-        join_group(init_method, rank, tp)
 
     def serve(self) -> int:
         """Execute messages until STOP. -> how many were executed."""
         num_executed = 0
         try:
             while True:
-                msg = receive_step(self.row_shape, self.dtype)
+                msg = receive_step(self.row_shape, self.dtype, self.groups.step_group)
                 if msg.op is StepOp.STOP:
                     return num_executed
                 self.executor.execute(msg)
@@ -83,9 +126,14 @@ class RankGroup:
         with socket.socket() as s:  # NOTE: loopback: the placement group keeps every rank on this node
             s.bind(("127.0.0.1", 0))
             init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+        device = torch.device(engine_args.get("device", "cpu"))  # this process's: rank 0's
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         self._own_group = placement_group_ is None
         if placement_group_ is None:
-            placement_group_ = placement_group([{"CPU": num_cpus}] * (tp - 1), strategy="STRICT_PACK")
+            # NOTE: a GPU per rank on CUDA: Ray hides every GPU from an actor that reserved none.
+            bundle = {"CPU": num_cpus, **({"GPU": 1} if device.type == "cuda" else {})}
+            placement_group_ = placement_group([bundle] * (tp - 1), strategy="STRICT_PACK")
         self.placement_group = placement_group_
         first_bundle = 0 if self._own_group else 1
         actor = ray.remote(RankProcess)
@@ -98,13 +146,15 @@ class RankGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group_, placement_group_bundle_index=index),
             ).remote(rank, tp, init_method, model, engine_args, num_threads))
         logger.info("joining %d more tensor-parallel ranks at %s (each loads the model)", tp - 1, init_method)
-        join_group(init_method, 0, tp)
+        self.device = device
+        """Rank 0's device (config.device, with its index)."""
+        self.groups = join_groups(init_method, 0, tp, device)
         self._serving = [a.serve.remote() for a in self.actors]
 
     def stop(self) -> None:
-        """Stop the ranks (after the last step) and leave the group."""
+        """Stop the ranks (after the last step) and leave the groups."""
         try:
-            broadcast_step(StepMessage(StepOp.STOP))
+            broadcast_step(StepMessage(StepOp.STOP), self.groups.step_group)
             ray.get(self._serving, timeout=30)
         finally:
             dist.destroy_process_group()

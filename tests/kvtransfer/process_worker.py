@@ -163,10 +163,13 @@ class ReceiverWorker:
 class SenderWorker:
     """KVSenders, one per named lane (a pool), sending what the test tells them to."""
 
-    def __init__(self, pools: dict[str, PoolSpec], timeout_s: float, dist: DistSpec | None = None) -> None:
+    def __init__(self, pools: dict[str, PoolSpec], timeout_s: float, dist: DistSpec | None = None,
+                 transport: str = "auto") -> None:
+        """transport: KVSender's (gloo: a torch.distributed pair with each receiver, no world)."""
         self.payload = _init_dist(dist)
         self.pools = {lane: spec.make() for lane, spec in pools.items()}
-        self.senders = {lane: KVSender(self.pools[lane], timeout_s, self.payload) for lane in pools}
+        self.senders = {lane: KVSender(self.pools[lane], timeout_s, self.payload, transport=transport)
+                        for lane in pools}
         self.active_at: dict[str, float] = {}
         """When each request was last begun or sent: its sender's timeout runs from then."""
 
@@ -191,7 +194,9 @@ class SenderWorker:
     def send_header_only(self, lane: str, plan: Plan, layer: int) -> bool:
         """Send a layer's LAYER header on ZMQ but not its tensors on torch.distributed: what a
         sender that dies between the two leaves behind."""
-        payload = self.senders[lane].dist_payload
+        sender = self.senders[lane]
+        (peer,) = sender._peers.values()  # the world's payload, or the pair's made in the handshake
+        payload = peer.dist
         payload.send = lambda peer, k, v: None  # an instance attribute shadows the method
         try:
             return self.senders[lane].send_layer(plan.request_id, layer)

@@ -1,0 +1,111 @@
+"""`tandem bench gpu`: the checks and timings that wait for a GPU, in one command.
+
+1. Greedy parity with transformers on the device, both in float32 (bfloat16 is not
+   token-exact with anything), on a few chat prompts.
+2. Single-stream and batched decode steps in the serving dtype, against the memory floor
+   (weights + KV read per step / the device's measured copy bandwidth).
+3. The attention and KV-store kernels (Triton on CUDA) against torch's SDPA, on the model's
+   own attention shapes.
+4. The KV staging copy of one layer (device <-> pinned host buffer, on a side stream)
+   against the device's copy bandwidth and a large pinned copy (the host link's ceiling).
+
+Writes results.json to --out-dir. On a machine without CUDA it says so and exits 0.
+Exit 1 when parity fails (the timings still run and are written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from tandem.engine_options import MODEL_HELP
+
+logger = logging.getLogger(__name__)
+
+
+def add_args(parser: argparse.ArgumentParser) -> None:
+    """Options of ``tandem bench gpu``."""
+    parser.add_argument("--model", default=None, help=MODEL_HELP)
+    parser.add_argument("--device", default="cuda", help="cuda or cuda:N (default cuda)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                        help="the timed engine's dtype (default auto: bfloat16, float16 where unsupported); "
+                             "parity always runs in float32")
+    parser.add_argument("--parity-tokens", type=int, default=32, help="greedy tokens compared per prompt (default 32)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 64],
+                        help="decode batch sizes timed (default 1 8 32 64; 1 is the single stream)")
+    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of each timed request (default 128)")
+    parser.add_argument("--output-len", type=int, default=128, help="output tokens of each timed request (default 128)")
+    parser.add_argument("--copy-mib", type=int, default=1024, help="device copy bandwidth probe size (default 1024)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-dir", default="bench-results/gpu", help="where results.json goes")
+
+
+def cuda_missing() -> str | None:
+    """Why this process cannot run the GPU checks, or None when it sees a CUDA device."""
+    if torch.cuda.is_available():
+        return None
+    cuda = torch.version.cuda
+    build = "a CPU-only build" if cuda is None else f"built for CUDA {cuda}, no device visible"
+    return f"torch {torch.__version__} ({build})"
+
+
+def run(args: argparse.Namespace) -> int:
+    missing = cuda_missing()
+    if missing is not None:
+        print(f"tandem bench gpu: no CUDA device here ({missing}): nothing to check or time; "
+              "run it on a machine with a GPU")
+        return 0
+    if min(args.batch_sizes) < 1 or args.prompt_len < 1 or args.output_len < 2 or args.parity_tokens < 1:
+        raise ValueError("batch sizes, --prompt-len and --parity-tokens must be >= 1, --output-len >= 2")
+    from tandem.bench.bandwidth import measure_copy_bandwidth
+    from tandem.bench.gpu import attention, decode, parity, staging
+    from tandem.bench.gpu.setup import load_for_gpu
+
+    start = time.perf_counter()
+    setup = load_for_gpu(args.model, args.device, args.dtype)
+    logger.info("loaded %s in %.1f s; device %s (%s), timed dtype %s", setup.name, time.perf_counter() - start,
+                setup.device, torch.cuda.get_device_name(setup.device), setup.dtype_name)
+    results: dict = {"model": setup.name, "device": torch.cuda.get_device_name(setup.device),
+                     "torch": torch.__version__, "cuda": torch.version.cuda, "dtype": setup.dtype_name}
+    results["parity"] = parity.check(setup, args.parity_tokens)
+    parity.release(setup)  # the float32 copies on the device: not needed by the timings
+    bandwidth = measure_copy_bandwidth(args.copy_mib, 5, device=str(setup.device))
+    results["bandwidth"] = bandwidth.as_dict()
+    results["decode"] = decode.bench(setup, args.batch_sizes, args.prompt_len, args.output_len, args.seed,
+                                     bandwidth.bytes_per_s)
+    results["kernels"] = attention.bench(setup, bandwidth.bytes_per_s)
+    results["staging"] = staging.bench(setup, args.prompt_len, bandwidth.bytes_per_s)
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(results, indent=2))
+    for line in report(results):
+        print(line)
+    print(f"wrote {out_dir / 'results.json'}")
+    return 0 if results["parity"]["exact"] else 1
+
+
+def report(r: dict) -> list[str]:
+    """The human-readable lines of a results dict."""
+    p = r["parity"]
+    lines = [f"{r['model']} on {r['device']} (torch {r['torch']}, CUDA {r['cuda']}), timed in {r['dtype']}",
+             f"greedy parity with transformers, float32: {p['num_exact']}/{p['num_prompts']} prompts token-exact "
+             f"over {p['num_tokens']} tokens" + ("" if p["exact"] else f" FAILED ({p['diagnosis']})"),
+             f"device copy bandwidth: {r['bandwidth']['bytes_per_s'] / 1e9:.0f} GB/s"]
+    for row in r["decode"]:
+        lines.append(f"decode batch {row['batch']:>3}: step {row['step_s'] * 1e3:7.2f} ms, "
+                     f"{row['tokens_per_s']:8.0f} tok/s, {row['floor_fraction']:.0%} of the memory floor "
+                     f"({row['floor_s'] * 1e3:.2f} ms)")
+    for row in r["kernels"]:
+        vs = f", SDPA {row['sdpa_s'] * 1e6:.1f} us ({row['speedup_vs_sdpa']:.2f}x)" if "sdpa_s" in row else ""
+        bw = f", {row['bw_fraction']:.0%} of copy bandwidth" if "bw_fraction" in row else ""
+        lines.append(f"kernel {row['kernel']:<8} {row['shape']:<26} tandem {row['tandem_s'] * 1e6:8.1f} us{vs}{bw}")
+    for row in r["staging"]:
+        lines.append(f"KV staging {row['direction']} ({row['bytes'] / 2**20:.2f} MiB, one layer of "
+                     f"{row['tokens']} tokens): {row['bytes_per_s'] / 1e9:.1f} GB/s, "
+                     f"{row['device_fraction']:.1%} of device copy, {row['link_fraction']:.0%} of a large pinned copy")
+    return lines

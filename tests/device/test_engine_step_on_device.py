@@ -1,0 +1,131 @@
+"""One engine's step on fake CUDA (FakeTensorMode, no GPU needed), at the default model's
+shapes with random weights: the forward of packed prefill chunks (one after a prefix-cache
+hit), of a batch of decodes (padded to a static size), with float, int8 and int4 weights; a
+swap and a copy-on-write copy; the sampler's device part. Each produces device tensors only,
+crosses to the device once per step, and reads no device value back (FakeTensorMode raises
+on .item(), .tolist(), bool()). The last tests show that a CPU tensor or a host read slipped
+into the forward fails here."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from fake_cuda import CUDA, SMOLLM2, DeviceAudit, random_weights
+from torch._subclasses.fake_tensor import DataDependentOutputException
+
+from tandem.config import EngineConfig
+from tandem.engine.model_runner import ModelRunner
+from tandem.engine.sampler import Sampler
+from tandem.engine.scheduler import ScheduledBatch
+from tandem.engine.sequence import Sequence
+from tandem.model import llama
+from tandem.model.llama import LlamaModel
+from tandem.model.quantization import quantize_weights
+from tandem.plan import read_model_shape
+from tandem.sampling_params import SamplingParams
+
+BLOCK_SIZE = 16
+NUM_BLOCKS = 64
+
+
+def test_the_shapes_are_the_default_model_s() -> None:
+    shape = read_model_shape(None)
+    same = dict(name=SMOLLM2.name, eos_token_ids=SMOLLM2.eos_token_ids, rms_norm_eps=SMOLLM2.rms_norm_eps)
+    assert shape.rms_norm_eps == pytest.approx(SMOLLM2.rms_norm_eps)  # float32 in the GGUF file
+    assert dataclasses.replace(shape, **same) == SMOLLM2
+
+
+def runner(quantization: str | None = None) -> ModelRunner:
+    """An engine's runner on fake cuda (its config built as cpu: this machine has no GPU to
+    resolve cuda on), padding decode batches as it does on CUDA."""
+    config = EngineConfig.build(SMOLLM2, device="cpu", dtype="bfloat16", block_size=BLOCK_SIZE,
+                                num_kv_blocks=NUM_BLOCKS, max_model_len=1024, num_swap_blocks=8)
+    config = dataclasses.replace(config, device_name=str(CUDA))
+    weights = quantize_weights(random_weights(SMOLLM2, config.dtype), quantization)
+    return ModelRunner(config, LlamaModel(SMOLLM2, weights, config.max_model_len))
+
+
+def seq(i: int, num_tokens: int, num_computed: int, params: SamplingParams | None = None) -> Sequence:
+    s = Sequence(str(i), [(7 * i + t) % SMOLLM2.vocab_size for t in range(num_tokens)],
+                 params or SamplingParams(temperature=0), i, None)
+    s.block_ids = [(5 * i + b) % NUM_BLOCKS for b in range(-(-num_tokens // BLOCK_SIZE))]
+    s.num_computed_tokens = num_computed
+    return s
+
+
+BATCHES = {
+    # two prompts in one step: a fresh one, and one whose first 32 tokens were a prefix-cache hit
+    "prefills": (lambda: ScheduledBatch([seq(0, 40, 0), seq(1, 50, 32)], [40, 18]), 2),
+    # eleven decodes (two attention groups), padded to 16
+    "decodes": (lambda: ScheduledBatch([seq(i, 20 + 13 * i, 19 + 13 * i) for i in range(11)], [1] * 11), 11),
+    # decodes then a prefill chunk, as a mixed step
+    "mixed": (lambda: ScheduledBatch([seq(0, 40, 39), seq(1, 70, 69), seq(2, 100, 32)], [1, 1, 68]), 3),
+}
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+@pytest.mark.parametrize("name", list(BATCHES))
+def test_forward_runs_on_the_device_from_one_transfer(fake_cuda, name: str, quantization: str | None) -> None:
+    r = runner(quantization)
+    make_batch, num_logits = BATCHES[name]
+    audit = DeviceAudit()
+    with audit:
+        logits = r.forward(make_batch(), None, None)
+    assert logits.device == CUDA and tuple(logits.shape) == (num_logits, SMOLLM2.vocab_size)
+    assert len(audit.transfers) == 1, "a step's inputs cross to the device in one transfer"
+    assert audit.off_device_after_transfer() == []
+
+
+def test_decodes_are_padded_to_a_static_batch(fake_cuda) -> None:
+    r = runner()
+    input_ids, positions, meta, logits_indices = r.prepare(BATCHES["decodes"][0]())
+    assert (input_ids.shape[0], meta.num_decode_tokens, tuple(meta.decode_block_tables.shape)) == (16, 16, (16, 64))
+    assert logits_indices.shape[0] == 11 and [g.num_blocks for g in meta.decode_groups] == [3, 10]  # padding rows (1 token) sort first
+    assert {t.device for t in (input_ids, positions, meta.slot_mapping, meta.decode_context_lens)} == {CUDA}
+
+
+def test_swap_and_copy_on_write_stay_on_the_device(fake_cuda) -> None:
+    r = runner()
+    audit = DeviceAudit()
+    with audit:
+        r.swap(ScheduledBatch([], [], swap_out=[(3, 0), (4, 1)], copies=[(5, 6)], swap_in=[(2, 7)]))
+    # On the host: block ids before they cross (lift_fresh), the swapped-out blocks' host copy
+    # (fake_to_host), and the host pool's one write (swap-out) and one read (swap-in).
+    off = [op for op, device in audit.outputs if device != CUDA]
+    assert sorted(set(off)) == ["aten.empty.memory_format", "aten.index_copy_.default",
+                                "aten.index_select.default", "aten.lift_fresh.default"], off
+    assert (off.count("aten.index_copy_.default"), off.count("aten.index_select.default")) == (1, 1)
+    # Crossings: the swapped-out ids; the copy's sources and destinations; the swapped-in blocks and their ids.
+    assert len(audit.transfers) == 5
+    assert r.swapper.host_cache.device.type == "cpu" and r.kv_cache.device == CUDA
+
+
+def test_the_sampler_s_device_part_stays_on_the_device(fake_cuda) -> None:
+    logits = torch.randn(4, SMOLLM2.vocab_size, dtype=torch.bfloat16, device=CUDA)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8, top_k=40, top_p=0.9),
+              SamplingParams(temperature=1.0, min_p=0.05), SamplingParams(temperature=0.7)]
+    audit = DeviceAudit()
+    with audit:
+        chosen, logprobs = Sampler().sample_on_device(logits, params, [None] * 4)
+    assert chosen.device == logprobs.device == CUDA and chosen.dtype == torch.int64
+    # On the host: the row lists and the rows' parameters, built from Python lists; each crosses once.
+    assert [op for op, device in audit.outputs if device != CUDA] == ["aten.lift_fresh.default"] * 2
+    assert len(audit.transfers) == 2
+    with pytest.raises(DataDependentOutputException):  # what sample() does next: the step's one host read
+        chosen.tolist()
+
+
+def test_a_host_tensor_in_the_forward_fails_here(fake_cuda, monkeypatch) -> None:
+    norm = llama.rms_norm
+    monkeypatch.setattr(llama, "rms_norm", lambda x, w, eps: norm(x, w, eps) * torch.ones(x.shape[-1]))
+    with pytest.raises(RuntimeError, match="cuda:0 and cpu|found at least two devices"):
+        runner().forward(BATCHES["decodes"][0](), None, None)
+
+
+def test_a_host_read_in_the_forward_fails_here(fake_cuda, monkeypatch) -> None:
+    norm = llama.rms_norm
+    monkeypatch.setattr(llama, "rms_norm", lambda x, w, eps: norm(x, w, eps) * float(w.max().item() > 0))
+    with pytest.raises(DataDependentOutputException):
+        runner().forward(BATCHES["decodes"][0](), None, None)
