@@ -12,57 +12,20 @@ import dataclasses
 
 import pytest
 import torch
-from fake_cuda import CUDA, SMOLLM2, DeviceAudit, random_weights
+from fake_cuda import BATCHES, CUDA, SMOLLM2, DeviceAudit, runner
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
-from tandem.config import EngineConfig
-from tandem.engine.model_runner import ModelRunner
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import ScheduledBatch
-from tandem.engine.sequence import Sequence
 from tandem.model import llama
-from tandem.model.llama import LlamaModel
-from tandem.model.quantization import quantize_weights
 from tandem.plan import read_model_shape
 from tandem.sampling_params import SamplingParams
-
-BLOCK_SIZE = 16
-NUM_BLOCKS = 64
-
 
 def test_the_shapes_are_the_default_model_s() -> None:
     shape = read_model_shape(None)
     same = dict(name=SMOLLM2.name, eos_token_ids=SMOLLM2.eos_token_ids, rms_norm_eps=SMOLLM2.rms_norm_eps)
     assert shape.rms_norm_eps == pytest.approx(SMOLLM2.rms_norm_eps)  # float32 in the GGUF file
     assert dataclasses.replace(shape, **same) == SMOLLM2
-
-
-def runner(quantization: str | None = None) -> ModelRunner:
-    """An engine's runner on fake cuda (its config built as cpu: this machine has no GPU to
-    resolve cuda on), padding decode batches as it does on CUDA."""
-    config = EngineConfig.build(SMOLLM2, device="cpu", dtype="bfloat16", block_size=BLOCK_SIZE,
-                                num_kv_blocks=NUM_BLOCKS, max_model_len=1024, num_swap_blocks=8)
-    config = dataclasses.replace(config, device_name=str(CUDA))
-    weights = quantize_weights(random_weights(SMOLLM2, config.dtype), quantization)
-    return ModelRunner(config, LlamaModel(SMOLLM2, weights, config.max_model_len))
-
-
-def seq(i: int, num_tokens: int, num_computed: int, params: SamplingParams | None = None) -> Sequence:
-    s = Sequence(str(i), [(7 * i + t) % SMOLLM2.vocab_size for t in range(num_tokens)],
-                 params or SamplingParams(temperature=0), i, None)
-    s.block_ids = [(5 * i + b) % NUM_BLOCKS for b in range(-(-num_tokens // BLOCK_SIZE))]
-    s.num_computed_tokens = num_computed
-    return s
-
-
-BATCHES = {
-    # two prompts in one step: a fresh one, and one whose first 32 tokens were a prefix-cache hit
-    "prefills": (lambda: ScheduledBatch([seq(0, 40, 0), seq(1, 50, 32)], [40, 18]), 2),
-    # eleven decodes (two attention groups), padded to 16
-    "decodes": (lambda: ScheduledBatch([seq(i, 20 + 13 * i, 19 + 13 * i) for i in range(11)], [1] * 11), 11),
-    # decodes then a prefill chunk, as a mixed step
-    "mixed": (lambda: ScheduledBatch([seq(0, 40, 39), seq(1, 70, 69), seq(2, 100, 32)], [1, 1, 68]), 3),
-}
 
 
 @pytest.mark.parametrize("quantization", [None, "int8", "int4"])

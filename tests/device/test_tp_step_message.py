@@ -11,21 +11,17 @@ import types
 
 import pytest
 import torch
-from fake_cuda import CUDA, SMOLLM2, DeviceAudit, random_weights
+from fake_cuda import BATCHES, BLOCK_SIZE, CUDA, SMOLLM2, DeviceAudit, random_weights
 
 from tandem.config import EngineConfig
-from tandem.engine.scheduler import ScheduledBatch
-from tandem.engine.sequence import Sequence
 from tandem.kvcache.swap_copier import KVSwapper
 from tandem.model.loader import LoadedModel
 from tandem.parallel import runner as runner_module
 from tandem.parallel.executor import DeviceCollectives, RankExecutor, rank_model
 from tandem.parallel.runner import TensorParallelRunner
 from tandem.parallel.step_message import ForwardInputs, KVWrites, StepMessage, StepOp, device_parts, on_device
-from tandem.sampling_params import SamplingParams
 
 TP = 2
-BLOCK_SIZE = 16
 
 
 class RecordingCollectives(DeviceCollectives):
@@ -50,22 +46,6 @@ def engine_config() -> EngineConfig:
     return dataclasses.replace(config, device_name=str(CUDA))
 
 
-def seq(i: int, num_tokens: int, num_computed: int) -> Sequence:
-    s = Sequence(str(i), [(7 * i + t) % SMOLLM2.vocab_size for t in range(num_tokens)], SamplingParams(temperature=0),
-                 i, None)
-    s.block_ids = [(4 * i + b) % 64 for b in range(-(-num_tokens // BLOCK_SIZE))]
-    s.num_computed_tokens = num_computed
-    return s
-
-
-BATCHES = {
-    # two decodes, then a prefill chunk after a cached prefix
-    "mixed": lambda: ScheduledBatch([seq(0, 40, 39), seq(1, 70, 69), seq(2, 100, 32)], [1, 1, 68]),
-    # ten decodes: two decode groups, padded to a static batch of 16
-    "decodes": lambda: ScheduledBatch([seq(i, 20 + 9 * i, 19 + 9 * i) for i in range(10)], [1] * 10),
-}
-
-
 @pytest.fixture
 def fake_ranks(fake_cuda, monkeypatch):
     """(rank 0's runner, rank 1's executor, each rank's collectives, the messages rank 0
@@ -86,7 +66,7 @@ def fake_ranks(fake_cuda, monkeypatch):
 @pytest.mark.parametrize("name", list(BATCHES))
 def test_tp_step_runs_on_the_device_from_a_host_message(fake_ranks, name):
     runner, other, collectives, sent = fake_ranks
-    batch = BATCHES[name]()
+    batch = BATCHES[name][0]()
     send_slots = [s for q in batch.seqs for s in range(q.block_ids[0] * BLOCK_SIZE, q.block_ids[0] * BLOCK_SIZE + 3)]
     # KV another worker sent, as PendingKVWrites.take gives it (host tensors; its own host
     # work on real values is tests/parallel/test_kv_writes.py's): [2 rows, every KV head, head_dim]
@@ -115,7 +95,7 @@ def test_message_lands_on_the_device_in_one_transfer(fake_ranks):
     """A host message's device part: every index in one transfer, the KV rows in a second;
     the host fields (block pairs, prefill tuples, decode groups' block counts) stay as they are."""
     runner = fake_ranks[0]
-    input_ids, positions, meta, logits_indices = runner.prepare(BATCHES["decodes"](), device=torch.device("cpu"))
+    input_ids, positions, meta, logits_indices = runner.prepare(BATCHES["decodes"][0](), device=torch.device("cpu"))
     writes = KVWrites(torch.tensor([5, 9]), torch.zeros(2, SMOLLM2.num_kv_heads, SMOLLM2.head_dim))
     msg = StepMessage(StepOp.FORWARD, writes, copies=[(3, 4)], forward=ForwardInputs(
         input_ids, positions, meta, torch.tensor([1, 2]), logits_indices))
