@@ -34,18 +34,22 @@ def test_serve_on_cuda_without_a_gpu_fails_in_seconds_naming_what_it_needs():
 
 
 @pytest.fixture(scope="module")
-def two_cpu_ray():
+def ray_cpus() -> tuple[float, float]:
+    """(CPUs in all, CPUs free now) of a Ray: a 2-CPU one of its own, or the session's, whose
+    clusters may hold some of its CPUs."""
     started = not ray.is_initialized()
     if started:
         ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    yield ray.cluster_resources()
+    free = ray.available_resources().get(CPU, 0.0)
+    assert free > 0, "no free CPU to place anything on"
+    yield ray.cluster_resources()[CPU], free
     if started:
         ray.shutdown()
 
 
-def test_placement_that_never_comes_is_refused_after_the_timeout(two_cpu_ray):
-    cpus = two_cpu_ray[CPU]
-    fits = Placement((Pool("prefill", 1), Pool("decode", 1)), cpus / 2, 0.0)
+def test_placement_that_never_comes_is_refused_after_the_timeout(ray_cpus):
+    cpus, free = ray_cpus
+    fits = Placement((Pool("prefill", 1), Pool("decode", 1)), free / 2, 0.0)
     asyncio.run(wait_placeable(fits, 10.0))
     too_big = Placement((Pool("decode", 1, tp=2),), cpus, 0.0)  # each rank all the CPUs: never both at once
     start = time.monotonic()
@@ -58,10 +62,10 @@ def test_placement_that_never_comes_is_refused_after_the_timeout(two_cpu_ray):
     asyncio.run(wait_placeable(fits, 10.0))  # the refused group was released
 
 
-def test_workers_that_do_not_start_in_time_are_named_and_stopped(two_cpu_ray):
+def test_workers_that_do_not_start_in_time_are_named_and_stopped(ray_cpus):
     from tandem.router.cluster import ClusterConfig, start_cluster
 
-    cfg = ClusterConfig(name_prefix="late-", start_timeout_s=0.5, num_cpus_per_rank=two_cpu_ray[CPU] / 2)
+    cfg = ClusterConfig(name_prefix="late-", start_timeout_s=0.5, num_cpus_per_rank=ray_cpus[1] / 2)
     with pytest.raises(PlacementError, match=r"worker\(s\) late-decode-0, late-prefill-0 did not finish starting "
                                              r"within 0.5 s"):
         asyncio.run(start_cluster(cfg))  # loading the model takes longer than that
