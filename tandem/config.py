@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from tandem.config_names import DTYPE_BYTES, PREEMPTION_MODES, QUANTIZATION_METHODS
+from tandem.config_names import DTYPE_BYTES, PREEMPTION_MODES, QUANTIZATION_CHOICES
 from tandem.engine_options import ENGINE_DEFAULTS as DEFAULTS
 
 if TYPE_CHECKING:
@@ -193,7 +193,8 @@ class EngineConfig:
     prompt_lookup_min: int
     """Shortest n-gram tried before giving up on drafts for a step."""
     quantization: str | None
-    """Weight-only quantization of the projections and LM head, done at start (None: float weights; int8)."""
+    """Weight-only quantization of the projections and LM head, done at start or kept from the
+    file (None: the weights as loaded; int8, int4). Resolved: never auto or none."""
     tensor_parallel_size: int
     """Ranks the model is split over (each holds its heads' KV: the pool sizes are per rank)."""
 
@@ -268,8 +269,10 @@ class EngineConfig:
         _require(prompt_lookup_min >= 1, "prompt_lookup_min", prompt_lookup_min, ">= 1")
         _require(prompt_lookup_max >= prompt_lookup_min, "prompt_lookup_max", prompt_lookup_max,
                  f">= prompt_lookup_min ({prompt_lookup_min})")
-        _require(quantization is None or quantization in QUANTIZATION_METHODS, "quantization", quantization,
-                 f"None or one of {', '.join(QUANTIZATION_METHODS)}")
+        _require(quantization is None or quantization in QUANTIZATION_CHOICES, "quantization", quantization,
+                 f"None or one of {', '.join(QUANTIZATION_CHOICES)}")
+        # With no source to look at, auto means the weights as given (engine/setup.py looks first).
+        quantization = None if quantization in ("auto", "none") else quantization
         # NOTE: swapped blocks never outnumber the device pool, so more host blocks go unused.
         num_swap_blocks = min(num_swap_blocks, num_kv_blocks)
 

@@ -27,6 +27,11 @@ QUANTIZATION_METHODS = ("int8", "int4")
 """Weight-only quantization done at start (tandem/model/quantization.py): int8 with a scale
 per output channel, or int4 in groups of 32 input channels (GGUF Q4_1's form)."""
 
+QUANTIZATION_CHOICES: tuple[str, ...] = ("auto", "none", *QUANTIZATION_METHODS)
+"""What ``--quantization`` takes. auto: the model's own format (a GGUF file's Q4_1 projections
+kept as int4, Q8_0 ones as int8; a float checkpoint stays float; see
+tandem/model/gguf_format.py); none: float weights (a GGUF file dequantized)."""
+
 AUTO = "auto"
 """The ``device`` and ``dtype`` choice that the engine's device decides (see below)."""
 

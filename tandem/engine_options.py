@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from tandem.config_names import DTYPE_CHOICES, PREEMPTION_MODES, QUANTIZATION_METHODS, check_device_name
+from tandem.config_names import DTYPE_CHOICES, PREEMPTION_MODES, QUANTIZATION_CHOICES, check_device_name
 
 MODEL_HELP = "local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)"
 """``--model``'s help, the same in every command that loads (or plans) a model."""
@@ -71,9 +71,11 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("preemption_mode", str, "auto",
                  "when blocks run out: swap (when the host pool has room), recompute, or auto (swap long "
                  "sequences, recompute short ones) (default %(default)s)", choices=PREEMPTION_MODES),
-    EngineOption("quantization", str, None,
-                 "weight-only int8 with per-channel scales, or int4 in groups of 32 (a GGUF file's Q4_1 "
-                 "blocks kept as they are) (default: the weights as loaded)", choices=QUANTIZATION_METHODS),
+    EngineOption("quantization", str, "auto",
+                 "weights' format: auto (the model's own: a GGUF file's Q4_1 projections kept as int4, Q8_0 "
+                 "ones as int8; float checkpoints stay float), none (float weights, a GGUF file dequantized), "
+                 "int8 (per output channel) or int4 (groups of 32) (default %(default)s)",
+                 choices=QUANTIZATION_CHOICES),
     EngineOption("num_speculative_tokens", int, 0,
                  "draft tokens per decode step by prompt lookup (default 0: off)", metavar="K"),
 )

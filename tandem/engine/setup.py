@@ -7,6 +7,8 @@ import logging
 from typing import Any
 
 from tandem.config import EngineConfig
+from tandem.engine_options import ENGINE_DEFAULTS as DEFAULTS
+from tandem.model.gguf_format import resolve_quantization
 from tandem.model.loader import LoadedModel, on_device, quantized
 from tandem.model.source import ModelSource
 
@@ -16,12 +18,15 @@ logger = logging.getLogger(__name__)
 def engine_config_and_weights(loaded: LoadedModel, engine_args: dict[str, Any],
                               source: ModelSource | None = None) -> tuple[EngineConfig, LoadedModel]:
     """-> (the config built from ``engine_args``, ``loaded`` quantized as it says and on its
-    device). With ``gpu_memory_utilization`` the pool is sized by a measurement on the device
+    device). ``quantization`` auto keeps the source's own format (model/gguf_format.py).
+    With ``gpu_memory_utilization`` the pool is sized by a measurement on the device
     (engine/memory_profile.py) instead of ``kv_cache_memory_gib``.
 
     source: the files ``loaded`` came from (see loader.quantized)."""
     engine_args = dict(engine_args)
     utilization = engine_args.pop("gpu_memory_utilization", None)
+    engine_args["quantization"] = resolve_quantization(engine_args.get("quantization", DEFAULTS["quantization"]),
+                                                       source)
     config = EngineConfig.build(loaded.config, **engine_args)
     if utilization is not None and config.device.type != "cuda":
         raise ValueError(f"gpu_memory_utilization sizes a GPU's KV pool; the engine runs on {config.device_name}: "

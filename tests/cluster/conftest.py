@@ -13,7 +13,8 @@ import ray
 from running_cluster import running_clusters
 from tandem.router.cluster import ClusterConfig
 
-WORKER_ARGS = dict(kv_cache_memory_gib=0.1, max_num_batched_tokens=256, num_threads=1)
+# The float path (quantization none): its greedy output is token-exact with transformers.
+WORKER_ARGS = dict(kv_cache_memory_gib=0.1, max_num_batched_tokens=256, num_threads=1, quantization="none")
 
 
 @pytest.fixture(scope="session")

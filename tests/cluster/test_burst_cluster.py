@@ -21,7 +21,8 @@ from worker_checks import assert_workers_empty
 
 pytestmark = pytest.mark.slow
 
-BURST_WORKER_ARGS = dict(kv_cache_memory_gib=0.15, max_num_batched_tokens=64, num_threads=1, transfer_timeout_s=1.0)
+BURST_WORKER_ARGS = dict(kv_cache_memory_gib=0.15, max_num_batched_tokens=64, num_threads=1, transfer_timeout_s=1.0,
+                         quantization="none")
 NUM_LONG, LONG_TOKENS, NUM_SHORT, SHORT_TOKENS, MAX_TOKENS = 4, 400, 12, 20, 4
 
 

@@ -101,7 +101,7 @@ BLOCK_SIZE = 16
 NUM_KV_BLOCKS = 8
 """128 tokens: one request (at most 29 + 48 tokens, 5 blocks) fits alone, no two at their full length."""
 SWAP_WORKER_ARGS = dict(num_kv_blocks=NUM_KV_BLOCKS, block_size=BLOCK_SIZE, preemption_mode="swap",
-                        max_num_batched_tokens=256, num_threads=1)
+                        max_num_batched_tokens=256, num_threads=1, quantization="none")
 SWAP_MAX_TOKENS = 48
 
 

@@ -25,7 +25,7 @@ from worker_checks import assert_workers_empty, inventories
 pytestmark = pytest.mark.slow
 
 PATHS = ("shm", "zmq", "dist")
-WORKER_ARGS = dict(kv_cache_memory_gib=0.1, max_num_batched_tokens=256, num_threads=1)
+WORKER_ARGS = dict(kv_cache_memory_gib=0.1, max_num_batched_tokens=256, num_threads=1, quantization="none")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ from worker_checks import assert_workers_empty
 
 pytestmark = pytest.mark.slow
 
-SPEC_WORKER_ARGS = dict(kv_cache_memory_gib=0.1, max_num_batched_tokens=256, num_threads=1, num_speculative_tokens=4)
+SPEC_WORKER_ARGS = dict(kv_cache_memory_gib=0.1, max_num_batched_tokens=256, num_threads=1, num_speculative_tokens=4,
+                        quantization="none")
 
 
 @pytest.fixture(scope="module")

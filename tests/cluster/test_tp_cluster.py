@@ -17,7 +17,7 @@ from worker_checks import assert_workers_empty
 
 pytestmark = pytest.mark.slow
 
-TP_WORKER_ARGS = dict(kv_cache_memory_gib=0.1, max_num_batched_tokens=256, num_threads=1)
+TP_WORKER_ARGS = dict(kv_cache_memory_gib=0.1, max_num_batched_tokens=256, num_threads=1, quantization="none")
 QUESTIONS = ("What is the capital of France?", "Write a haiku about the sea.")
 
 

@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 PREFILL, DECODE = "prefill-0", "decode-0"
 """tandem serve's actor names (no prefix) for --prefill 1 --decode 1."""
-LIGHT = ["--kv-cache-memory-gib", "0.1", "--max-num-batched-tokens", "256", "--num-threads", "1"]
+LIGHT = ["--kv-cache-memory-gib", "0.1", "--max-num-batched-tokens", "256", "--num-threads", "1", "--quantization", "none"]
 """What the one-Ray cluster tests give their workers (tests/cluster/conftest.py)."""
 
 
