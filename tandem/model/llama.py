@@ -121,13 +121,14 @@ class LlamaModel:
         for layer_idx, lw in enumerate(w.layers):
             x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
             qkv = linear(x, lw.qkv_proj, lw.qkv_bias)
-            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+            # qk: [num_tokens, num_heads + num_kv_heads, head_dim]: RoPE on q and k at once (the
+            # same arithmetic per element as on each: half the operations of a step's layer)
+            qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, cfg.head_dim)
+            qk = qk * cos + rotate_half(qk) * sin
             # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-            q = q.view(num_tokens, self.num_heads, cfg.head_dim)
-            k = k.view(num_tokens, self.num_kv_heads, cfg.head_dim)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             v = v.view(num_tokens, self.num_kv_heads, cfg.head_dim)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
             k_cache, v_cache = kv_cache[layer_idx]
             ops.store_kv(k, v, k_cache, v_cache, meta)
             if on_layer_stored is not None:
