@@ -89,7 +89,7 @@ def test_engine_config_quantization_is_validated(loaded):
         config.quantization = None  # type: ignore[misc]
     assert EngineConfig.build(loaded.config, quantization="int4").quantization == "int4"
     for bad in ("int2", "INT8", ""):
-        with pytest.raises(ValueError, match="quantization must be None or one of int8, int4"):
+        with pytest.raises(ValueError, match="quantization must be None or one of auto, none, int8, int4"):
             EngineConfig.build(loaded.config, quantization=bad)
 
 
