@@ -133,10 +133,12 @@ def auto_or_gib(value: str) -> str:
 
 
 BENCH_HELP = {
-    "engine": "tandem vs transformers generate: throughput and single-stream TPOT",
+    "engine": "tandem vs transformers generate: throughput, single-stream TPOT; decode steps vs the memory floor",
+    "step": "one decode step's time by part (projections, attention, sampling, Python) beside its memory floor",
     "kernels": "attention kernels vs scaled_dot_product_attention",
     "transfer": "KV transfer between processes vs a memory copy",
     "serve": "a load generator against disaggregated and colocated clusters",
+    "compare": "OpenAI-compatible servers (tandem, llama.cpp, ...) on the same seeded workload, side by side",
     "prefix": "multi-turn chat: prefix_aware vs least_loaded routing, TTFT and KV bytes sent",
     "overload": "10x the sustainable rate against a bounded router: outcomes, memory, recovery",
     "swap": "preemption: swapping KV blocks out and in vs recomputing their tokens",

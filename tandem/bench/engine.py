@@ -1,8 +1,11 @@
 """Benchmark tandem's engine against transformers' generate on one model, side by side.
 
 Prints throughput at each concurrency (tandem / transformers tok/s and their ratio),
-then single-stream TPOT against the memory floor (weight bytes / copy bandwidth), and
-writes results.json and PNG plots to --out-dir. --quick is a tiny run.
+then single-stream TPOT against the memory floor (weight bytes / copy bandwidth), then
+tandem's decode-step table: per weight format (--formats: float32 and the model's own
+int4) and batch size (1 8 32), tokens/s and the pure-decode step time against that step's
+memory floor (weight + KV bytes read / copy bandwidth, decode_steps.py); writes
+results.json and PNG plots to --out-dir. --quick is a tiny run.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from tandem.bench import plots
+from tandem.bench import decode_steps, plots
 from tandem.bench.bandwidth import measure_copy_bandwidth
 from tandem.bench.workload import BenchRequest, allowed_token_ids, excluded_token_ids, make_workload
 from tandem.engine.engine import LLMEngine
@@ -63,6 +66,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tpot-output-len", type=int, default=None, help="single-stream output tokens (default: 128)")
     parser.add_argument("--copy-mib", type=int, default=None, help="bandwidth probe tensor size, >= 512 (default: 1024)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024, help="tandem's token budget per step")
+    decode_steps.add_args(parser)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default="bench-results", help="where results.json and the PNGs go")
 
@@ -257,6 +261,7 @@ def bench_single_stream(loaded: LoadedModel, hf_model, settings: Settings, token
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    step_settings = decode_steps.settings_from_args(args)
     threads = args.num_threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
     out_dir = Path(args.out_dir)
@@ -278,6 +283,9 @@ def run(args: argparse.Namespace) -> int:
     # Measured right before the single-stream TPOT, so that both see the same machine state.
     bw = measure_copy_bandwidth(settings.copy_mib, settings.copy_repeats)
     single = bench_single_stream(loaded, hf_model, settings, token_ids, pad_id, args.seed, weights.num_bytes, bw.bytes_per_s)
+    formats = decode_steps.load_formats(loaded, step_settings.formats, source)
+    step_bw = measure_copy_bandwidth(settings.copy_mib, settings.copy_repeats)  # the machine as the steps see it
+    step_rows = decode_steps.bench_decode_steps(formats, step_settings, token_ids, args.seed, step_bw.bytes_per_s)
 
     results = {
         "model": model_config.name, "dtype": "float32", "num_threads": threads, "torch": torch.__version__,
@@ -287,6 +295,9 @@ def run(args: argparse.Namespace) -> int:
                      "min_requests": settings.min_requests,
                      "sampling": "temperature=0, ignore_eos=True, max_tokens=out_len"},
         "bandwidth": bw.as_dict(), "throughput": rows, "single_stream": single,
+        "decode_steps": {"bandwidth": step_bw.as_dict(), "rows": step_rows,
+                         "gguf_file": source.gguf_file, "timed": "steps after every prompt's first token: "
+                         "pure decode steps of batch_size sequences, engine.step() wall time"},
     }
     json_path = out_dir / "results.json"
     json_path.write_text(json.dumps(results, indent=2))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tandem.bench import decode_steps
 from tandem.bench import engine as bench_engine
 from tandem.bench import plots
 from tandem.bench.bandwidth import measure_copy_bandwidth
@@ -62,6 +64,36 @@ def test_quick_settings_and_overrides():
         bench_engine.settings_from_args(parser.parse_args(["--copy-mib", "64"]))
 
 
+def test_decode_step_settings_and_formats():
+    parser = argparse.ArgumentParser()
+    bench_engine.add_args(parser)
+    assert decode_steps.settings_from_args(parser.parse_args([])) == decode_steps.FULL
+    assert decode_steps.FULL.batch_sizes == [1, 8, 32] and decode_steps.FULL.formats == ["float32", "int4"]
+    quick = decode_steps.settings_from_args(parser.parse_args(["--quick", "--formats", "int4", "int4", "float32"]))
+    assert quick.formats == ["int4", "float32"] and quick.batch_sizes == decode_steps.QUICK.batch_sizes
+    with pytest.raises(ValueError):
+        decode_steps.settings_from_args(parser.parse_args(["--step-output-len", "2"]))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--formats", "fp8"])
+    # One place maps a name to the engine's options: float32 is the weights as loaded.
+    assert decode_steps.resolve_format("float32", None) is None and decode_steps.resolve_format("int4", None) == "int4"
+    fmt = decode_steps.Format("int4", "int4", loaded=None)  # type: ignore[arg-type]
+    assert fmt.engine_kwargs() == {"dtype": "float32", "quantization": "int4"}
+
+
+def test_kv_bytes_per_step_is_the_mean_context():
+    class Config:
+        def kv_bytes_per_token(self, dtype: str) -> int:
+            assert dtype == "float32"
+            return 10
+
+    class Loaded:
+        config = Config()
+
+    # Decode steps 1..3 attend over prompt + 1, + 2, + 3 tokens: a mean of prompt + 2.
+    assert decode_steps.kv_bytes_per_step(Loaded(), batch=4, prompt_len=100, num_steps=3) == 4 * 102 * 10
+
+
 def test_copy_bandwidth_is_positive():
     bw = measure_copy_bandwidth(size_mib=512, repeats=1)
     assert bw.size_bytes == 512 * 2**20 and 0 < bw.bytes_per_s < math.inf
@@ -88,6 +120,25 @@ def test_report_and_plots_from_results(tmp_path, capsys):
     plots.print_report(_fake_results())
     out = capsys.readouterr().out
     assert "2.00x" in out and "bandwidth utilisation" in out and "2 * size / time" in out
+
+
+def test_decode_step_table_and_plot(tmp_path, capsys):
+    def row(fmt: str, batch: int, step: float, floor: float) -> dict:
+        return {"format": fmt, "batch_size": batch, "prompt_len": 128, "output_len": 64, "step_s": step,
+                "tok_s": batch / step, "weight_bytes": 538e6 if fmt == "float32" else 95e6, "kv_bytes": 1e6 * batch,
+                "floor_s": floor, "floor_fraction": floor / step}
+
+    results = {**_fake_results(), "decode_steps": {
+        "bandwidth": {"bytes_per_s": 2e10},
+        "rows": [row("float32", 1, 0.030, 0.027), {**row("float32", 8, 0.060, 0.030), "others_cpu": 0.4},
+                 row("int4", 1, 0.015, 0.005), row("int4", 8, 0.040, 0.006)]}}
+    paths = plots.write_plots(results, tmp_path)
+    assert [p.name for p in paths] == ["throughput.png", "tpot.png", "decode_steps.png"]
+    assert paths[-1].read_bytes().startswith(PNG_SIGNATURE)
+    plots.print_report(results)
+    out = capsys.readouterr().out
+    assert "floor/step" in out and "20.00 GB/s" in out and "40% !" in out and "suspect" in out
+    assert re.search(r"int4\s+1\s+66\.7\s+2\.00x\s+15\.00\s+95\s+1\.0\s+5\.00\s+33%\s+-", out), out
 
 
 @pytest.mark.slow
@@ -118,5 +169,18 @@ def test_quick_run_end_to_end(tmp_path: Path):
         assert len(single[name]["step_s"]) == 3  # 4 output tokens: 3 decode steps after the prefill
         assert 0 < single[name]["utilisation"] < math.inf
         assert np.isclose(single[name]["tpot_s"], np.mean(single[name]["step_s"]))
-    for name in ("throughput.png", "tpot.png"):
+    steps = results["decode_steps"]
+    assert 0 < steps["bandwidth"]["bytes_per_s"] < math.inf
+    assert [(r["format"], r["batch_size"]) for r in steps["rows"]] == [
+        ("float32", 1), ("float32", 2), ("int4", 1), ("int4", 2)]
+    for r in steps["rows"]:
+        assert r["decode_steps"] == len(r["step_times_s"]) == 3  # 4 output tokens: 3 pure decode steps
+        assert np.isclose(r["step_s"], np.mean(r["step_times_s"])) and np.isclose(r["tok_s"], r["batch_size"] / r["step_s"])
+        assert np.isclose(r["floor_s"], (r["weight_bytes"] + r["kv_bytes"]) / steps["bandwidth"]["bytes_per_s"])
+        assert 0 < r["floor_fraction"] < math.inf and 0 <= r["others_cpu"] <= 1
+    # int4 (the GGUF file's own Q4_1 blocks) reads far fewer weight bytes per step than float32.
+    w = {r["format"]: r["weight_bytes"] for r in steps["rows"]}
+    assert w["int4"] < 0.3 * w["float32"]
+    assert "floor/step" in proc.stdout
+    for name in ("throughput.png", "tpot.png", "decode_steps.png"):
         assert (out_dir / name).read_bytes().startswith(PNG_SIGNATURE)
