@@ -1,9 +1,12 @@
 """The operations the model calls (attention, the KV store, weight-only GEMVs): the one place that picks an implementation.
 
-`TANDEM_ATTENTION_BACKEND` chooses: `auto` (the default: Triton on CUDA tensors, torch
-elsewhere), `triton` (also on CPU tensors, which needs `TRITON_INTERPRET=1` set before
-the kernels are first imported) or `torch`. It is read at every call, so a test or an
-operator can switch it without rebuilding the engine.
+`TANDEM_ATTENTION_BACKEND` chooses: `auto` (the default: Triton on CUDA tensors; on CPU
+tensors the compiled CPU decode-attention kernel for the dtypes in AUTO_CPU_KERNEL_DTYPES,
+none yet, and torch for everything else), `triton` (also on CPU tensors, which needs
+`TRITON_INTERPRET=1` set before the kernels are first imported), `torch`, or `cpu_kernel`
+(the compiled CPU kernel for decode attention in any dtype it supports, torch for the
+rest; CPU tensors only). It is read at every call, so a test or an operator can switch it
+without rebuilding the engine.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.int4_gemv import int4_gemv_torch
 from tandem.kernels.int8_gemv import int8_gemv_torch
 from tandem.kernels.paged_decode_attention import paged_decode_attention_torch
+from tandem.kernels.paged_decode_attention_cpu import paged_decode_attention_cpu
 from tandem.kernels.prefill_attention import prefill_attention_torch
 from tandem.kernels.store_kv import store_kv_torch
 
@@ -27,21 +31,54 @@ class Backend(enum.Enum):
     AUTO = "auto"
     TORCH = "torch"
     TRITON = "triton"
+    CPU_KERNEL = "cpu_kernel"
 
 
-def backend_for(t: torch.Tensor) -> Backend:
-    """The implementation to run on tensors like `t`: TORCH or TRITON, never AUTO."""
+# Where `auto` runs decode attention on CPU tensors with the compiled kernel
+# (paged_decode_attention_cpu.py): none yet. With it the float32 engine stayed token-exact
+# with transformers, but it is built on first use (about 40 s on 2 cores) under torch's
+# build lock, and a worker killed in that window leaves a lock every later process waits on:
+# `auto` takes it once the build moves to install time (opt in: cpu_kernel).
+AUTO_CPU_KERNEL_DTYPES: frozenset[torch.dtype] = frozenset()
+
+
+def requested_backend() -> Backend:
+    """The value of TANDEM_ATTENTION_BACKEND (AUTO when unset)."""
     name = os.environ.get(BACKEND_ENV, Backend.AUTO.value)
     try:
-        backend = Backend(name)
+        return Backend(name)
     except ValueError:
         choices = ", ".join(b.value for b in Backend)
         raise ValueError(f"{BACKEND_ENV}={name!r}: must be one of {choices}") from None
+
+
+def backend_for(t: torch.Tensor) -> Backend:
+    """The implementation of the ops other than decode attention on tensors like `t`:
+    TORCH or TRITON, never AUTO or CPU_KERNEL (see decode_attention_backend)."""
+    backend = requested_backend()
     if backend is Backend.AUTO:
         return Backend.TRITON if t.is_cuda else Backend.TORCH
+    if backend is Backend.CPU_KERNEL:
+        if t.is_cuda:
+            raise RuntimeError(f"{BACKEND_ENV}=cpu_kernel is for CPU tensors; use auto or triton on CUDA")
+        return Backend.TORCH
     if backend is Backend.TRITON and not t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(f"{BACKEND_ENV}=triton on CPU tensors needs TRITON_INTERPRET=1 "
                            "set before the process first imports the Triton kernels")
+    return backend
+
+
+def decode_attention_backend(q: torch.Tensor) -> Backend:
+    """The implementation of decode attention on queries like `q`: TORCH, TRITON or CPU_KERNEL.
+
+    CPU_KERNEL still runs the torch reference where the kernel cannot be built or does not
+    handle the shapes (it logs a warning once), so picking it never fails a request.
+    """
+    backend = backend_for(q)
+    if backend is Backend.TORCH:
+        requested = requested_backend()
+        if requested is Backend.CPU_KERNEL or (requested is Backend.AUTO and q.dtype in AUTO_CPU_KERNEL_DTYPES):
+            return Backend.CPU_KERNEL
     return backend
 
 
@@ -62,7 +99,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     returns: [num_tokens, num_heads, head_dim]
     """
     num_decode = meta.num_decode_tokens
-    if backend_for(q) is Backend.TRITON:
+    decode_backend = decode_attention_backend(q)
+    if decode_backend is Backend.TRITON:
         from tandem.kernels.paged_decode_attention_triton import paged_decode_attention_triton
         from tandem.kernels.prefill_attention_triton import prefill_attention_triton
         out = torch.empty_like(q)
@@ -75,12 +113,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
                                  meta.prefill_layout, meta.max_prefill_query_len, scale, out=out[num_decode:])
         return out
     groups = meta.decode_groups or None
+    decode = paged_decode_attention_cpu if decode_backend is Backend.CPU_KERNEL else paged_decode_attention_torch
     if meta.num_prefills == 0:
-        return paged_decode_attention_torch(
-            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, groups)
+        return decode(q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, groups)
     out = torch.empty_like(q)
     if num_decode:
-        out[:num_decode] = paged_decode_attention_torch(
+        out[:num_decode] = decode(
             q[:num_decode], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, groups)
     out[num_decode:] = prefill_attention_torch(
         q[num_decode:], k[num_decode:], v[num_decode:], k_cache, v_cache,

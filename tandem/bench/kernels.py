@@ -3,8 +3,10 @@ installed) on Llama-8B-like heads: time, achieved memory bandwidth as a fraction
 device's measured copy bandwidth, and the ratio to SDPA, side by side in one run. Also the
 weight-only int8/int4 decode GEMVs against a dense F.linear on the same weight shape.
 
-On a GPU the kernels under test are the Triton ones; on a CPU the torch paths that the
-dispatch picks there, so the command always works. Also: python -m tandem.bench.kernels
+On a GPU the kernels under test are the Triton ones; on a CPU what the dispatch picks there
+(the compiled decode kernel, torch for the rest), so the command always works. On a CPU it
+also runs tandem.bench.cpu_decode: the torch reference vs the compiled decode kernel on the
+default model's heads. Also: python -m tandem.bench.kernels
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from tandem.bench.bandwidth import measure_copy_bandwidth
+from tandem.bench.cpu_decode import BATCH_SIZES, CONTEXT_LENS, print_cpu_decode, run_cpu_decode
 from tandem.kernels import ops
 from tandem.kernels.paged_decode_attention import paged_decode_attention_torch
+from tandem.kernels.paged_decode_attention_cpu import paged_decode_attention_cpu
 from tandem.kernels.prefill_attention import prefill_attention_torch
 from tandem.kernels.store_kv import store_kv_torch
 
@@ -94,6 +98,8 @@ def bench_decode(s: Shapes, batch: int, ctx: int, dtype: torch.dtype, device: to
     if ops.backend_for(q) is ops.Backend.TRITON:
         from tandem.kernels.paged_decode_attention_triton import paged_decode_attention_triton
         ours = lambda: paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale, ctx)
+    elif ops.decode_attention_backend(q) is ops.Backend.CPU_KERNEL:
+        ours = lambda: paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, scale)
     else:
         ours = lambda: paged_decode_attention_torch(q, k_cache, v_cache, tables, lens, scale)
     # SDPA's best case: each sequence's K and V contiguous, no paging. [batch, kv_heads, ctx, head_dim]
@@ -240,9 +246,16 @@ def run(args: argparse.Namespace) -> int:
                  for n in tqdm(cfg.store_kv_tokens, desc="store_kv")]
         gemv = [bench_gemv(kind, m, n, k, cfg.dtype, device, timed, bw.bytes_per_s)
                 for kind, m, n, k in tqdm(cfg.gemv, desc="int8/int4 gemv")]
-    results = {"device": name, "backend": ops.backend_for(probe).value, "dtype": str(cfg.dtype).removeprefix("torch."),
+    # The compiled CPU decode kernel against the torch reference, at the default model's heads
+    # (batch 1 and 8, contexts 256 to 4096, unless the shapes are given).
+    cpu_decode = (run_cpu_decode(cfg.dtype, timed, bw.bytes_per_s, args.batch_sizes or BATCH_SIZES,
+                                 args.context_lens or CONTEXT_LENS)
+                  if device.type == "cpu" and cfg.dtype in (torch.float32, torch.bfloat16) else [])
+    decode_backend = ops.decode_attention_backend(probe.to(cfg.dtype)).value
+    results = {"device": name, "backend": ops.backend_for(probe).value, "decode_backend": decode_backend,
+               "dtype": str(cfg.dtype).removeprefix("torch."),
                "shapes": s.__dict__, "copy_bandwidth": bw.as_dict(), "decode": decode, "prefill": prefill,
-               "store_kv": store, "gemv": gemv}
+               "store_kv": store, "gemv": gemv, "cpu_decode": cpu_decode}
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
@@ -253,7 +266,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_report(r: dict) -> None:
-    print(f"\n{r['device']}, {r['backend']} kernels, {r['dtype']}; "
+    decode_backend = r.get("decode_backend", r["backend"])
+    print(f"\n{r['device']}, {r['backend']} kernels (decode attention: {decode_backend}), {r['dtype']}; "
           f"copy bandwidth {r['copy_bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s")
     has_fa = any("flash_attn_s" in row for row in r["decode"])
     print("\ndecode attention (fraction of copy bandwidth; speedup = sdpa time / tandem time)")
@@ -279,6 +293,8 @@ def print_report(r: dict) -> None:
         print(f"{row['kind']:>5} {row['rows']:>5} {shape:>12} {row['tandem_s'] * 1e3:>10.3f} "
               f"{row['tandem_bw_fraction']:>10.0%} {row['dense_s'] * 1e3:>9.3f} {row['dense_bw_fraction']:>9.0%} "
               f"{row['speedup_vs_dense']:>7.2f}x")
+    if r.get("cpu_decode"):
+        print_cpu_decode(r["cpu_decode"], r["dtype"])
 
 
 def write_plot(r: dict, out_dir: Path) -> Path:

@@ -1,0 +1,139 @@
+"""Paged decode attention on the CPU without gathering: a small compiled C++ kernel.
+
+The torch reference (`paged_decode_attention_torch`) copies every sequence's blocks into a
+contiguous tensor with `index_select`, then runs masked SDPA: three passes over the KV.
+This kernel (csrc/paged_decode_attention_cpu*.cpp) walks each sequence's block table and
+reads K and V where they lie, once: per KV head it scores the GQA group's query heads
+against each K row, keeps an online softmax and accumulates V in float32 (the heads of a
+token walked together, so the blocks stream in memory order). Long contexts are cut into
+several work items (flash-decoding partials merged by log-sum-exp), so both cores work even
+at batch 1. Threads are torch's own (`at::parallel_for`), so `torch.set_num_threads`
+applies and no second thread pool competes with torch's.
+
+It is compiled by `torch.utils.cpp_extension.load` on first use and cached in
+`TORCH_EXTENSIONS_DIR` (default ~/.cache/torch_extensions): about 40 s on 2 cores once per
+machine, then a fast load. Without a C++ compiler or ninja, or if the build fails, the
+torch reference runs instead, with one logged warning: a request never fails for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from tandem.kernels.attention_metadata import DecodeGroup
+from tandem.kernels.paged_decode_attention import paged_decode_attention_torch
+
+logger = logging.getLogger(__name__)
+
+CSRC = Path(__file__).with_name("csrc")
+# The torch binding (work split, threads, merge) and the hot loop (no torch headers), and the
+# header they share.
+SOURCES = (CSRC / "paged_decode_attention_cpu.cpp", CSRC / "paged_decode_attention_cpu_loop.cpp")
+HEADER = CSRC / "paged_decode_attention_cpu.h"
+EXTENSION_NAME = "tandem_paged_decode_attention_cpu"
+DTYPES = (torch.float32, torch.bfloat16)
+MAX_HEAD_DIM = 256
+MAX_GROUP = 16
+# Fewest context tokens per work item: below this a split costs more (a partial written and
+# merged, one more item to schedule) than the parallelism it buys.
+MIN_SPLIT_TOKENS = 128
+
+_lock = threading.Lock()
+_loaded: list[ModuleType | None] = []  # empty: not tried yet; [None]: the build failed
+
+
+def build_flags() -> tuple[list[str], list[str]]:
+    """-> (compiler flags, linker flags). No -march=native: the cached build may be loaded on
+    another CPU; the kernel picks AVX-512 / AVX2 / baseline code itself at run time."""
+    # torch's JIT cache rebuilds when the sources or the flags change, not the headers: the
+    # header's hash in a define makes a changed header a changed flag.
+    header_hash = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
+    cflags = ["-O3", "-Wno-psabi", f"-DTANDEM_HEADER_HASH={header_hash}"]
+    ldflags: list[str] = []
+    if sys.platform.startswith("linux"):
+        # OpenMP for at::parallel_for and `omp simd`; at run time the loader reuses the
+        # libgomp.so.1 that torch has already loaded (same soname), so one pool serves both.
+        cflags.append("-fopenmp")
+        ldflags.append("-fopenmp")
+    return cflags, ldflags
+
+
+def load_extension() -> ModuleType | None:
+    """The compiled kernel (built on the first call, then cached), or None when it cannot be
+    built here; the failure is logged once and not retried in this process."""
+    if _loaded:
+        return _loaded[0]
+    with _lock:
+        if not _loaded:
+            _loaded.append(_build())
+    return _loaded[0]
+
+
+def _build() -> ModuleType | None:
+    try:
+        import ninja  # the build tool installed with tandem: torch runs `ninja` from PATH
+
+        if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+    try:
+        from torch.utils import cpp_extension
+        cflags, ldflags = build_flags()
+        logger.info("loading the CPU paged decode attention kernel (compiled once per machine)")
+        module = cpp_extension.load(name=EXTENSION_NAME, sources=[str(p) for p in SOURCES], extra_cflags=cflags,
+                                    extra_ldflags=ldflags, extra_include_paths=[str(CSRC)], verbose=False)
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a compile error: all mean "use torch"
+        # A compiler's complaint comes last in the message: keep its tail.
+        logger.warning("CPU paged decode attention kernel unavailable (%s: %s); decode attention "
+                       "falls back to the torch reference", type(e).__name__, str(e).strip()[-1500:])
+        return None
+    logger.info("CPU paged decode attention kernel loaded (%s code)", module.isa())
+    return module
+
+
+def available() -> bool:
+    """Whether the compiled kernel can run here (builds it on the first call)."""
+    return load_extension() is not None
+
+
+def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the kernel handles these tensors (device, dtype, head sizes), build aside."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    return (q.device.type == "cpu" and k_cache.device.type == "cpu" and q.dtype in DTYPES
+            and k_cache.dtype == q.dtype and head_dim <= MAX_HEAD_DIM and head_dim % 16 == 0
+            and k_cache.stride(-1) == 1
+            and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP)
+
+
+def paged_decode_attention_cpu(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    groups: tuple[DecodeGroup, ...] | None = None,
+) -> torch.Tensor:
+    """Decode attention read in place from the paged cache (torch reference where unsupported).
+
+    q: [num_seqs, num_heads, head_dim] float32 or bfloat16
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype
+    block_tables: [num_seqs, max_num_blocks] int64; context_lens: [num_seqs] int64 (host)
+    groups: only for the torch fallback (the kernel balances its own work)
+    returns: [num_seqs, num_heads, head_dim], q's dtype
+    """
+    module = load_extension() if supports(q, k_cache) and v_cache.stride() == k_cache.stride() else None
+    if module is None:
+        return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale, groups)
+    return module.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, float(scale),
+                                         MIN_SPLIT_TOKENS)
