@@ -9,9 +9,9 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.decoding.draft_verify import sample_step
+from tandem.engine import step_inputs
 from tandem.engine.sampler import Sampler, StepOutput
 from tandem.engine.scheduler import ScheduledBatch
-from tandem.engine import step_inputs
 from tandem.kernels.attention_metadata import AttentionMetadata, DecodeGroup
 from tandem.kernels.paged_decode_attention import decode_group_plan
 from tandem.kvcache.swap_copier import KVSwapper
