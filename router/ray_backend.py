@@ -254,16 +254,21 @@ class RayBackend:
         n = len(request.prompt_token_ids)
         prefill.num_in_flight += 1
         prefill.num_in_flight_tokens += n
+        worker = prefill
         try:
             first = await self.calls.unless_down(prefill, prefill.handle.prefill.remote(request, destination))
+            worker = decode
             await self.calls.unless_down(decode, decode.handle.start.remote(first))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the decode stream then ends with this request aborted
-            logger.warning("prefill of %s failed: %s", request.request_id, e)
+            logger.warning("prefill of %s failed on %s: %s", request.request_id, worker.instance, e)
             if isinstance(e, WORKER_GONE):
-                died.append(e)
-                self.mark_unhealthy(prefill)
+                # NOTE: only the worker whose call failed is marked down: a decode worker
+                # dying as it is handed the first token says nothing about the prefill pool.
+                if worker is prefill:
+                    died.append(e)
+                self.mark_unhealthy(worker)
             await self.calls.abort_on([decode], request.request_id)
             raise
         finally:

@@ -136,3 +136,25 @@ def test_a_refused_request_is_not_a_worker_failure(router_tokenizer):
 
     asyncio.run(body())
     assert decode.healthy and decode.num_failures == 0 and decode.handle.reserve.num_calls == 3
+
+
+def test_a_decode_worker_dying_at_the_hand_off_is_its_failure_not_the_prefill_workers(router_tokenizer):
+    """The prefill call answers, then the decode worker dies as it is handed the first token:
+    the decode worker is marked down and the prefill worker stays healthy (else one decode
+    death would take the whole prefill pool out of service and stop the reruns)."""
+    decode = WorkerState("d-0", Handle(lambda: LOAD))
+    decode.handle.start = Method(_raise(RayActorError()))
+    b = backend(decode, router_tokenizer)
+    prefill = b.prefill[0]
+    prefill.handle.prefill = Method(lambda request, destination: "first token")
+    prefill.handle.abort = decode.handle.abort
+    died: list[BaseException] = []
+
+    async def body():
+        with pytest.raises(RayActorError):
+            await b._prefill(prefill, decode, ray_backend.WorkerRequest("r-1", [1, 2, 3], SamplingParams()),
+                             None, died)
+
+    asyncio.run(body())
+    assert not decode.healthy and decode.num_failures == 1
+    assert prefill.healthy and prefill.num_failures == 0 and died == []
