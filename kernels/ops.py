@@ -1,8 +1,8 @@
 """The operations the model calls (attention, the KV store, weight-only GEMVs): the one place that picks an implementation.
 
 `TANDEM_ATTENTION_BACKEND` chooses: `auto` (the default: Triton on CUDA tensors; on CPU
-tensors the compiled CPU decode-attention kernel for the dtypes in AUTO_CPU_KERNEL_DTYPES,
-none yet, and torch for everything else), `triton` (also on CPU tensors, which needs
+tensors the compiled CPU decode-attention kernel for the dtypes in AUTO_CPU_KERNEL_DTYPES
+and torch for everything else), `triton` (also on CPU tensors, which needs
 `TRITON_INTERPRET=1` set before the kernels are first imported), `torch`, or `cpu_kernel`
 (the compiled CPU kernel for decode attention in any dtype it supports, torch for the
 rest; CPU tensors only). It is read at every call, so a test or an operator can switch it
@@ -20,7 +20,7 @@ from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.int4_gemv import int4_gemv_torch
 from tandem.kernels.int8_gemv import int8_gemv_torch
 from tandem.kernels.paged_decode_attention import paged_decode_attention_torch
-from tandem.kernels.paged_decode_attention_cpu import paged_decode_attention_cpu
+from tandem.kernels.paged_decode_attention_cpu import load_extension, paged_decode_attention_cpu
 from tandem.kernels.prefill_attention import prefill_attention_torch
 from tandem.kernels.store_kv import store_kv_torch
 
@@ -35,11 +35,9 @@ class Backend(enum.Enum):
 
 
 # Where `auto` runs decode attention on CPU tensors with the compiled kernel
-# (paged_decode_attention_cpu.py): none yet. With it the float32 engine stayed token-exact
-# with transformers, but it is built on first use (about 40 s on 2 cores) under torch's
-# build lock, and a worker killed in that window leaves a lock every later process waits on:
-# `auto` takes it once the build moves to install time (opt in: cpu_kernel).
-AUTO_CPU_KERNEL_DTYPES: frozenset[torch.dtype] = frozenset()
+# (paged_decode_attention_cpu.py): 2.2-3.9x the torch reference, and the float32 engine
+# stays token-exact with transformers on it. float16 has no CPU kernel (torch runs it).
+AUTO_CPU_KERNEL_DTYPES: frozenset[torch.dtype] = frozenset({torch.float32, torch.bfloat16})
 
 
 def requested_backend() -> Backend:
@@ -80,6 +78,14 @@ def decode_attention_backend(q: torch.Tensor) -> Backend:
         if requested is Backend.CPU_KERNEL or (requested is Backend.AUTO and q.dtype in AUTO_CPU_KERNEL_DTYPES):
             return Backend.CPU_KERNEL
     return backend
+
+
+def prepare_decode_attention(device: torch.device, dtype: torch.dtype) -> None:
+    """Load the compiled CPU kernel now if decode attention on `device` in `dtype` would use
+    it: at engine start-up (building it if `make install` did not), never on a request's step."""
+    like_q = torch.empty(0, dtype=dtype, device="meta")  # a CPU tensor's choice, without one
+    if device.type == "cpu" and decode_attention_backend(like_q) is Backend.CPU_KERNEL:
+        load_extension()
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

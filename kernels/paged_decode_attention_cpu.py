@@ -10,17 +10,15 @@ several work items (flash-decoding partials merged by log-sum-exp), so both core
 at batch 1. Threads are torch's own (`at::parallel_for`), so `torch.set_num_threads`
 applies and no second thread pool competes with torch's.
 
-It is compiled by `torch.utils.cpp_extension.load` on first use and cached in
-`TORCH_EXTENSIONS_DIR` (default ~/.cache/torch_extensions): about 40 s on 2 cores once per
-machine, then a fast load. Without a C++ compiler or ninja, or if the build fails, the
-torch reference runs instead, with one logged warning: a request never fails for it.
+It is compiled by `make install` into tandem's kernel cache (cpu_build.py; about 40 s on
+2 cores, once per machine); a process that finds it missing builds it at start-up
+(`prepare`). Without a C++ compiler or ninja, or if the build fails, the torch reference
+runs instead, with one logged warning: a request never fails for it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import os
 import sys
 import threading
 from pathlib import Path
@@ -28,7 +26,9 @@ from types import ModuleType
 
 import torch
 
+from tandem.kernels import cpu_build
 from tandem.kernels.attention_metadata import DecodeGroup
+from tandem.kernels.cpu_build import CpuExtension
 from tandem.kernels.paged_decode_attention import paged_decode_attention_torch
 
 logger = logging.getLogger(__name__)
@@ -47,16 +47,13 @@ MAX_GROUP = 16
 MIN_SPLIT_TOKENS = 128
 
 _lock = threading.Lock()
-_loaded: list[ModuleType | None] = []  # empty: not tried yet; [None]: the build failed
+_loaded: list[ModuleType | None] = []  # empty: not tried yet; [None]: it cannot be had here
 
 
 def build_flags() -> tuple[list[str], list[str]]:
-    """-> (compiler flags, linker flags). No -march=native: the cached build may be loaded on
+    """-> (compiler flags, linker flags). No -march=native: the built library may be loaded on
     another CPU; the kernel picks AVX-512 / AVX2 / baseline code itself at run time."""
-    # torch's JIT cache rebuilds when the sources or the flags change, not the headers: the
-    # header's hash in a define makes a changed header a changed flag.
-    header_hash = hashlib.sha256(HEADER.read_bytes()).hexdigest()[:16]
-    cflags = ["-O3", "-Wno-psabi", f"-DTANDEM_HEADER_HASH={header_hash}"]
+    cflags = ["-O3", "-Wno-psabi"]
     ldflags: list[str] = []
     if sys.platform.startswith("linux"):
         # OpenMP for at::parallel_for and `omp simd`; at run time the loader reuses the
@@ -66,38 +63,26 @@ def build_flags() -> tuple[list[str], list[str]]:
     return cflags, ldflags
 
 
+EXTENSION = CpuExtension(EXTENSION_NAME, SOURCES, (HEADER,), *map(tuple, build_flags()))
+
+
 def load_extension() -> ModuleType | None:
-    """The compiled kernel (built on the first call, then cached), or None when it cannot be
-    built here; the failure is logged once and not retried in this process."""
+    """The compiled kernel (built here first if `make install` did not), or None when it
+    cannot be built here; the failure is logged once and not retried in this process."""
     if _loaded:
         return _loaded[0]
     with _lock:
         if not _loaded:
-            _loaded.append(_build())
+            try:
+                module = cpu_build.load(EXTENSION)
+                logger.info("CPU paged decode attention kernel loaded (%s code)", module.isa())
+            except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a compile error: all mean "use torch"
+                # A compiler's complaint comes last in the message: keep its tail.
+                logger.warning("CPU paged decode attention kernel unavailable (%s: %s); decode attention "
+                               "falls back to the torch reference", type(e).__name__, str(e).strip()[-1500:])
+                module = None
+            _loaded.append(module)
     return _loaded[0]
-
-
-def _build() -> ModuleType | None:
-    try:
-        import ninja  # the build tool installed with tandem: torch runs `ninja` from PATH
-
-        if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    except ImportError:
-        pass
-    try:
-        from torch.utils import cpp_extension
-        cflags, ldflags = build_flags()
-        logger.info("loading the CPU paged decode attention kernel (compiled once per machine)")
-        module = cpp_extension.load(name=EXTENSION_NAME, sources=[str(p) for p in SOURCES], extra_cflags=cflags,
-                                    extra_ldflags=ldflags, extra_include_paths=[str(CSRC)], verbose=False)
-    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a compile error: all mean "use torch"
-        # A compiler's complaint comes last in the message: keep its tail.
-        logger.warning("CPU paged decode attention kernel unavailable (%s: %s); decode attention "
-                       "falls back to the torch reference", type(e).__name__, str(e).strip()[-1500:])
-        return None
-    logger.info("CPU paged decode attention kernel loaded (%s code)", module.isa())
-    return module
 
 
 def available() -> bool:

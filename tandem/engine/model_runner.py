@@ -12,6 +12,7 @@ from tandem.decoding.draft_verify import sample_step
 from tandem.engine import step_inputs
 from tandem.engine.sampler import Sampler, StepOutput
 from tandem.engine.scheduler import ScheduledBatch
+from tandem.kernels import ops
 from tandem.kernels.attention_metadata import AttentionMetadata, DecodeGroup
 from tandem.kernels.paged_decode_attention import decode_group_plan
 from tandem.kvcache.swap_copier import KVSwapper
@@ -49,6 +50,7 @@ class ModelRunner:
             config.device)
         self.swapper = KVSwapper(self.kv_cache, config.num_swap_blocks)
         self.sampler = Sampler()
+        ops.prepare_decode_attention(config.device, config.dtype)
 
     def swap(self, batch: ScheduledBatch) -> None:
         """Copy the blocks the scheduler swaps out, then shared blocks the step writes

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from attention_reference import naive_attention, paged, tolerance
-from tandem.kernels import ops
+from tandem.kernels import cpu_build, ops
 from tandem.kernels import paged_decode_attention_cpu as cpu_kernel
 from tandem.kernels.paged_decode_attention import paged_decode_attention_torch
 
@@ -108,13 +108,16 @@ def test_unsupported_dtype_runs_the_torch_reference(monkeypatch):
     check(4, 2, [3, 40], torch.float16, 16, seed=1)
 
 
-def test_failed_build_falls_back_to_torch_with_one_warning(monkeypatch, caplog):
+def test_failed_build_falls_back_to_torch_with_one_warning(monkeypatch, caplog, tmp_path):
     from torch.utils import cpp_extension
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
-    monkeypatch.setattr(cpu_kernel, "_loaded", [])  # as in a fresh process
+    # As in a fresh process on a machine where `make install` could not build it.
+    monkeypatch.setattr(cpu_kernel, "_loaded", [])
+    monkeypatch.setattr(cpu_build, "_modules", {})
+    monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__):
         check(9, 3, [1, 30, 100], torch.float32, 16, seed=2)
@@ -126,8 +129,8 @@ def test_failed_build_falls_back_to_torch_with_one_warning(monkeypatch, caplog):
 
 
 @pytest.mark.parametrize("setting, dtype, expected", [
-    ("auto", torch.float32, ops.Backend.TORCH),  # none yet: see ops.AUTO_CPU_KERNEL_DTYPES
-    ("auto", torch.bfloat16, ops.Backend.TORCH),
+    ("auto", torch.float32, ops.Backend.CPU_KERNEL),
+    ("auto", torch.bfloat16, ops.Backend.CPU_KERNEL),
     ("auto", torch.float16, ops.Backend.TORCH),
     ("cpu_kernel", torch.float16, ops.Backend.CPU_KERNEL),
     ("torch", torch.float32, ops.Backend.TORCH),
