@@ -34,11 +34,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 CACHE_ENV = "TANDEM_KERNEL_CACHE"
-"""Where the built libraries live (default ~/.cache/tandem/kernels)."""
+"""Where the built libraries live (default: `kernels` under TANDEM_CACHE_DIR, the cache of
+converted models, itself ~/.cache/tandem by default)."""
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "tandem" / "kernels")
+    root = os.environ.get("TANDEM_CACHE_DIR") or Path.home() / ".cache" / "tandem"
+    return Path(os.environ.get(CACHE_ENV) or Path(root) / "kernels")
 
 
 @dataclasses.dataclass(frozen=True)
