@@ -136,8 +136,8 @@ def _put_ninja_on_path() -> None:
 
 def extensions() -> tuple[CpuExtension, ...]:
     """Every CPU extension tandem has."""
-    from tandem.kernels.paged_decode_attention_cpu import EXTENSION
-    return (EXTENSION,)
+    from tandem.kernels import int4_gemv_cpu, paged_decode_attention_cpu
+    return (paged_decode_attention_cpu.EXTENSION, int4_gemv_cpu.EXTENSION)
 
 
 def main() -> int:

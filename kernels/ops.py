@@ -16,6 +16,7 @@ import os
 
 import torch
 
+from tandem.kernels import int4_gemv_cpu
 from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.int4_gemv import int4_gemv_torch
 from tandem.kernels.int8_gemv import int8_gemv_torch
@@ -80,12 +81,16 @@ def decode_attention_backend(q: torch.Tensor) -> Backend:
     return backend
 
 
-def prepare_decode_attention(device: torch.device, dtype: torch.dtype) -> None:
-    """Load the compiled CPU kernel now if decode attention on `device` in `dtype` would use
-    it: at engine start-up (building it if `make install` did not), never on a request's step."""
+def prepare_cpu_kernels(device: torch.device, dtype: torch.dtype) -> None:
+    """Load the compiled CPU kernels that an engine on `device` in `dtype` would use: at
+    start-up (building them if `make install` did not), never on a request's step."""
+    if device.type != "cpu":
+        return
     like_q = torch.empty(0, dtype=dtype, device="meta")  # a CPU tensor's choice, without one
-    if device.type == "cpu" and decode_attention_backend(like_q) is Backend.CPU_KERNEL:
+    if decode_attention_backend(like_q) is Backend.CPU_KERNEL:
         load_extension()
+    if dtype == torch.float32:
+        int4_gemv_cpu.load_extension()
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -50,7 +50,7 @@ class ModelRunner:
             config.device)
         self.swapper = KVSwapper(self.kv_cache, config.num_swap_blocks)
         self.sampler = Sampler()
-        ops.prepare_decode_attention(config.device, config.dtype)
+        ops.prepare_cpu_kernels(config.device, config.dtype)
 
     def swap(self, batch: ScheduledBatch) -> None:
         """Copy the blocks the scheduler swaps out, then shared blocks the step writes

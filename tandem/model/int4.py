@@ -7,8 +7,8 @@ is kept as it is rather than dequantized.
 
 Two values share a byte: column ``2j`` in the low nibble, ``2j + 1`` in the high one.
 
-On CPU a weight also has ``cpu_pack``: the same values in the layout of torch's int4 kernel
-(``_weight_int4pack_mm_for_cpu``), built on first use and cached on the instance, so that a
+On CPU a weight also has ``cpu_pack`` and ``gemv_pack``: the same values in the layouts of
+torch's int4 kernel (``_weight_int4pack_mm_for_cpu``) and of tandem's, built on first use and cached on the instance, so that a
 shard, a stacked weight or a ``dataclasses.replace`` copy (new instances) never reuses a
 pack made for other values. See int4_matmul.py for which product runs when.
 """
@@ -19,6 +19,9 @@ import functools
 from dataclasses import dataclass
 
 import torch
+
+from tandem.kernels import int4_gemv_cpu
+from tandem.kernels.int4_gemv_cpu import Int4GemvPack
 
 INT4_GROUP_SIZE = 32
 """Group size of ``quantize_int4`` (GGUF Q4_1's block)."""
@@ -66,9 +69,9 @@ class Int4Weight:
 
     @property
     def held_bytes(self) -> int:
-        """Bytes held: num_bytes, plus the CPU kernel's copy once it is built."""
-        pack = self.__dict__.get("cpu_pack")  # where functools.cached_property keeps it
-        return self.num_bytes + (pack.num_bytes if pack is not None else 0)
+        """Bytes held: num_bytes, plus the CPU kernels' copies once they are built."""
+        packs = (self.__dict__.get(name) for name in ("cpu_pack", "gemv_pack"))  # functools.cached_property's
+        return self.num_bytes + sum(p.num_bytes for p in packs if p is not None)
 
     def unpacked(self) -> torch.Tensor:
         """-> [out, in] uint8 values 0..15."""
@@ -118,6 +121,11 @@ class Int4Weight:
         # [out, in // G, 2] -> [in // G, out, 2]: the kernel reads a group's pair as one word.
         scale_zeros = torch.stack((scale, zero), dim=-1).transpose(0, 1).to(torch.bfloat16).contiguous()
         return CpuPack(values, scale_zeros)
+
+    @functools.cached_property
+    def gemv_pack(self) -> Int4GemvPack:
+        """tandem's CPU kernel layout of this weight (kernels/int4_gemv_cpu.py), built once per instance."""
+        return int4_gemv_cpu.pack(self.qweight, self.scale, self.offset)
 
     def rows(self, start: int, end: int) -> "Int4Weight":
         """Output channels ``start:end`` (a column-parallel shard)."""

@@ -15,6 +15,7 @@ int8 rows from the same run), for M rows of activations. Reproduce with
     int4, _weight_int4pack_mm f32  3245  23396      -      -      -      -      -
     int4, _weight_int4pack_mm bf16   81    215    401    771   1502   2981   6004  <- M <= 160
     int4, dequantize to bf16       2548   2713   2697   2794   3153   3605   4623  <- M > 160
+    int4, tandem gemv f32           121    357    700   1365   2693   5443  10967  <- float32, M <= 160
     LM head 49152x576
     float32 F.linear               7239   9305  11708  17568  30132  48720 101376
     bfloat16 F.linear              1814   2206   2824   3935   6093  10638  19872
@@ -24,6 +25,7 @@ int8 rows from the same run), for M rows of activations. Reproduce with
     int4, _weight_int4pack_mm f32 24652 183082      -      -      -      -      -
     int4, _weight_int4pack_mm bf16  453   1594   3290   6556  12822  25726  64816  <- M <= 160
     int4, dequantize to bf16      37411  22304  21360  22790  25255  30154  39536  <- M > 160
+    int4, tandem gemv f32           790   2700   5410  10898  22421  46765 104004  <- float32, M <= 160
 
 torch's ``_weight_int4pack_mm_for_cpu`` reads the packed int4 weight directly: for one row
 2.5x (layers) to 16x (LM head) faster than float32, and about as fast as the int8 kernel:
@@ -36,6 +38,13 @@ head) costs far more than dequantizing int8, so the kernel wins up to a few hund
 the crossover, measured at 128/160/192/224 rows, lies between 160 and 192 for both shapes.
 Dequantizing to float32 never wins. Hence: the kernel up to KERNEL_MAX_TOKENS rows, a bf16
 GEMM on the dequantized weight above (float16 for float16 activations).
+
+tandem's own kernel (kernels/int4_gemv_cpu.py; its rows above were measured on another day,
+on an Intel Xeon with AVX-512, against a `_weight_int4pack_mm bf16` row of 157 / 467 / 889 /
+1743 / 3429 / 6797 / 13687 for the layer and 937 / 3455 / ... / 121445 for the LM head) keeps
+float32 activations and the file's float16 scales, over a copy of the weight with 16 output
+channels interleaved: 1.2-1.3x torch's kernel at every size, and exact to float32 rounding.
+So float32 activations take it up to GEMV_MAX_TOKENS rows.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from tandem.kernels import int4_gemv_cpu
 from tandem.model.int4 import Int4Weight
 
 KERNEL = "kernel"
@@ -51,14 +61,23 @@ DEQUANTIZE_BF16 = "dequantize-bf16"
 """Dequantize the weight to bf16, then a bf16 ``F.linear``."""
 DEQUANTIZE_F32 = "dequantize-f32"
 """Dequantize the weight to float32, then a float32 ``F.linear`` (the exact weight)."""
-PATHS = (KERNEL, DEQUANTIZE_BF16, DEQUANTIZE_F32)
+GEMV_F32 = "gemv-f32"
+"""tandem's compiled CPU kernel (kernels/int4_gemv_cpu.py): float32 activations, the packed
+weight read in place with its float16 scales and offsets."""
+PATHS = (KERNEL, DEQUANTIZE_BF16, DEQUANTIZE_F32, GEMV_F32)
 
 KERNEL_MAX_TOKENS = 160
 """Most rows for which the int4 kernel beats dequantizing (measured: 160 vs 192, layers and LM head)."""
+GEMV_MAX_TOKENS = 160
+"""Most rows of float32 activations for which tandem's kernel runs: it beats torch's kernel at
+every size measured and dequantizing up to 128-256 rows (table above), so the same bound."""
 
 
-def choose_path(num_tokens: int, w: Int4Weight) -> str:
-    """The faster CPU way for ``num_tokens`` rows of activations (see the measured table)."""
+def choose_path(num_tokens: int, w: Int4Weight, dtype: torch.dtype = torch.bfloat16) -> str:
+    """The faster CPU way for ``num_tokens`` rows of ``dtype`` activations (see the measured table)."""
+    if (dtype == torch.float32 and num_tokens <= GEMV_MAX_TOKENS and w.qweight.device.type == "cpu"
+            and int4_gemv_cpu.takes(*w.shape, w.group_size) and int4_gemv_cpu.load_extension() is not None):
+        return GEMV_F32
     return KERNEL if w.has_cpu_kernel and num_tokens <= KERNEL_MAX_TOKENS else DEQUANTIZE_BF16
 
 
@@ -70,13 +89,16 @@ def _compute_dtype(x2: torch.Tensor) -> torch.dtype:
 def int4_matmul(x2: torch.Tensor, w: Int4Weight, path: str | None = None) -> torch.Tensor:
     """x2: [M, in] float -> [M, out] float32: ``x2 @ w.dequantize().T``.
 
+    GEMV_F32: float32 throughout, the exact weight (summed in another order than F.linear);
     KERNEL: x2 rounded to bf16, the weight's scales and zeros in bf16 (Int4Weight.cpu_pack),
     float32 accumulation; DEQUANTIZE_BF16: x2 and the dequantized weight rounded to bf16
     (float16 for float16 activations); DEQUANTIZE_F32: the exact weight in float32.
     path None: the faster for M rows (choose_path).
     """
     if path is None:
-        path = choose_path(x2.shape[0], w)
+        path = choose_path(x2.shape[0], w, x2.dtype)
+    if path == GEMV_F32:
+        return int4_gemv_cpu.int4_gemv_cpu(x2.float(), w.gemv_pack)
     if path == KERNEL:
         pack = w.cpu_pack
         # out: [M, out] bf16

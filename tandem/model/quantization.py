@@ -59,6 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.config_names import QUANTIZATION_METHODS
+from tandem.kernels import int4_gemv_cpu
 from tandem.model.int4 import Int4Weight, quantize_int4
 from tandem.model.int4_matmul import int4_matmul
 
@@ -197,17 +198,19 @@ def weight_key(w: Weight) -> int:
     return (w.qweight if isinstance(w, (Int8Weight, Int4Weight)) else w).data_ptr()
 
 
-def with_cpu_pack(w: Int4Weight) -> Int4Weight:
-    """``w``, its CPU kernel layout built now (where it has one) so that the first decode step
-    does not pay for it."""
+def with_cpu_packs(w: Int4Weight) -> Int4Weight:
+    """``w``, its CPU kernels' layouts built now (where they take it) so that the first decode
+    step does not pay for them: torch's (bf16 activations) and tandem's (float32 activations)."""
     if w.has_cpu_kernel:
         w.cpu_pack  # noqa: B018 (a cached property: built once, kept on the instance)
+    if w.qweight.device.type == "cpu" and int4_gemv_cpu.takes(*w.shape, w.group_size):
+        w.gemv_pack  # noqa: B018
     return w
 
 
 QUANTIZERS: dict[str, tuple[type, Callable[[torch.Tensor], QuantizedWeight]]] = {
     "int8": (Int8Weight, quantize_int8),
-    "int4": (Int4Weight, lambda w: with_cpu_pack(quantize_int4(w))),
+    "int4": (Int4Weight, lambda w: with_cpu_packs(quantize_int4(w))),
 }
 LM_HEAD_METHOD = {"int8": "int8", "int4": "int8"}
 """How each method quantizes the LM head. int4's is int8: on SmolLM2-135M-Instruct (1024

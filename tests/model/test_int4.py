@@ -100,7 +100,18 @@ def kernel_bound(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     return BF16_U * (3 * magnitude(x, w) + weight_shift) + 1e-6
 
 
+def gemv_bound(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
+    """tandem's float32 kernel: the exact weight's two terms, ``q * scale`` and ``offset``,
+    each summed against x in float32 (a group at a time, then the groups): K terms per sum,
+    bounded by the terms' own magnitudes (they may cancel in ``w``)."""
+    scale = w.scale.double().repeat_interleave(w.group_size, dim=1)
+    offset = w.offset.double().repeat_interleave(w.group_size, dim=1)
+    terms = x.double().abs() @ (w.unpacked().double() * scale + offset.abs()).T
+    return (x.shape[-1] + 4) * U32 * terms + 1e-9
+
+
 PATH_BOUNDS = {
+    int4_paths.GEMV_F32: gemv_bound,
     # float32 GEMM on the exact weight: a dot product of K terms accumulated in float32.
     int4_paths.DEQUANTIZE_F32: lambda x, w: (x.shape[-1] + 2) * U32 * magnitude(x, w) + 1e-9,
     # x and the weight rounded to bf16, float32 accumulation, the result rounded to bf16.

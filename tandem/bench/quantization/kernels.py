@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.model.int4 import quantize_int4
-from tandem.model.int4_matmul import DEQUANTIZE_BF16, DEQUANTIZE_F32, KERNEL, int4_matmul
+from tandem.model.int4_matmul import DEQUANTIZE_BF16, DEQUANTIZE_F32, GEMV_F32, KERNEL, int4_matmul
 from tandem.model.quantization import int8_matmul, quantize_int8
 
 # SmolLM2-135M: hidden 576, 9 query heads and 3 KV heads of 64, intermediate 1536, vocab 49152.
@@ -46,6 +46,7 @@ CANDIDATES: dict[str, Candidate] = {
     "int4, dequantize to bf16": (quantize_int4, lambda x, q: int4_matmul(x, q, DEQUANTIZE_BF16), 1 << 30),
     "int4, _weight_int4pack_mm f32": (quantize_int4, _f32_int4_kernel, SLOW_MAX_ROWS),
     "int4, _weight_int4pack_mm bf16": (quantize_int4, lambda x, q: int4_matmul(x, q, KERNEL), 1 << 30),
+    "int4, tandem gemv f32": (quantize_int4, lambda x, q: int4_matmul(x, q, GEMV_F32), 1 << 30),
 }
 
 

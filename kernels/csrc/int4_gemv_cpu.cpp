@@ -1,0 +1,177 @@
+// Weight-only int4 products for a few rows of activations on the CPU, in float32 throughout,
+// over a weight packed once for it (kernels/int4_gemv_cpu.py, `pack`): GGUF Q4_1's values
+// (two a byte, low nibble first; a float16 scale and offset per group of 32 columns) with 16
+// output channels interleaved.
+//
+//   out[m, n] = sum_g scale[n, g] * sum_{i in g} q[n, i] * x[m, i]  +  sum_g offset[n, g] * xsum[m, g]
+//
+// Packed layout: values [N / 16, K / 8, 16] uint32, lane j of a 16-lane word holding 8 values
+// (columns 8 l .. 8 l + 7) of channel 16 b + j; scale_offset [N / 16, K / 32, 16] uint32, the
+// float16 scale's bits low and the offset's high. So one vector load brings the same 8
+// columns of W channels, nibble k of every lane is a shift and a mask away (no byte widening,
+// which compilers lower to scalar code), each activation is a broadcast, and the accumulators
+// are the W outputs themselves (no horizontal sums). Blocks of 16 channels are split over
+// torch's threads (at::parallel_for). The loop is compiled for AVX-512, AVX2+FMA and baseline
+// x86-64 and picked at run time (no -march=native), like the attention kernel.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#define TANDEM_INLINE inline __attribute__((always_inline))
+
+namespace {
+
+constexpr int64_t kGroup = 32;     // columns per scale and offset: 4 lanes of 8
+constexpr int64_t kChannels = 16;  // output channels interleaved in the packed layout
+constexpr int64_t kMaxRows = 8;    // activation rows per pass over the weight
+
+template <int W> struct Vec {
+  typedef float F __attribute__((vector_size(4 * W)));
+  typedef uint32_t U __attribute__((vector_size(4 * W)));
+};
+
+// float16 bits (low 16 bits of each lane) -> float, for zeros, subnormals and normals (no
+// scale is inf or nan): exponent and mantissa moved into float position read 2^-112 times too
+// small, subnormals included, so one multiply corrects both; then the sign.
+template <int W> TANDEM_INLINE typename Vec<W>::F half_to_float(typename Vec<W>::U h) {
+  using F = typename Vec<W>::F;
+  using U = typename Vec<W>::U;
+  const U magnitude = (h & 0x7fffu) << 13;
+  F f;
+  std::memcpy(&f, &magnitude, sizeof(f));
+  f *= 0x1p112f;
+  U bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  bits |= (h & 0x8000u) << 16;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+// W channels (one vector) of a block against R activation rows. values, scale_offset: the
+// block's packed words, at this vector's first channel; x: [R, K] (row stride K); xsum:
+// [R, groups]; out: R rows of stride N, at this vector's first channel.
+template <int W, int R>
+TANDEM_INLINE void channels(const uint32_t* values, const uint32_t* scale_offset, const float* x,
+                            const float* xsum, int64_t K, int64_t N, float* out) {
+  using F = typename Vec<W>::F;
+  using U = typename Vec<W>::U;
+  // Independent sums per row, so that the adds do not wait on each other (4-cycle latency).
+  constexpr int P = R >= 8 ? 1 : 8 / R;
+  const int64_t groups = K / kGroup;
+  F acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = F{};
+  for (int64_t g = 0; g < groups; ++g) {
+    U so;
+    std::memcpy(&so, scale_offset + g * kChannels, sizeof(so));
+    const F scale = half_to_float<W>(so & 0xffffu);
+    const F offset = half_to_float<W>(so >> 16);
+    F part[R][P];
+    for (int r = 0; r < R; ++r)
+      for (int p = 0; p < P; ++p) part[r][p] = F{};
+    for (int l = 0; l < kGroup / 8; ++l) {
+      U lanes;
+      std::memcpy(&lanes, values + (g * (kGroup / 8) + l) * kChannels, sizeof(lanes));
+      const int64_t col = g * kGroup + l * 8;
+      for (int k = 0; k < 8; ++k) {
+        const F v = __builtin_convertvector((lanes >> (4 * k)) & 15u, F);
+        for (int r = 0; r < R; ++r) part[r][(l * 8 + k) % P] += v * x[r * K + col + k];
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      F sum = part[r][0];
+      for (int p = 1; p < P; ++p) sum += part[r][p];
+      acc[r] += sum * scale + offset * xsum[r * groups + g];
+    }
+  }
+  for (int r = 0; r < R; ++r) std::memcpy(out + r * N, &acc[r], sizeof(acc[r]));
+}
+
+// A block of 16 channels in vectors of W.
+template <int W, int R>
+TANDEM_INLINE void block(const uint32_t* values, const uint32_t* scale_offset, const float* x, const float* xsum,
+                         int64_t K, int64_t N, float* out) {
+  for (int s = 0; s < kChannels; s += W) channels<W, R>(values + s, scale_offset + s, x, xsum, K, N, out + s);
+}
+
+using BlockFn = void (*)(const uint32_t*, const uint32_t*, const float*, const float*, int64_t, int64_t, float*);
+
+// One entry point per (ISA, rows): rows a template argument, so the accumulators stay in registers.
+#define TANDEM_BLOCK_FN(NAME, TARGET, W)                                                                 \
+  template <int R>                                                                                      \
+  TARGET void NAME(const uint32_t* values, const uint32_t* so, const float* x, const float* xsum, int64_t K, \
+                   int64_t N, float* out) {                                                             \
+    block<W, R>(values, so, x, xsum, K, N, out);                                                        \
+  }
+
+TANDEM_BLOCK_FN(block_base, , 4)
+#if defined(__x86_64__) && defined(__GNUC__)
+TANDEM_BLOCK_FN(block_avx2, __attribute__((target("avx2,fma"))), 8)
+TANDEM_BLOCK_FN(block_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))), 16)
+#endif
+
+#define TANDEM_ROWS_TABLE(FN) {FN<1>, FN<2>, FN<3>, FN<4>, FN<5>, FN<6>, FN<7>, FN<8>}
+
+struct Picked {
+  BlockFn by_rows[kMaxRows];
+  const char* name;
+};
+
+Picked pick() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+    return {TANDEM_ROWS_TABLE(block_avx512), "avx512"};
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    return {TANDEM_ROWS_TABLE(block_avx2), "avx2"};
+#endif
+  return {TANDEM_ROWS_TABLE(block_base), "baseline"};
+}
+
+const Picked& picked() {
+  static const Picked p = pick();
+  return p;
+}
+
+}  // namespace
+
+// x: [M, K] float32; values: [N / 16, K / 8, 16] int32; scale_offset: [N / 16, K / 32, 16]
+// int32 (see the layout above) -> [M, N] float32.
+torch::Tensor int4_gemv(torch::Tensor x, torch::Tensor values, torch::Tensor scale_offset) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: [M, K] float32");
+  TORCH_CHECK(values.dim() == 3 && values.scalar_type() == torch::kInt32 && values.is_contiguous() &&
+              values.size(2) == kChannels, "values: [N / 16, K / 8, 16] contiguous int32");
+  const int64_t M = x.size(0), K = x.size(1), num_blocks = values.size(0), N = num_blocks * kChannels;
+  TORCH_CHECK(K % kGroup == 0 && values.size(1) * 8 == K, "int4_gemv: x has ", K, " columns, the weight ",
+              values.size(1) * 8);
+  TORCH_CHECK(scale_offset.scalar_type() == torch::kInt32 && scale_offset.is_contiguous() &&
+              scale_offset.sizes() == torch::IntArrayRef({num_blocks, K / kGroup, kChannels}),
+              "scale_offset: [N / 16, K / 32, 16] contiguous int32");
+  const auto xc = x.contiguous();
+  const auto xsum = xc.view({M, K / kGroup, kGroup}).sum(-1).contiguous();  // for the offsets
+  auto out = torch::empty({M, N}, x.options());
+  const Picked& p = picked();
+  const auto* v = reinterpret_cast<const uint32_t*>(values.data_ptr<int32_t>());
+  const auto* so = reinterpret_cast<const uint32_t*>(scale_offset.data_ptr<int32_t>());
+  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b)
+      // A block's weight stays in cache while every block of activation rows passes over it.
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+        const int64_t rows = std::min(kMaxRows, M - m0);
+        p.by_rows[rows - 1](v + b * (K / 8) * kChannels, so + b * (K / kGroup) * kChannels,
+                            xc.data_ptr<float>() + m0 * K, xsum.data_ptr<float>() + m0 * (K / kGroup), K, N,
+                            out.data_ptr<float>() + m0 * N + b * kChannels);
+      }
+  });
+  return out;
+}
+
+std::string isa() { return picked().name; }
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_gemv", &int4_gemv, "weight-only int4 product for a few rows of float32 activations");
+  m.def("isa", &isa, "the instruction set the kernel picked");
+}

@@ -1,0 +1,96 @@
+"""Weight-only int4 products on the CPU for a few rows of float32 activations: a small C++
+kernel (csrc/int4_gemv_cpu.cpp) that reads the packed Q4_1 weight once per call.
+
+torch's own CPU int4 kernel (``_weight_int4pack_mm_for_cpu``, int4_matmul.py) rounds the
+activations and the scales to bfloat16; this one keeps float32 activations and the file's
+float16 scales and offsets, over a copy of the weight packed once for it (`pack`: 16 output
+channels interleaved, so each vector load feeds 16 outputs). Built with the attention kernel by `make install`
+(cpu_build.py); the torch reference (int4_gemv.py) runs where it cannot be built.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from tandem.kernels import cpu_build
+from tandem.kernels.cpu_build import CpuExtension
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "int4_gemv_cpu.cpp"
+EXTENSION_NAME = "tandem_int4_gemv_cpu"
+GROUP_SIZE = 32
+"""The group size the kernel takes (GGUF Q4_1's)."""
+CHANNELS = 16
+"""Output channels interleaved in the packed layout: the output size must be a multiple."""
+
+
+@dataclass(frozen=True)
+class Int4GemvPack:
+    """An int4 weight in the kernel's layout (see csrc/int4_gemv_cpu.cpp): 16 output channels
+    interleaved, each 32-bit lane holding 8 values of one channel; scale and offset bits paired."""
+
+    values: torch.Tensor  # [out / 16, in / 8, 16] int32
+    scale_offset: torch.Tensor  # [out / 16, in / 32, 16] int32: float16 scale bits low, offset bits high
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.values, self.scale_offset))
+
+
+def takes(out_features: int, in_features: int, group_size: int) -> bool:
+    """Whether the kernel takes a weight of this shape and group size (build aside)."""
+    return group_size == GROUP_SIZE and out_features % CHANNELS == 0 and in_features % GROUP_SIZE == 0
+
+
+def pack(qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> Int4GemvPack:
+    """qweight: [N, K / 2] uint8 (low nibble first); scale, offset: [N, K / 32] float16 -> the
+    kernel's layout (the same bytes, reordered)."""
+    n, half = qweight.shape
+    blocks = n // CHANNELS
+    # Little-endian: byte 4 l + t of a row lands in bits 8 t of its lane l, so nibble k of lane
+    # l is column 8 l + k.
+    lanes = qweight.contiguous().view(torch.int32)  # [N, K / 8]
+    values = lanes.view(blocks, CHANNELS, half // 4).transpose(1, 2).contiguous()
+    bits = (scale.contiguous().view(torch.int16).to(torch.int32) & 0xFFFF) | (
+        offset.contiguous().view(torch.int16).to(torch.int32) << 16)
+    scale_offset = bits.view(blocks, CHANNELS, -1).transpose(1, 2).contiguous()
+    return Int4GemvPack(values, scale_offset)
+
+
+_openmp = ("-fopenmp",) if sys.platform.startswith("linux") else ()
+EXTENSION = CpuExtension(EXTENSION_NAME, (SOURCE,), (), ("-O3", "-Wno-psabi", *_openmp), _openmp)
+
+_lock = threading.Lock()
+_loaded: list[ModuleType | None] = []  # empty: not tried yet; [None]: it cannot be had here
+
+
+def load_extension() -> ModuleType | None:
+    """The compiled kernel, or None where it cannot be built (logged once)."""
+    if _loaded:
+        return _loaded[0]
+    with _lock:
+        if not _loaded:
+            try:
+                module = cpu_build.load(EXTENSION)
+                logger.info("CPU int4 kernel loaded (%s code)", module.isa())
+            except Exception as e:  # noqa: BLE001 - no compiler or a compile error: torch's kernel runs
+                logger.warning("CPU int4 kernel unavailable (%s: %s); int4 products use torch's kernel",
+                               type(e).__name__, str(e).strip()[-1500:])
+                module = None
+            _loaded.append(module)
+    return _loaded[0]
+
+
+def int4_gemv_cpu(x2: torch.Tensor, weight: Int4GemvPack) -> torch.Tensor:
+    """x2: [M, K] float32 -> [M, N] float32 (the kernel must be available: see load_extension)."""
+    module = load_extension()
+    assert module is not None, "int4_gemv_cpu needs the compiled kernel"
+    return module.int4_gemv(x2, weight.values, weight.scale_offset)
