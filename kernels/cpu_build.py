@@ -25,6 +25,7 @@ import platform
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -69,6 +70,8 @@ class CpuExtension:
 
 
 _modules: dict[str, ModuleType] = {}  # loaded (or built) by this process
+_failed: set[str] = set()  # could not be had in this process: not tried again
+_lock = threading.Lock()
 
 
 def is_built(ext: CpuExtension) -> bool:
@@ -99,6 +102,22 @@ def load(ext: CpuExtension, *, build_if_missing: bool = True) -> ModuleType:
         raise FileNotFoundError(f"{ext.name} is not built: run `python -m tandem.kernels.cpu_build`")
     _modules[ext.name] = module
     return module
+
+
+def load_or_none(ext: CpuExtension, what: str, fallback: str) -> ModuleType | None:
+    """The extension's module (built first if missing), or None where it cannot be had here
+    (no compiler, a compile error): logged once as "`what` unavailable ...; `fallback`", and
+    not tried again in this process."""
+    with _lock:
+        if ext.name not in _modules and ext.name not in _failed:
+            try:
+                logger.info("%s loaded (%s code)", what, load(ext).isa())
+            except Exception as e:  # noqa: BLE001 - every failure means "run the torch path"
+                # A compiler's complaint comes last in the message: keep its tail.
+                logger.warning("%s unavailable (%s: %s); %s", what, type(e).__name__, str(e).strip()[-1500:],
+                               fallback)
+                _failed.add(ext.name)
+        return _modules.get(ext.name)
 
 
 def _compile(ext: CpuExtension) -> ModuleType:

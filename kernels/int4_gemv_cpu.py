@@ -10,9 +10,7 @@ channels interleaved, so each vector load feeds 16 outputs). Built with the atte
 
 from __future__ import annotations
 
-import logging
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -21,8 +19,6 @@ import torch
 
 from tandem.kernels import cpu_build
 from tandem.kernels.cpu_build import CpuExtension
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "int4_gemv_cpu.cpp"
 EXTENSION_NAME = "tandem_int4_gemv_cpu"
@@ -68,25 +64,9 @@ def pack(qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> In
 _openmp = ("-fopenmp",) if sys.platform.startswith("linux") else ()
 EXTENSION = CpuExtension(EXTENSION_NAME, (SOURCE,), (), ("-O3", "-Wno-psabi", *_openmp), _openmp)
 
-_lock = threading.Lock()
-_loaded: list[ModuleType | None] = []  # empty: not tried yet; [None]: it cannot be had here
-
-
 def load_extension() -> ModuleType | None:
     """The compiled kernel, or None where it cannot be built (logged once)."""
-    if _loaded:
-        return _loaded[0]
-    with _lock:
-        if not _loaded:
-            try:
-                module = cpu_build.load(EXTENSION)
-                logger.info("CPU int4 kernel loaded (%s code)", module.isa())
-            except Exception as e:  # noqa: BLE001 - no compiler or a compile error: torch's kernel runs
-                logger.warning("CPU int4 kernel unavailable (%s: %s); int4 products use torch's kernel",
-                               type(e).__name__, str(e).strip()[-1500:])
-                module = None
-            _loaded.append(module)
-    return _loaded[0]
+    return cpu_build.load_or_none(EXTENSION, "CPU int4 kernel", "int4 products use torch's kernel")
 
 
 def int4_gemv_cpu(x2: torch.Tensor, weight: Int4GemvPack) -> torch.Tensor:

@@ -18,9 +18,7 @@ runs instead, with one logged warning: a request never fails for it.
 
 from __future__ import annotations
 
-import logging
 import sys
-import threading
 from pathlib import Path
 from types import ModuleType
 
@@ -31,7 +29,6 @@ from tandem.kernels.attention_metadata import DecodeGroup
 from tandem.kernels.cpu_build import CpuExtension
 from tandem.kernels.paged_decode_attention import paged_decode_attention_torch
 
-logger = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 # The torch binding (work split, threads, merge) and the hot loop (no torch headers), and the
@@ -45,10 +42,6 @@ MAX_GROUP = 16
 # Fewest context tokens per work item: below this a split costs more (a partial written and
 # merged, one more item to schedule) than the parallelism it buys.
 MIN_SPLIT_TOKENS = 128
-
-_lock = threading.Lock()
-_loaded: list[ModuleType | None] = []  # empty: not tried yet; [None]: it cannot be had here
-
 
 def build_flags() -> tuple[list[str], list[str]]:
     """-> (compiler flags, linker flags). No -march=native: the built library may be loaded on
@@ -69,20 +62,8 @@ EXTENSION = CpuExtension(EXTENSION_NAME, SOURCES, (HEADER,), *map(tuple, build_f
 def load_extension() -> ModuleType | None:
     """The compiled kernel (built here first if `make install` did not), or None when it
     cannot be built here; the failure is logged once and not retried in this process."""
-    if _loaded:
-        return _loaded[0]
-    with _lock:
-        if not _loaded:
-            try:
-                module = cpu_build.load(EXTENSION)
-                logger.info("CPU paged decode attention kernel loaded (%s code)", module.isa())
-            except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a compile error: all mean "use torch"
-                # A compiler's complaint comes last in the message: keep its tail.
-                logger.warning("CPU paged decode attention kernel unavailable (%s: %s); decode attention "
-                               "falls back to the torch reference", type(e).__name__, str(e).strip()[-1500:])
-                module = None
-            _loaded.append(module)
-    return _loaded[0]
+    return cpu_build.load_or_none(EXTENSION, "CPU paged decode attention kernel",
+                                  "decode attention falls back to the torch reference")
 
 
 def available() -> bool:

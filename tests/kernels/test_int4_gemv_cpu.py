@@ -64,8 +64,8 @@ def test_the_product_picks_it_for_float32_decode_rows_only(kernel):
 
 def test_without_the_kernel_torchs_runs(monkeypatch, tmp_path, caplog):
     """As on a machine where it cannot be built: one warning, torch's kernel, same values."""
-    monkeypatch.setattr(cpu_int4, "_loaded", [])
     monkeypatch.setattr(cpu_build, "_modules", {})
+    monkeypatch.setattr(cpu_build, "_failed", set())
     monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(cpu_build, "_compile", lambda ext: (_ for _ in ()).throw(RuntimeError("no compiler")))
     w = quantize_int4(torch.randn(64, 128))

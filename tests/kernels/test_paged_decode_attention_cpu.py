@@ -115,11 +115,11 @@ def test_failed_build_falls_back_to_torch_with_one_warning(monkeypatch, caplog, 
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     # As in a fresh process on a machine where `make install` could not build it.
-    monkeypatch.setattr(cpu_kernel, "_loaded", [])
     monkeypatch.setattr(cpu_build, "_modules", {})
+    monkeypatch.setattr(cpu_build, "_failed", set())
     monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
-    with caplog.at_level(logging.WARNING, logger=cpu_kernel.__name__):
+    with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
         check(9, 3, [1, 30, 100], torch.float32, 16, seed=2)
         check(9, 3, [64], torch.bfloat16, 8, seed=3)
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
