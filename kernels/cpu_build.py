@@ -9,8 +9,9 @@ build at once both finish (one rename wins, both libraries are the same), and a 
 build leaves only a stray temporary directory.
 
 `make install` builds every extension (`python -m tandem.kernels.cpu_build`), so serving
-never compiles; a process that finds its library missing builds it once, at start-up (see
-`paged_decode_attention_cpu.prepare`), never while a request waits.
+never compiles; a process that finds its library missing builds it once, as an engine starts
+(ModelRunner: `ops.prepare_cpu_kernels`, `quantization.pack_for_cpu_kernels`), never
+while a request waits.
 """
 
 from __future__ import annotations
@@ -108,6 +109,8 @@ def load_or_none(ext: CpuExtension, what: str, fallback: str) -> ModuleType | No
     """The extension's module (built first if missing), or None where it cannot be had here
     (no compiler, a compile error): logged once as "`what` unavailable ...; `fallback`", and
     not tried again in this process."""
+    if ext.name in _modules or ext.name in _failed:  # every call after the first: no lock
+        return _modules.get(ext.name)
     with _lock:
         if ext.name not in _modules and ext.name not in _failed:
             try:
@@ -155,8 +158,9 @@ def _put_ninja_on_path() -> None:
 
 def extensions() -> tuple[CpuExtension, ...]:
     """Every CPU extension tandem has."""
-    from tandem.kernels import int4_gemv_cpu, paged_decode_attention_cpu
-    return (paged_decode_attention_cpu.EXTENSION, int4_gemv_cpu.EXTENSION)
+    from tandem.kernels import int4_gemv_cpu, int8_gemv_cpu, paged_decode_attention_cpu, rms_norm_cpu
+    return (paged_decode_attention_cpu.EXTENSION, int4_gemv_cpu.EXTENSION, int8_gemv_cpu.EXTENSION,
+            rms_norm_cpu.EXTENSION)
 
 
 def main() -> int:

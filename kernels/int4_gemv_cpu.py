@@ -20,7 +20,7 @@ import torch
 from tandem.kernels import cpu_build
 from tandem.kernels.cpu_build import CpuExtension
 
-SOURCE = Path(__file__).with_name("csrc") / "int4_gemv_cpu.cpp"
+CSRC = Path(__file__).with_name("csrc")
 EXTENSION_NAME = "tandem_int4_gemv_cpu"
 GROUP_SIZE = 32
 """The group size the kernel takes (GGUF Q4_1's)."""
@@ -35,6 +35,12 @@ class Int4GemvPack:
 
     values: torch.Tensor  # [out / 16, in / 8, 16] int32
     scale_offset: torch.Tensor  # [out / 16, in / 32, 16] int32: float16 scale bits low, offset bits high
+
+    def matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2: [M, in] float32 -> [M, out] float32 (the kernel must be available: see load_extension)."""
+        module = load_extension()
+        assert module is not None, "int4_gemv_cpu needs the compiled kernel"
+        return module.int4_gemv(x2, self.values, self.scale_offset)
 
     @property
     def num_bytes(self) -> int:
@@ -62,15 +68,8 @@ def pack(qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> In
 
 
 _openmp = ("-fopenmp",) if sys.platform.startswith("linux") else ()
-EXTENSION = CpuExtension(EXTENSION_NAME, (SOURCE,), (), ("-O3", "-Wno-psabi", *_openmp), _openmp)
+EXTENSION = CpuExtension(EXTENSION_NAME, (CSRC / "int4_gemv_cpu.cpp",), (CSRC / "cpu_gemv.h",), ("-O3", "-Wno-psabi", *_openmp), _openmp)
 
 def load_extension() -> ModuleType | None:
     """The compiled kernel, or None where it cannot be built (logged once)."""
     return cpu_build.load_or_none(EXTENSION, "CPU int4 kernel", "int4 products use torch's kernel")
-
-
-def int4_gemv_cpu(x2: torch.Tensor, weight: Int4GemvPack) -> torch.Tensor:
-    """x2: [M, K] float32 -> [M, N] float32 (the kernel must be available: see load_extension)."""
-    module = load_extension()
-    assert module is not None, "int4_gemv_cpu needs the compiled kernel"
-    return module.int4_gemv(x2, weight.values, weight.scale_offset)

@@ -12,7 +12,7 @@ applies and no second thread pool competes with torch's.
 
 It is compiled by `make install` into tandem's kernel cache (cpu_build.py; about 40 s on
 2 cores, once per machine); a process that finds it missing builds it at start-up
-(`prepare`). Without a C++ compiler or ninja, or if the build fails, the torch reference
+(`ops.prepare_cpu_kernels`). Without a C++ compiler or ninja, or if the build fails, the torch reference
 runs instead, with one logged warning: a request never fails for it.
 """
 

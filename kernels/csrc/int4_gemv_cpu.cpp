@@ -10,36 +10,27 @@
 // float16 scale's bits low and the offset's high. So one vector load brings the same 8
 // columns of W channels, nibble k of every lane is a shift and a mask away (no byte widening,
 // which compilers lower to scalar code), each activation is a broadcast, and the accumulators
-// are the W outputs themselves (no horizontal sums). Blocks of 16 channels are split over
-// torch's threads (at::parallel_for). The loop is compiled for AVX-512, AVX2+FMA and baseline
-// x86-64 and picked at run time (no -march=native), like the attention kernel.
+// are the W outputs themselves (no horizontal sums). See cpu_gemv.h for the threads and the
+// per-ISA versions.
 #include <torch/extension.h>
 
-#include <ATen/Parallel.h>
-
-#include <algorithm>
-#include <cstdint>
 #include <cstring>
 
-#define TANDEM_INLINE inline __attribute__((always_inline))
+#include "cpu_gemv.h"
+
+using tandem_cpu::GemvVec;
+using tandem_cpu::kGemvChannels;
 
 namespace {
 
-constexpr int64_t kGroup = 32;     // columns per scale and offset: 4 lanes of 8
-constexpr int64_t kChannels = 16;  // output channels interleaved in the packed layout
-constexpr int64_t kMaxRows = 8;    // activation rows per pass over the weight
-
-template <int W> struct Vec {
-  typedef float F __attribute__((vector_size(4 * W)));
-  typedef uint32_t U __attribute__((vector_size(4 * W)));
-};
+constexpr int64_t kGroup = 32;  // columns per scale and offset: 4 lanes of 8
 
 // float16 bits (low 16 bits of each lane) -> float, for zeros, subnormals and normals (no
 // scale is inf or nan): exponent and mantissa moved into float position read 2^-112 times too
 // small, subnormals included, so one multiply corrects both; then the sign.
-template <int W> TANDEM_INLINE typename Vec<W>::F half_to_float(typename Vec<W>::U h) {
-  using F = typename Vec<W>::F;
-  using U = typename Vec<W>::U;
+template <int W> TANDEM_INLINE typename GemvVec<W>::F half_to_float(typename GemvVec<W>::U h) {
+  using F = typename GemvVec<W>::F;
+  using U = typename GemvVec<W>::U;
   const U magnitude = (h & 0x7fffu) << 13;
   F f;
   std::memcpy(&f, &magnitude, sizeof(f));
@@ -51,22 +42,21 @@ template <int W> TANDEM_INLINE typename Vec<W>::F half_to_float(typename Vec<W>:
   return f;
 }
 
-// W channels (one vector) of a block against R activation rows. values, scale_offset: the
-// block's packed words, at this vector's first channel; x: [R, K] (row stride K); xsum:
-// [R, groups]; out: R rows of stride N, at this vector's first channel.
+// W channels (one vector) against R activation rows. values, scale_offset: the block's packed
+// words, at this vector's first channel; x: [R, K]; xsum: [R, groups]; out: R rows of stride
+// N, at this vector's first channel.
 template <int W, int R>
 TANDEM_INLINE void channels(const uint32_t* values, const uint32_t* scale_offset, const float* x,
                             const float* xsum, int64_t K, int64_t N, float* out) {
-  using F = typename Vec<W>::F;
-  using U = typename Vec<W>::U;
-  // Independent sums per row, so that the adds do not wait on each other (4-cycle latency).
-  constexpr int P = R >= 8 ? 1 : 8 / R;
+  using F = typename GemvVec<W>::F;
+  using U = typename GemvVec<W>::U;
+  constexpr int P = tandem_cpu::gemv_partials<R>();
   const int64_t groups = K / kGroup;
   F acc[R];
   for (int r = 0; r < R; ++r) acc[r] = F{};
   for (int64_t g = 0; g < groups; ++g) {
     U so;
-    std::memcpy(&so, scale_offset + g * kChannels, sizeof(so));
+    std::memcpy(&so, scale_offset + g * kGemvChannels, sizeof(so));
     const F scale = half_to_float<W>(so & 0xffffu);
     const F offset = half_to_float<W>(so >> 16);
     F part[R][P];
@@ -74,7 +64,7 @@ TANDEM_INLINE void channels(const uint32_t* values, const uint32_t* scale_offset
       for (int p = 0; p < P; ++p) part[r][p] = F{};
     for (int l = 0; l < kGroup / 8; ++l) {
       U lanes;
-      std::memcpy(&lanes, values + (g * (kGroup / 8) + l) * kChannels, sizeof(lanes));
+      std::memcpy(&lanes, values + (g * (kGroup / 8) + l) * kGemvChannels, sizeof(lanes));
       const int64_t col = g * kGroup + l * 8;
       for (int k = 0; k < 8; ++k) {
         const F v = __builtin_convertvector((lanes >> (4 * k)) & 15u, F);
@@ -94,47 +84,16 @@ TANDEM_INLINE void channels(const uint32_t* values, const uint32_t* scale_offset
 template <int W, int R>
 TANDEM_INLINE void block(const uint32_t* values, const uint32_t* scale_offset, const float* x, const float* xsum,
                          int64_t K, int64_t N, float* out) {
-  for (int s = 0; s < kChannels; s += W) channels<W, R>(values + s, scale_offset + s, x, xsum, K, N, out + s);
+  for (int s = 0; s < kGemvChannels; s += W) channels<W, R>(values + s, scale_offset + s, x, xsum, K, N, out + s);
 }
 
 using BlockFn = void (*)(const uint32_t*, const uint32_t*, const float*, const float*, int64_t, int64_t, float*);
+TANDEM_GEMV_TABLE(int4_blocks, BlockFn, block,
+                  (const uint32_t* v, const uint32_t* so, const float* x, const float* xsum, int64_t K, int64_t N,
+                   float* out),
+                  (v, so, x, xsum, K, N, out))
 
-// One entry point per (ISA, rows): rows a template argument, so the accumulators stay in registers.
-#define TANDEM_BLOCK_FN(NAME, TARGET, W)                                                                 \
-  template <int R>                                                                                      \
-  TARGET void NAME(const uint32_t* values, const uint32_t* so, const float* x, const float* xsum, int64_t K, \
-                   int64_t N, float* out) {                                                             \
-    block<W, R>(values, so, x, xsum, K, N, out);                                                        \
-  }
-
-TANDEM_BLOCK_FN(block_base, , 4)
-#if defined(__x86_64__) && defined(__GNUC__)
-TANDEM_BLOCK_FN(block_avx2, __attribute__((target("avx2,fma"))), 8)
-TANDEM_BLOCK_FN(block_avx512, __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"))), 16)
-#endif
-
-#define TANDEM_ROWS_TABLE(FN) {FN<1>, FN<2>, FN<3>, FN<4>, FN<5>, FN<6>, FN<7>, FN<8>}
-
-struct Picked {
-  BlockFn by_rows[kMaxRows];
-  const char* name;
-};
-
-Picked pick() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
-    return {TANDEM_ROWS_TABLE(block_avx512), "avx512"};
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-    return {TANDEM_ROWS_TABLE(block_avx2), "avx2"};
-#endif
-  return {TANDEM_ROWS_TABLE(block_base), "baseline"};
-}
-
-const Picked& picked() {
-  static const Picked p = pick();
-  return p;
-}
+const tandem_cpu::Isa kIsa = tandem_cpu::detect_isa();
 
 }  // namespace
 
@@ -143,33 +102,36 @@ const Picked& picked() {
 torch::Tensor int4_gemv(torch::Tensor x, torch::Tensor values, torch::Tensor scale_offset) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "x: [M, K] float32");
   TORCH_CHECK(values.dim() == 3 && values.scalar_type() == torch::kInt32 && values.is_contiguous() &&
-              values.size(2) == kChannels, "values: [N / 16, K / 8, 16] contiguous int32");
-  const int64_t M = x.size(0), K = x.size(1), num_blocks = values.size(0), N = num_blocks * kChannels;
+              values.size(2) == kGemvChannels, "values: [N / 16, K / 8, 16] contiguous int32");
+  const int64_t M = x.size(0), K = x.size(1), num_blocks = values.size(0), N = num_blocks * kGemvChannels;
   TORCH_CHECK(K % kGroup == 0 && values.size(1) * 8 == K, "int4_gemv: x has ", K, " columns, the weight ",
               values.size(1) * 8);
   TORCH_CHECK(scale_offset.scalar_type() == torch::kInt32 && scale_offset.is_contiguous() &&
-              scale_offset.sizes() == torch::IntArrayRef({num_blocks, K / kGroup, kChannels}),
+              scale_offset.sizes() == torch::IntArrayRef({num_blocks, K / kGroup, kGemvChannels}),
               "scale_offset: [N / 16, K / 32, 16] contiguous int32");
   const auto xc = x.contiguous();
-  const auto xsum = xc.view({M, K / kGroup, kGroup}).sum(-1).contiguous();  // for the offsets
+  // Each group's sum of activations, for the offsets' term (a loop: cheaper than torch's sum here).
+  auto xsum = torch::empty({M, K / kGroup}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  float* sums = xsum.data_ptr<float>();
+  for (int64_t i = 0; i < M * (K / kGroup); ++i) {
+    float sum = 0.0f;
+    for (int64_t c = 0; c < kGroup; ++c) sum += xp[i * kGroup + c];
+    sums[i] = sum;
+  }
   auto out = torch::empty({M, N}, x.options());
-  const Picked& p = picked();
+  const BlockFn* fns = int4_blocks(kIsa);
   const auto* v = reinterpret_cast<const uint32_t*>(values.data_ptr<int32_t>());
   const auto* so = reinterpret_cast<const uint32_t*>(scale_offset.data_ptr<int32_t>());
-  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      // A block's weight stays in cache while every block of activation rows passes over it.
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-        const int64_t rows = std::min(kMaxRows, M - m0);
-        p.by_rows[rows - 1](v + b * (K / 8) * kChannels, so + b * (K / kGroup) * kChannels,
-                            xc.data_ptr<float>() + m0 * K, xsum.data_ptr<float>() + m0 * (K / kGroup), K, N,
-                            out.data_ptr<float>() + m0 * N + b * kChannels);
-      }
+  float* o = out.data_ptr<float>();
+  tandem_cpu::for_each_block(num_blocks, M, [&](int64_t b, int64_t m0, int64_t rows) {
+    fns[rows - 1](v + b * (K / 8) * kGemvChannels, so + b * (K / kGroup) * kGemvChannels, xp + m0 * K,
+                  sums + m0 * (K / kGroup), K, N, o + m0 * N + b * kGemvChannels);
   });
   return out;
 }
 
-std::string isa() { return picked().name; }
+std::string isa() { return tandem_cpu::isa_name(kIsa); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_gemv", &int4_gemv, "weight-only int4 product for a few rows of float32 activations");

@@ -17,6 +17,7 @@ from tandem.kernels.attention_metadata import AttentionMetadata, DecodeGroup
 from tandem.kernels.paged_decode_attention import decode_group_plan
 from tandem.kvcache.swap_copier import KVSwapper
 from tandem.model.llama import LlamaModel
+from tandem.model.quantization import pack_for_cpu_kernels
 from tandem.sampling_params import SamplingParams
 
 
@@ -50,7 +51,10 @@ class ModelRunner:
             config.device)
         self.swapper = KVSwapper(self.kv_cache, config.num_swap_blocks)
         self.sampler = Sampler()
+        # The compiled CPU kernels loaded (built if missing) and their weight layouts made now,
+        # before any request: never on a step.
         ops.prepare_cpu_kernels(config.device, config.dtype)
+        pack_for_cpu_kernels(model.weights, config.device, config.dtype)
 
     def swap(self, batch: ScheduledBatch) -> None:
         """Copy the blocks the scheduler swaps out, then shared blocks the step writes

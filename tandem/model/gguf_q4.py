@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from tandem.model.int4 import Int4Weight, pack_int4, quantize_int4
-from tandem.model.quantization import Weight, quantize_lm_head, with_cpu_packs
+from tandem.model.quantization import Weight, quantize_lm_head, with_cpu_pack
 
 if TYPE_CHECKING:
     from tandem.config import ModelConfig
@@ -127,9 +127,9 @@ def keep_gguf_int4(weights: ModelWeights, config: ModelConfig, path: str, lm_hea
                 raise ValueError(f"{path}: {'+'.join(names)} is {tuple(w.shape)}, the loaded weight "
                                  f"{tuple(float_weight.shape)}: not the same model")
             kept += 1
-            return with_cpu_packs(w)
+            return with_cpu_pack(w)
         requantized += 1
-        return with_cpu_packs(quantize_int4(float_weight))
+        return with_cpu_pack(quantize_int4(float_weight))
 
     layers = []
     for i, layer in enumerate(weights.layers):

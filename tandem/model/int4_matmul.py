@@ -98,7 +98,7 @@ def int4_matmul(x2: torch.Tensor, w: Int4Weight, path: str | None = None) -> tor
     if path is None:
         path = choose_path(x2.shape[0], w, x2.dtype)
     if path == GEMV_F32:
-        return int4_gemv_cpu.int4_gemv_cpu(x2.float(), w.gemv_pack)
+        return w.gemv_pack.matmul(x2.float())
     if path == KERNEL:
         pack = w.cpu_pack
         # out: [M, out] bf16

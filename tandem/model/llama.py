@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.config import ModelConfig
-from tandem.kernels import ops
+from tandem.kernels import ops, rms_norm_cpu
 from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.model.quantization import Weight, linear, weight_bytes, weight_key
 
@@ -54,8 +54,10 @@ class ModelWeights:
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same operations as transformers' LlamaRMSNorm: statistics in float32.
-    if x.dtype == weight.dtype == torch.float32:  # torch's fused norm: the same values, one operation
-        return F.rms_norm(x, x.shape[-1:], weight, eps)
+    if x.dtype == weight.dtype == torch.float32:
+        if rms_norm_cpu.supports(x, weight) and rms_norm_cpu.load_extension() is not None:
+            return rms_norm_cpu.rms_norm_cpu(x, weight, eps)  # one compiled pass: a tenth of the time
+        return F.rms_norm(x, x.shape[-1:], weight, eps)  # torch's fused norm: the same values
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)

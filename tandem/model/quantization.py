@@ -59,9 +59,10 @@ import torch
 import torch.nn.functional as F
 
 from tandem.config_names import QUANTIZATION_METHODS
-from tandem.kernels import int4_gemv_cpu
+from tandem.kernels import int4_gemv_cpu, int8_gemv_cpu, ops
+from tandem.kernels.int8_gemv_cpu import Int8GemvPack
 from tandem.model.int4 import Int4Weight, quantize_int4
-from tandem.model.int4_matmul import int4_matmul
+from tandem.model.int4_matmul import GEMV_MAX_TOKENS, int4_matmul
 
 if TYPE_CHECKING:
     from tandem.model.llama import ModelWeights
@@ -95,6 +96,11 @@ class Int8Weight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """-> [out, in] in ``dtype`` (scales multiplied in float32 first)."""
         return (self.qweight.float() * self.scale[:, None]).to(dtype)
+
+    @functools.cached_property
+    def gemv_pack(self) -> Int8GemvPack:
+        """tandem's CPU kernel layout of this weight (kernels/int8_gemv_cpu.py), built once per instance."""
+        return int8_gemv_cpu.pack(self.qweight, self.scale)
 
     def rows(self, start: int, end: int) -> Int8Weight:
         """Output channels ``start:end`` (a column-parallel shard) with their scales."""
@@ -136,13 +142,25 @@ def _use_kernel(num_tokens: int, w: Int8Weight) -> bool:
     return num_tokens <= limit
 
 
+def uses_gemv(x2: torch.Tensor, w: Int8Weight) -> bool:
+    """Whether tandem's CPU int8 kernel runs this product (float32 CPU rows, a shape it takes):
+    measured 1.2x torch's kernel at 1 row and 2x at 8 to 32 (LM head and layer shapes), so up
+    to the int4 kernel's bound."""
+    return (x2.dtype == torch.float32 and x2.device.type == "cpu" and x2.shape[0] <= GEMV_MAX_TOKENS
+            and w.qweight.device.type == "cpu" and int8_gemv_cpu.takes(*w.shape)
+            and int8_gemv_cpu.load_extension() is not None)
+
+
 def int8_matmul(x2: torch.Tensor, w: Int8Weight, use_kernel: bool | None = None) -> torch.Tensor:
     """x2: [M, in] float -> [M, out] float32: ``x2 @ (qweight * scale[:, None]).T``.
 
     The product runs in bf16 (float16 for float16 activations): float32 activations are
     rounded to bf16, the int8 values are exact in it, and the scales multiply the result in
-    float32. use_kernel None: the faster way for M (see the table above).
+    float32; except that float32 activations on the CPU take tandem's kernel (uses_gemv), in
+    float32 throughout. use_kernel None: the faster way for M (see the table above).
     """
+    if use_kernel is None and uses_gemv(x2, w):
+        return w.gemv_pack.matmul(x2)
     xc = x2 if x2.dtype in (torch.bfloat16, torch.float16) else x2.to(torch.bfloat16)
     if use_kernel is None:
         use_kernel = _use_kernel(x2.shape[0], w)
@@ -160,12 +178,13 @@ def quantized_matmul(x2: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     kernel dispatch says Triton (CUDA tensors, or TANDEM_ATTENTION_BACKEND=triton); every
     other product takes the torch paths measured above.
     """
-    from tandem.kernels import ops  # lazily: the kernels package is not needed to build weights
-
     if x2.shape[0] <= TRITON_MAX_TOKENS and ops.backend_for(x2) is ops.Backend.TRITON:
         if isinstance(w, Int4Weight):
             return ops.int4_gemv(x2, w.qweight, w.scale, w.offset, w.group_size)
         return ops.int8_gemv(x2, w.qweight, w.scale)
+    pack = vars(w).get("gemv_pack")  # made as a float32 CPU engine starts (pack_for_cpu_kernels)
+    if pack is not None and x2.dtype == torch.float32 and x2.shape[0] <= GEMV_MAX_TOKENS:
+        return pack.matmul(x2)  # what the paths below pick too, without their checks on every call
     if isinstance(w, Int4Weight):
         return int4_matmul(x2, w)
     return int8_matmul(x2, w)
@@ -179,10 +198,12 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torc
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
     # out: [M, out] float32
-    out = quantized_matmul(x.reshape(-1, x.shape[-1]), w)
+    out = quantized_matmul(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), w)
     if bias is not None:
         out = out + bias
-    return out.to(x.dtype).reshape(*x.shape[:-1], out.shape[-1])
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
 
 
 def weight_bytes(w: Weight) -> int:
@@ -198,19 +219,39 @@ def weight_key(w: Weight) -> int:
     return (w.qweight if isinstance(w, (Int8Weight, Int4Weight)) else w).data_ptr()
 
 
-def with_cpu_packs(w: Int4Weight) -> Int4Weight:
-    """``w``, its CPU kernels' layouts built now (where they take it) so that the first decode
-    step does not pay for them: torch's (bf16 activations) and tandem's (float32 activations)."""
+def with_cpu_pack(w: Int4Weight) -> Int4Weight:
+    """``w``, torch's CPU kernel layout built now (where it has one) so that the first decode
+    step does not pay for it."""
     if w.has_cpu_kernel:
         w.cpu_pack  # noqa: B018 (a cached property: built once, kept on the instance)
-    if w.qweight.device.type == "cpu" and int4_gemv_cpu.takes(*w.shape, w.group_size):
-        w.gemv_pack  # noqa: B018
     return w
+
+
+def pack_for_cpu_kernels(weights: ModelWeights, device: torch.device, dtype: torch.dtype) -> None:
+    """Build tandem's CPU kernel layouts of the quantized weights now, where an engine on
+    `device` in `dtype` will run them (float32 on the CPU), so the first step does not pay."""
+    if device.type != "cpu" or dtype != torch.float32:
+        return
+    for layer in weights.layers:
+        for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+            _pack_for_gemv(w)
+    _pack_for_gemv(weights.lm_head)
+
+
+def _pack_for_gemv(w: Weight) -> None:
+    if isinstance(w, Int4Weight) and int4_gemv_cpu.takes(*w.shape, w.group_size):
+        if int4_gemv_cpu.load_extension() is not None:
+            w.gemv_pack  # noqa: B018 (a cached property: built once, kept on the instance)
+            # float32 products never read torch's layout (tandem's kernel, or dequantizing above its bound)
+            w.__dict__.pop("cpu_pack", None)
+    elif isinstance(w, Int8Weight) and int8_gemv_cpu.takes(*w.shape):
+        if int8_gemv_cpu.load_extension() is not None:
+            w.gemv_pack  # noqa: B018
 
 
 QUANTIZERS: dict[str, tuple[type, Callable[[torch.Tensor], QuantizedWeight]]] = {
     "int8": (Int8Weight, quantize_int8),
-    "int4": (Int4Weight, lambda w: with_cpu_packs(quantize_int4(w))),
+    "int4": (Int4Weight, lambda w: with_cpu_pack(quantize_int4(w))),
 }
 LM_HEAD_METHOD = {"int8": "int8", "int4": "int8"}
 """How each method quantizes the LM head. int4's is int8: on SmolLM2-135M-Instruct (1024

@@ -27,7 +27,7 @@ def test_matches_float64(kernel, num_rows, out_features, in_features, group_size
     gen = torch.Generator().manual_seed(num_rows * 100 + out_features)
     w = quantize_int4(torch.randn(out_features, in_features, generator=gen), group_size)
     x = torch.randn(num_rows, in_features, generator=gen)
-    out = cpu_int4.int4_gemv_cpu(x, w.gemv_pack)
+    out = w.gemv_pack.matmul(x)
     assert out.dtype == torch.float32 and out.shape == (num_rows, out_features)
     expected = x.double() @ w.dequantize(torch.float64).T
     scale = w.scale.double().repeat_interleave(group_size, dim=1)
@@ -40,16 +40,16 @@ def test_matches_float64(kernel, num_rows, out_features, in_features, group_size
 def test_a_strided_activation_is_taken(kernel):
     w = quantize_int4(torch.randn(64, 128))
     x = torch.randn(3, 256)[:, ::2]  # not contiguous
-    torch.testing.assert_close(cpu_int4.int4_gemv_cpu(x, w.gemv_pack),
+    torch.testing.assert_close(w.gemv_pack.matmul(x),
                                x @ w.dequantize().T, rtol=1e-5, atol=1e-4)
 
 
 def test_bad_shapes_are_refused(kernel):
     w = quantize_int4(torch.randn(64, 128))
     with pytest.raises(RuntimeError, match="float32"):
-        cpu_int4.int4_gemv_cpu(torch.randn(2, 128).bfloat16(), w.gemv_pack)
+        w.gemv_pack.matmul(torch.randn(2, 128).bfloat16())
     with pytest.raises(RuntimeError, match="x has 64 columns, the weight 128"):
-        cpu_int4.int4_gemv_cpu(torch.randn(2, 64), w.gemv_pack)
+        w.gemv_pack.matmul(torch.randn(2, 64))
 
 
 def test_the_product_picks_it_for_float32_decode_rows_only(kernel):

@@ -244,7 +244,11 @@ def test_greedy_agreement_with_float32(make_llm, loaded, tokenizer):
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     reference = [o.token_ids for o in make_llm().generate(prompts, params)]
     llm = make_llm(quantization="int4")
-    assert isinstance(llm.engine.runner.model.weights.layers[0].qkv_proj, Int4Weight)
+    weights = llm.engine.runner.model.weights
+    assert isinstance(weights.layers[0].qkv_proj, Int4Weight)
+    # A float32 CPU engine runs tandem's int4 and int8 kernels, their layouts made as it started.
+    assert "gemv_pack" in vars(weights.layers[0].qkv_proj) and "cpu_pack" not in vars(weights.layers[0].qkv_proj)
+    assert isinstance(weights.lm_head, Int8Weight) and "gemv_pack" in vars(weights.lm_head)
     outputs = [o.token_ids for o in llm.generate(prompts, params)]
     same = sum(a == b for out, ref in zip(outputs, reference) for a, b in zip(out, ref)) / (32 * len(prompts))
     forced = forced_agreement(loaded, "float32", prompts, reference, quantization="int4")
