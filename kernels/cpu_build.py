@@ -114,12 +114,15 @@ def load_or_none(ext: CpuExtension, what: str, fallback: str) -> ModuleType | No
     with _lock:
         if ext.name not in _modules and ext.name not in _failed:
             try:
-                logger.info("%s loaded (%s code)", what, load(ext).isa())
+                module = load(ext)
             except Exception as e:  # noqa: BLE001 - every failure means "run the torch path"
                 # A compiler's complaint comes last in the message: keep its tail.
                 logger.warning("%s unavailable (%s: %s); %s", what, type(e).__name__, str(e).strip()[-1500:],
                                fallback)
                 _failed.add(ext.name)
+            else:
+                isa = module.isa() if hasattr(module, "isa") else "portable"  # the kernels that pick one say which
+                logger.info("%s loaded (%s code)", what, isa)
         return _modules.get(ext.name)
 
 
