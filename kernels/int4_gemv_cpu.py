@@ -1,11 +1,11 @@
 """Weight-only int4 products on the CPU for a few rows of float32 activations: a small C++
-kernel (csrc/int4_gemv_cpu.cpp) that reads the packed Q4_1 weight once per call.
+kernel (csrc/int4_gemv_cpu.cpp) that reads the Q4_1 weight once per call.
 
 torch's own CPU int4 kernel (``_weight_int4pack_mm_for_cpu``, int4_matmul.py) rounds the
 activations and the scales to bfloat16; this one keeps float32 activations and the file's
 float16 scales and offsets, over a copy of the weight packed once for it (`pack`: 16 output
-channels interleaved, so each vector load feeds 16 outputs). Built with the attention kernel by `make install`
-(cpu_build.py); the torch reference (int4_gemv.py) runs where it cannot be built.
+channels interleaved, so each vector load feeds 16 outputs). Built with the other CPU kernels
+by `make install` (cpu_build.py); torch's kernel runs where it cannot be built.
 """
 
 from __future__ import annotations

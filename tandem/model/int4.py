@@ -8,9 +8,10 @@ is kept as it is rather than dequantized.
 Two values share a byte: column ``2j`` in the low nibble, ``2j + 1`` in the high one.
 
 On CPU a weight also has ``cpu_pack`` and ``gemv_pack``: the same values in the layouts of
-torch's int4 kernel (``_weight_int4pack_mm_for_cpu``) and of tandem's, built on first use and cached on the instance, so that a
-shard, a stacked weight or a ``dataclasses.replace`` copy (new instances) never reuses a
-pack made for other values. See int4_matmul.py for which product runs when.
+torch's int4 kernel (``_weight_int4pack_mm_for_cpu``) and of tandem's (kernels/int4_gemv_cpu.py),
+built on first use and cached on the instance, so that a shard, a stacked weight or a
+``dataclasses.replace`` copy (new instances) never reuses a pack made for other values. See
+int4_matmul.py for which product runs when.
 """
 
 from __future__ import annotations
