@@ -31,7 +31,9 @@ def host_runner(pad_decode: bool = False) -> ModelRunner:
     """A runner whose prepare() builds host inputs (its model is never run: a stub)."""
     config = EngineConfig.build(TINY, device="cpu", dtype="float32", block_size=4, num_kv_blocks=16,
                                 max_model_len=64)
-    return ModelRunner(config, types.SimpleNamespace(num_kv_heads=TINY.num_kv_heads), pad_decode=pad_decode)
+    weights = types.SimpleNamespace(layers=[], lm_head=None)  # nothing for the CPU kernels to pack
+    return ModelRunner(config, types.SimpleNamespace(num_kv_heads=TINY.num_kv_heads, weights=weights),
+                       pad_decode=pad_decode)
 
 
 def batch_of(specs: list[tuple[int, int, list[int]]], num_new: list[int]) -> ScheduledBatch:
