@@ -28,9 +28,8 @@ def test_the_key_follows_sources_headers_and_flags(tmp_path):
     assert ext.key() != key
 
 
-def test_a_missing_library_is_not_built_when_that_is_not_allowed(monkeypatch, tmp_path):
-    monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(cpu_build, "_modules", {})
+def test_a_missing_library_is_not_built_when_that_is_not_allowed(empty_kernel_cache):
+    tmp_path = empty_kernel_cache
     assert not cpu_build.is_built(EXTENSION)
     with pytest.raises(FileNotFoundError, match="python -m tandem.kernels.cpu_build"):
         cpu_build.load(EXTENSION, build_if_missing=False)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.kernels import cpu_build
 from tandem.kernels import int4_gemv_cpu as cpu_int4
 from tandem.model import int4_matmul as int4_paths
 from tandem.model.int4 import quantize_int4
@@ -62,12 +61,8 @@ def test_the_product_picks_it_for_float32_decode_rows_only(kernel):
     assert int4_paths.choose_path(1, quantize_int4(torch.randn(40, 96)), torch.float32) != int4_paths.GEMV_F32
 
 
-def test_without_the_kernel_torchs_runs(monkeypatch, tmp_path, caplog):
+def test_without_the_kernel_torchs_runs(no_compiler, caplog):
     """As on a machine where it cannot be built: one warning, torch's kernel, same values."""
-    monkeypatch.setattr(cpu_build, "_modules", {})
-    monkeypatch.setattr(cpu_build, "_failed", set())
-    monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(cpu_build, "_compile", lambda ext: (_ for _ in ()).throw(RuntimeError("no compiler")))
     w = quantize_int4(torch.randn(64, 128))
     x = torch.randn(2, 128)
     assert int4_paths.choose_path(1, w, torch.float32) == int4_paths.KERNEL

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tandem.kernels import cpu_build
 from tandem.kernels import int8_gemv_cpu as cpu_int8
 from tandem.model import quantization
 from tandem.model.quantization import int8_matmul, quantize_int8
@@ -55,11 +54,7 @@ def test_the_product_takes_it_for_float32_cpu_rows_only(kernel):
     torch.testing.assert_close(int8_matmul(x, w), w.gemv_pack.matmul(x), rtol=0, atol=0)
 
 
-def test_without_the_kernel_torchs_runs(monkeypatch, tmp_path, caplog):
-    monkeypatch.setattr(cpu_build, "_modules", {})
-    monkeypatch.setattr(cpu_build, "_failed", set())
-    monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))
-    monkeypatch.setattr(cpu_build, "_compile", lambda ext: (_ for _ in ()).throw(RuntimeError("no compiler")))
+def test_without_the_kernel_torchs_runs(no_compiler, caplog):
     w = quantize_int8(torch.randn(32, 64))
     x = torch.randn(2, 64)
     assert not quantization.uses_gemv(x, w)

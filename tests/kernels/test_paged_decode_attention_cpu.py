@@ -108,16 +108,13 @@ def test_unsupported_dtype_runs_the_torch_reference(monkeypatch):
     check(4, 2, [3, 40], torch.float16, 16, seed=1)
 
 
-def test_failed_build_falls_back_to_torch_with_one_warning(monkeypatch, caplog, tmp_path):
+def test_failed_build_falls_back_to_torch_with_one_warning(empty_kernel_cache, monkeypatch, caplog):
+    """As in a fresh process on a machine where `make install` could not build it."""
     from torch.utils import cpp_extension
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
-    # As in a fresh process on a machine where `make install` could not build it.
-    monkeypatch.setattr(cpu_build, "_modules", {})
-    monkeypatch.setattr(cpu_build, "_failed", set())
-    monkeypatch.setenv(cpu_build.CACHE_ENV, str(tmp_path))
     monkeypatch.setattr(cpp_extension, "load", no_compiler)
     with caplog.at_level(logging.WARNING, logger=cpu_build.__name__):
         check(9, 3, [1, 30, 100], torch.float32, 16, seed=2)

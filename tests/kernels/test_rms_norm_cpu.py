@@ -47,12 +47,10 @@ def test_other_dtypes_are_refused(kernel):
     assert not rms_norm_cpu.supports(torch.randn(2, 8).bfloat16(), torch.randn(8))
 
 
-def test_it_loads_without_a_warning(kernel, monkeypatch, caplog):
+def test_it_loads_without_a_warning(kernel, fresh_kernel_state, caplog):
     """As in a fresh process that finds it built."""
     from tandem.kernels import cpu_build
 
-    monkeypatch.setattr(cpu_build, "_modules", {})
-    monkeypatch.setattr(cpu_build, "_failed", set())
     with caplog.at_level("INFO", logger=cpu_build.__name__):
         assert rms_norm_cpu.load_extension() is not None
     assert [r.getMessage() for r in caplog.records] == ["CPU RMSNorm kernel loaded (portable code)"]
