@@ -13,6 +13,7 @@ from tandem.engine.engine import LLMEngine
 from tandem.engine.hooks import PrefillHooks
 from tandem.engine.model_runner import KVAllocator, ModelRunner, private_pool
 from tandem.engine.snapshots import EngineInventory
+from tandem.engine.step_threads import StepThreads
 from tandem.engine_options import ENGINE_DEFAULTS
 from tandem.model.dtypes import DTYPES
 from tandem.model.fingerprint import model_fingerprint
@@ -59,6 +60,8 @@ class Worker:
         tokenizer = loaded.tokenizer if self.role is not Role.PREFILL else None  # prefill emits no text
         self.engine = LLMEngine(config, started.model, tokenizer, runner=started.runner,
                                 hooks=self._prefill_hooks(started.runner))
+        if config.device.type == "cpu":
+            self.engine.runner.step_threads = StepThreads.for_served_worker(torch.get_num_threads())
         self.metrics = WorkerMetrics(self.role, instance, loaded.config.name, self.engine)
         self.engine.observer = self.metrics
         self.loop = self._start_loop()
