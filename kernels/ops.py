@@ -16,7 +16,7 @@ import os
 
 import torch
 
-from tandem.kernels import rms_norm_cpu
+from tandem.kernels import layer_ops_cpu
 from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.int4_gemv import int4_gemv_torch
 from tandem.kernels.int8_gemv import int8_gemv_torch
@@ -85,7 +85,7 @@ def decode_attention_backend(q: torch.Tensor) -> Backend:
 
 def prepare_cpu_kernels(device: torch.device, dtype: torch.dtype) -> None:
     """Load the compiled CPU kernels an engine on `device` in `dtype` would use (decode
-    attention, RMSNorm): at start-up (building them if `make install` did not), never on a
+    attention, the layer kernels): at start-up (building them if `make install` did not), never on a
     request's step. (The GEMV kernels load as the weights are packed for them.)"""
     if device.type != "cpu":
         return
@@ -93,7 +93,7 @@ def prepare_cpu_kernels(device: torch.device, dtype: torch.dtype) -> None:
     if decode_attention_backend(like_q) is Backend.CPU_KERNEL:
         load_extension()
     if dtype == torch.float32:
-        rms_norm_cpu.load_extension()
+        layer_ops_cpu.load_extension()
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,5 +1,6 @@
 """Where one decode step's time goes, part by part: scheduling, metadata, each projection,
-the KV store, attention, the other layer work (norms, RoPE, residuals, embedding), sampling,
+norms with the residual adds, RoPE with the KV store, SiLU * up, attention, the rest of the
+forward (embedding, views, the all-reduce hooks), sampling,
 the sequences' update with detokenization, and the Python left between them; beside the
 step's memory floor (weight + KV bytes read / the copy bandwidth measured in the same run).
 
@@ -25,6 +26,7 @@ from tandem.model import llama
 from tandem.sampling_params import SamplingParams
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+LAYER_PARTS = ("norms + residual adds", "RoPE + KV store", "SiLU * up", "attention")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -63,8 +65,10 @@ def timed_parts(llm: LLM, timer: PartTimer) -> Iterator[None]:
     names[id(weights.lm_head)] = "lm_head"
     patches = [
         (llama, "linear", timer.wrap(lambda x, w, bias=None: names.get(id(w), "other products"), llama.linear)),
-        (llama, "rms_norm", timer.wrap("norms", llama.rms_norm)),
-        (ops, "store_kv", timer.wrap("KV store", ops.store_kv)),
+        (llama, "rms_norm", timer.wrap("norms + residual adds", llama.rms_norm)),
+        (llama, "add_rms_norm", timer.wrap("norms + residual adds", llama.add_rms_norm)),
+        (llama, "rope_and_store_kv", timer.wrap("RoPE + KV store", llama.rope_and_store_kv)),
+        (llama, "silu_mul", timer.wrap("SiLU * up", llama.silu_mul)),
         (ops, "attention", timer.wrap("attention", ops.attention)),
         (engine.scheduler, "schedule", timer.wrap("schedule", engine.scheduler.schedule)),
         (engine.scheduler, "update", timer.wrap("update + detokenize", engine.scheduler.update)),
@@ -105,8 +109,7 @@ def profile(llm: LLM, batch_size: int, context: int, num_steps: int) -> tuple[di
     for request_id in list(engine.sequences):
         engine.abort_request(request_id)
     parts = {name: s / num_steps * 1e3 for name, s in timer.seconds.items()}
-    inner = sum(v for k, v in parts.items() if k in (*PROJECTIONS, "lm_head", "other products", "norms",
-                                                          "KV store", "attention"))
+    inner = sum(v for k, v in parts.items() if k in (*PROJECTIONS, "lm_head", "other products", *LAYER_PARTS))
     parts["rest of the forward"] = parts.pop("forward") - inner
     parts["Python between"] = total - sum(parts.values())
     return parts, total

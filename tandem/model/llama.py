@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from tandem.config import ModelConfig
-from tandem.kernels import ops, rms_norm_cpu
+from tandem.kernels import ops
 from tandem.kernels.attention_metadata import AttentionMetadata
+from tandem.model.layer_ops import add_rms_norm, rms_norm, rope_and_store_kv, silu_mul
 from tandem.model.quantization import Weight, linear, weight_bytes, weight_key
 
 
@@ -52,22 +52,6 @@ class ModelWeights:
         return sum(seen.values())
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same operations as transformers' LlamaRMSNorm: statistics in float32.
-    if x.dtype == weight.dtype == torch.float32:
-        if rms_norm_cpu.supports(x, weight) and rms_norm_cpu.load_extension() is not None:
-            return rms_norm_cpu.rms_norm_cpu(x, weight, eps)  # one compiled pass: a tenth of the time
-        return F.rms_norm(x, x.shape[-1:], weight, eps)  # torch's fused norm: the same values
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class LlamaModel:
     """A Llama-family decoder whose attention reads and writes a paged KV cache.
 
@@ -86,7 +70,6 @@ class LlamaModel:
         self.all_reduce = all_reduce if all_reduce is not None else (lambda t: t)
         self.scale = config.head_dim ** -0.5
         self.q_size = self.num_heads * config.head_dim
-        self.kv_size = self.num_kv_heads * config.head_dim
         dtype = weights.embed_tokens.dtype
         # cos, sin: [max_model_len, head_dim], computed as transformers does (float32).
         positions = torch.arange(max_model_len, dtype=torch.float32, device=weights.rope_inv_freq.device)
@@ -117,33 +100,29 @@ class LlamaModel:
         """
         cfg, w = self.config, self.weights
         num_tokens = input_ids.shape[0]
-        # cos, sin: [num_tokens, 1, head_dim], broadcast over heads
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        # h: [num_tokens, hidden]
+        eps = cfg.rms_norm_eps
+        # cos, sin: [num_tokens, head_dim], each token's position's
+        cos, sin = self.cos[positions], self.sin[positions]
+        # h: [num_tokens, hidden], the residual stream; x: its normalised input to the next block
         h = w.embed_tokens[input_ids]
+        x = rms_norm(h, w.layers[0].input_norm, eps)
         for layer_idx, lw in enumerate(w.layers):
-            x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
-            qkv = linear(x, lw.qkv_proj, lw.qkv_bias)
-            qk, v = qkv.split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-            # qk: [num_tokens, num_heads + num_kv_heads, head_dim]: RoPE on q and k at once (the
-            # same arithmetic per element as on each: half the operations of a step's layer)
-            qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, cfg.head_dim)
-            qk = qk * cos + rotate_half(qk) * sin
-            # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            v = v.view(num_tokens, self.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = kv_cache[layer_idx]
-            ops.store_kv(k, v, k_cache, v_cache, meta)
+            # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+            q, k, v = rope_and_store_kv(linear(x, lw.qkv_proj, lw.qkv_bias), cos, sin, k_cache, v_cache, meta,
+                                        self.num_heads, self.num_kv_heads)
             if on_layer_stored is not None:
                 on_layer_stored(layer_idx)
             attn = ops.attention(q, k, v, k_cache, v_cache, meta, self.scale)
-            h = h + self.all_reduce(linear(attn.reshape(num_tokens, self.q_size), lw.o_proj))
-            x = rms_norm(h, lw.post_attention_norm, cfg.rms_norm_eps)
-            gate, up = linear(x, lw.gate_up_proj).chunk(2, dim=-1)
-            h = h + self.all_reduce(linear(F.silu(gate) * up, lw.down_proj))
+            h, x = add_rms_norm(h, self.all_reduce(linear(attn.reshape(num_tokens, self.q_size), lw.o_proj)),
+                                lw.post_attention_norm, eps)
+            mlp = self.all_reduce(linear(silu_mul(linear(x, lw.gate_up_proj)), lw.down_proj))
+            if layer_idx + 1 < len(w.layers):
+                h, x = add_rms_norm(h, mlp, w.layers[layer_idx + 1].input_norm, eps)
+            else:
+                h = h + mlp
         if logits_indices is None:
             return None
         # Only the rows that are sampled go through the final norm and the LM head.
-        h = rms_norm(h[logits_indices], w.norm, cfg.rms_norm_eps)
+        h = rms_norm(h[logits_indices], w.norm, eps)
         return linear(h, w.lm_head).float()
