@@ -1,10 +1,13 @@
 """A layer's operations around its projections and attention: RMSNorm, the residual add with
-the next norm, RoPE with the KV store, SwiGLU's product. Each runs the compiled CPU kernel
-(tandem.kernels.layer_ops_cpu) on float32 CPU tensors where it is built, and torch otherwise:
-the torch paths here are the reference (transformers' arithmetic), and the GPU's path.
+the next norm, RoPE with the KV store, SwiGLU's product. Each runs the compiled CPU kernels
+(tandem.kernels.layer_ops_cpu) when given them (`kernels`: a float32 CPU model's, chosen once
+as it is built), and torch otherwise: the torch paths here are the reference (transformers'
+arithmetic), and the GPU's path.
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -26,12 +29,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
-def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 kernels: ModuleType | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The residual add and the next norm. h, delta: [T, H] -> (h + delta, rms_norm of it);
     the kernel adds into ``h`` in place (a step's own residual stream)."""
-    kernels = kernels_for(h, delta, weight) if h.is_contiguous() else None
-    if kernels is not None:
+    if kernels is not None and h.is_contiguous():
         return h, kernels.add_rms_norm(h, delta, weight, eps)
     h = h + delta
     return h, rms_norm(h, weight, eps)
@@ -43,8 +45,8 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_and_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int,
-                      num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      v_cache: torch.Tensor, meta: AttentionMetadata, num_heads: int, num_kv_heads: int,
+                      kernels: ModuleType | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RoPE on the query and key heads of a QKV projection, and the keys and values into their
     cache slots (meta.slot_mapping).
 
@@ -52,7 +54,6 @@ def rope_and_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k
     k_cache, v_cache: [num_blocks, block_size, num_kv_heads, D]
     -> q: [T, num_heads, D]; k, v: [T, num_kv_heads, D] (rotated q and k)
     """
-    kernels = kernels_for(qkv, cos, sin, k_cache, v_cache)
     if kernels is not None and qkv.stride(-1) == 1:
         return kernels.rope_store_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, num_heads, num_kv_heads)
     num_tokens, head_dim = qkv.shape[0], cos.shape[-1]
@@ -67,9 +68,8 @@ def rope_and_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k
     return q, k, v
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul(gate_up: torch.Tensor, kernels: ModuleType | None) -> torch.Tensor:
     """SwiGLU's product: gate_up: [T, 2 * I] (gate, then up) -> silu(gate) * up: [T, I]."""
-    kernels = kernels_for(gate_up)
     if kernels is not None and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
         return kernels.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)

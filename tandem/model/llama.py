@@ -14,6 +14,7 @@ import torch
 
 from tandem.config import ModelConfig
 from tandem.kernels import ops
+from tandem.kernels.layer_ops_cpu import kernels_for
 from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.model.layer_ops import add_rms_norm, rms_norm, rope_and_store_kv, silu_mul
 from tandem.model.quantization import Weight, linear, weight_bytes, weight_key
@@ -77,6 +78,9 @@ class LlamaModel:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * weights.rope_attention_scaling).to(dtype)
         self.sin = (emb.sin() * weights.rope_attention_scaling).to(dtype)
+        self.layer_kernels = kernels_for(weights.embed_tokens)
+        """The compiled layer kernels for a float32 CPU model where they are built (else None:
+        torch's operations), chosen once: a step calls them ~100 times."""
 
     @torch.inference_mode()
     def forward(
@@ -100,7 +104,7 @@ class LlamaModel:
         """
         cfg, w = self.config, self.weights
         num_tokens = input_ids.shape[0]
-        eps = cfg.rms_norm_eps
+        eps, kernels = cfg.rms_norm_eps, self.layer_kernels
         # cos, sin: [num_tokens, head_dim], each token's position's
         cos, sin = self.cos[positions], self.sin[positions]
         # h: [num_tokens, hidden], the residual stream; x: its normalised input to the next block
@@ -110,15 +114,15 @@ class LlamaModel:
             k_cache, v_cache = kv_cache[layer_idx]
             # q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
             q, k, v = rope_and_store_kv(linear(x, lw.qkv_proj, lw.qkv_bias), cos, sin, k_cache, v_cache, meta,
-                                        self.num_heads, self.num_kv_heads)
+                                        self.num_heads, self.num_kv_heads, kernels)
             if on_layer_stored is not None:
                 on_layer_stored(layer_idx)
             attn = ops.attention(q, k, v, k_cache, v_cache, meta, self.scale)
             h, x = add_rms_norm(h, self.all_reduce(linear(attn.reshape(num_tokens, self.q_size), lw.o_proj)),
-                                lw.post_attention_norm, eps)
-            mlp = self.all_reduce(linear(silu_mul(linear(x, lw.gate_up_proj)), lw.down_proj))
+                                lw.post_attention_norm, eps, kernels)
+            mlp = self.all_reduce(linear(silu_mul(linear(x, lw.gate_up_proj), kernels), lw.down_proj))
             if layer_idx + 1 < len(w.layers):
-                h, x = add_rms_norm(h, mlp, w.layers[layer_idx + 1].input_norm, eps)
+                h, x = add_rms_norm(h, mlp, w.layers[layer_idx + 1].input_norm, eps, kernels)
             else:
                 h = h + mlp
         if logits_indices is None:

@@ -178,13 +178,13 @@ def quantized_matmul(x2: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     kernel dispatch says Triton (CUDA tensors, or TANDEM_ATTENTION_BACKEND=triton); every
     other product takes the torch paths measured above.
     """
+    pack = vars(w).get("gemv_pack")  # made as a float32 CPU engine starts (pack_for_cpu_kernels)
+    if pack is not None and x2.dtype == torch.float32 and x2.shape[0] <= GEMV_MAX_TOKENS:
+        return pack.matmul(x2)  # what the paths below pick too, without their checks on every call
     if x2.shape[0] <= TRITON_MAX_TOKENS and ops.backend_for(x2) is ops.Backend.TRITON:
         if isinstance(w, Int4Weight):
             return ops.int4_gemv(x2, w.qweight, w.scale, w.offset, w.group_size)
         return ops.int8_gemv(x2, w.qweight, w.scale)
-    pack = vars(w).get("gemv_pack")  # made as a float32 CPU engine starts (pack_for_cpu_kernels)
-    if pack is not None and x2.dtype == torch.float32 and x2.shape[0] <= GEMV_MAX_TOKENS:
-        return pack.matmul(x2)  # what the paths below pick too, without their checks on every call
     if isinstance(w, Int4Weight):
         return int4_matmul(x2, w)
     return int8_matmul(x2, w)
@@ -229,8 +229,9 @@ def with_cpu_pack(w: Int4Weight) -> Int4Weight:
 
 def pack_for_cpu_kernels(weights: ModelWeights, device: torch.device, dtype: torch.dtype) -> None:
     """Build tandem's CPU kernel layouts of the quantized weights now, where an engine on
-    `device` in `dtype` will run them (float32 on the CPU), so the first step does not pay."""
-    if device.type != "cpu" or dtype != torch.float32:
+    `device` in `dtype` will run them (float32 on the CPU, unless Triton is asked for), so the
+    first step does not pay."""
+    if device.type != "cpu" or dtype != torch.float32 or ops.requested_backend() is ops.Backend.TRITON:
         return
     for layer in weights.layers:
         for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):

@@ -55,7 +55,7 @@ def test_add_rms_norm_adds_in_place_and_normalises(kernel):
     delta = torch.randn(5, 1152, generator=gen)[:, :576]  # rows of a wider output
     weight = torch.randn(576, generator=gen)
     expected_h = h + delta  # torch's float32 add
-    h_out, x = layer_ops.add_rms_norm(h, delta, weight, 1e-5)
+    h_out, x = layer_ops.add_rms_norm(h, delta, weight, 1e-5, kernel)
     assert h_out is h  # the step's residual stream, added to in place
     torch.testing.assert_close(h, expected_h, rtol=0, atol=0)
     expected = rms_norm64(h, weight, 1e-5)
@@ -80,18 +80,17 @@ def rope_case(num_tokens: int, num_heads: int = 9, num_kv_heads: int = 3, head_d
     return qkv, cos, sin, k_cache, v_cache, meta
 
 
-@pytest.mark.parametrize("path", ["kernel", "torch"])
+@pytest.mark.parametrize("path", ["kernel", "torch"])  # torch: the path of other dtypes and devices
 @pytest.mark.parametrize("num_tokens", [1, 3, 17])
-def test_rope_and_store_kv_is_transformers_rope_to_the_bit(kernel, num_tokens, path, monkeypatch):
-    if path == "torch":  # the path of other dtypes and devices
-        monkeypatch.setattr(layer_ops, "kernels_for", lambda *tensors: None)
+def test_rope_and_store_kv_is_transformers_rope_to_the_bit(kernel, num_tokens, path):
     qkv, cos, sin, k_cache, v_cache, meta = rope_case(num_tokens, seed=num_tokens)
     q_in, k_in, v_in = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
     # transformers' apply_rotary_pos_emb on [batch, heads, tokens, head_dim]
     q_ref, k_ref = apply_rotary_pos_emb(q_in.reshape(num_tokens, 9, 64).transpose(0, 1)[None],
                                         k_in.reshape(num_tokens, 3, 64).transpose(0, 1)[None], cos[None], sin[None])
     v_ref = v_in.reshape(num_tokens, 3, 64).clone()
-    q, k, v = layer_ops.rope_and_store_kv(qkv, cos, sin, k_cache, v_cache, meta, 9, 3)
+    q, k, v = layer_ops.rope_and_store_kv(qkv, cos, sin, k_cache, v_cache, meta, 9, 3,
+                                          kernel if path == "kernel" else None)
     if path == "kernel":
         assert q.data_ptr() == qkv.data_ptr()  # views of the projection's output, rotated in place
     torch.testing.assert_close(q, q_ref[0].transpose(0, 1), rtol=0, atol=0)
@@ -116,7 +115,7 @@ def test_rope_and_store_kv_refuses_a_slot_outside_the_cache(kernel):
 def test_silu_mul_matches_float64(kernel, rows):
     gen = torch.Generator().manual_seed(rows)
     gate_up = torch.randn(rows, 2 * 1536, generator=gen) * 4
-    out = layer_ops.silu_mul(gate_up)
+    out = layer_ops.silu_mul(gate_up, kernel)
     g, u = gate_up.double().chunk(2, dim=-1)
     expected = g * torch.sigmoid(g) * u
     # exp, an add, a division and a product, each within an ulp or two of float32
@@ -137,3 +136,9 @@ def test_it_loads_without_a_warning(kernel, fresh_kernel_state, caplog):
     with caplog.at_level("INFO", logger=cpu_build.__name__):
         assert layer_ops_cpu.load_extension() is not None
     assert [r.getMessage() for r in caplog.records] == ["CPU layer kernels (RMSNorm, RoPE, SiLU) loaded (portable code)"]
+
+
+def test_a_float32_cpu_model_takes_them(kernel, loaded):
+    from tandem.model.llama import LlamaModel
+
+    assert LlamaModel(loaded.config, loaded.weights, 64).layer_kernels is kernel
