@@ -1,6 +1,6 @@
 """The small operations of a float32 layer on the CPU, each one compiled call
-(csrc/layer_ops_cpu.cpp): RMSNorm, the residual add with the next RMSNorm, RoPE with the KV
-store, and SwiGLU's silu(gate) * up. A decode step runs about twenty operations a layer on a
+(csrc/layer_ops_cpu.cpp): RMSNorm, the residual add with the next RMSNorm, and RoPE with the
+KV store. A decode step runs about twenty operations a layer on a
 handful of rows, where each of torch's costs ~5-10 us of dispatch on the 2-core machine against
 ~1 us of arithmetic. Their torch references are `tandem.model.layer_ops`' other paths, which
 pick these where the kernel is built (cpu_build.py) and the tensors are float32 CPU.
@@ -21,13 +21,13 @@ _csrc = Path(__file__).with_name("csrc")
 _openmp = ("-fopenmp",) if sys.platform.startswith("linux") else ()
 # -ffp-contract=off: no fused multiply-add, so that RoPE rounds as torch does (bit for bit).
 EXTENSION = CpuExtension("tandem_layer_ops_cpu", (_csrc / "layer_ops_cpu.cpp",),
-                         tuple(_csrc / h for h in ("rms_norm_cpu.h", "rope_cpu.h", "silu_mul_cpu.h")),
+                         (_csrc / "rms_norm_cpu.h", _csrc / "rope_cpu.h"),
                          ("-O3", "-ffp-contract=off", *_openmp), _openmp)
 
 
 def load_extension() -> ModuleType | None:
     """The compiled kernels, or None where they cannot be built (logged once)."""
-    return cpu_build.load_or_none(EXTENSION, "CPU layer kernels (RMSNorm, RoPE, SiLU)",
+    return cpu_build.load_or_none(EXTENSION, "CPU layer kernels (RMSNorm, RoPE)",
                                   "those operations run torch's")
 
 

@@ -11,7 +11,6 @@
 
 #include "rms_norm_cpu.h"
 #include "rope_cpu.h"
-#include "silu_mul_cpu.h"
 
 namespace {
 
@@ -117,25 +116,8 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_store_kv(
   return {q, k, v};
 }
 
-// gate_up: [M, 2 * I] float32 (gate columns, then up) -> silu(gate) * up: [M, I] float32.
-torch::Tensor silu_mul(torch::Tensor gate_up) {
-  check_float32(gate_up, "silu_mul: gate_up");
-  TORCH_CHECK(gate_up.size(-1) % 2 == 0, "silu_mul: an even last dimension");
-  const int64_t I = gate_up.size(-1) / 2;
-  check_rows(gate_up, 2 * I, "silu_mul: gate_up");
-  const int64_t rows = gate_up.size(0), row_stride = gate_up.stride(0);
-  auto out = torch::empty({rows, I}, gate_up.options());
-  const float* in = gate_up.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, rows, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) tandem_cpu::silu_mul_row(in + r * row_stride, in + r * row_stride + I, o + r * I, I);
-  });
-  return out;
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
   m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm of h");
   m.def("rope_store_kv", &rope_store_kv, "RoPE on q and k in place, k and v into their cache slots");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up");
 }

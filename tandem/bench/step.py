@@ -1,6 +1,6 @@
 """Where one decode step's time goes, part by part: scheduling, metadata, each projection,
-norms with the residual adds, RoPE with the KV store, SiLU * up, attention, the rest of the
-forward (embedding, views, the all-reduce hooks), sampling,
+norms with the residual adds, RoPE with the KV store, attention, the rest of the forward
+(embedding, SwiGLU's product, views), sampling,
 the sequences' update with detokenization, and the Python left between them; beside the
 step's memory floor (weight + KV bytes read / the copy bandwidth measured in the same run).
 
@@ -26,7 +26,7 @@ from tandem.model import llama
 from tandem.sampling_params import SamplingParams
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-LAYER_PARTS = ("norms + residual adds", "RoPE + KV store", "SiLU * up", "attention")
+LAYER_PARTS = ("norms + residual adds", "RoPE + KV store", "attention")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -68,7 +68,6 @@ def timed_parts(llm: LLM, timer: PartTimer) -> Iterator[None]:
         (llama, "rms_norm", timer.wrap("norms + residual adds", llama.rms_norm)),
         (llama, "add_rms_norm", timer.wrap("norms + residual adds", llama.add_rms_norm)),
         (llama, "rope_and_store_kv", timer.wrap("RoPE + KV store", llama.rope_and_store_kv)),
-        (llama, "silu_mul", timer.wrap("SiLU * up", llama.silu_mul)),
         (ops, "attention", timer.wrap("attention", ops.attention)),
         (engine.scheduler, "schedule", timer.wrap("schedule", engine.scheduler.schedule)),
         (engine.scheduler, "update", timer.wrap("update + detokenize", engine.scheduler.update)),

@@ -1,5 +1,5 @@
 """A layer's operations around its projections and attention: RMSNorm, the residual add with
-the next norm, RoPE with the KV store, SwiGLU's product. Each runs the compiled CPU kernels
+the next norm, RoPE with the KV store. Each runs the compiled CPU kernels
 (tandem.kernels.layer_ops_cpu) when given them (`kernels`: a float32 CPU model's, chosen once
 as it is built), and torch otherwise: the torch paths here are the reference (transformers'
 arithmetic), and the GPU's path.
@@ -66,11 +66,3 @@ def rope_and_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k
     v = v.view(num_tokens, num_kv_heads, head_dim)
     ops.store_kv(k, v, k_cache, v_cache, meta)
     return q, k, v
-
-
-def silu_mul(gate_up: torch.Tensor, kernels: ModuleType | None) -> torch.Tensor:
-    """SwiGLU's product: gate_up: [T, 2 * I] (gate, then up) -> silu(gate) * up: [T, I]."""
-    if kernels is not None and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
-        return kernels.silu_mul(gate_up)
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate) * up

@@ -11,12 +11,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from tandem.config import ModelConfig
 from tandem.kernels import ops
 from tandem.kernels.layer_ops_cpu import kernels_for
 from tandem.kernels.attention_metadata import AttentionMetadata
-from tandem.model.layer_ops import add_rms_norm, rms_norm, rope_and_store_kv, silu_mul
+from tandem.model.layer_ops import add_rms_norm, rms_norm, rope_and_store_kv
 from tandem.model.quantization import Weight, linear, weight_bytes, weight_key
 
 
@@ -120,7 +121,8 @@ class LlamaModel:
             attn = ops.attention(q, k, v, k_cache, v_cache, meta, self.scale)
             h, x = add_rms_norm(h, self.all_reduce(linear(attn.reshape(num_tokens, self.q_size), lw.o_proj)),
                                 lw.post_attention_norm, eps, kernels)
-            mlp = self.all_reduce(linear(silu_mul(linear(x, lw.gate_up_proj), kernels), lw.down_proj))
+            gate, up = linear(x, lw.gate_up_proj).chunk(2, dim=-1)
+            mlp = self.all_reduce(linear(F.silu(gate) * up, lw.down_proj))
             if layer_idx + 1 < len(w.layers):
                 h, x = add_rms_norm(h, mlp, w.layers[layer_idx + 1].input_norm, eps, kernels)
             else:

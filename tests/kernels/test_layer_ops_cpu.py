@@ -1,5 +1,5 @@
 """The compiled CPU layer kernels (RMSNorm, the residual add with RMSNorm, RoPE with the KV
-store, SiLU-and-multiply) against float64 definitions and transformers' own RoPE, and the
+store) against float64 definitions and transformers' own RoPE, and the
 model's choice of them (float32 CPU tensors)."""
 
 from __future__ import annotations
@@ -111,17 +111,6 @@ def test_rope_and_store_kv_refuses_a_slot_outside_the_cache(kernel):
     assert not k_cache.any()  # checked before anything is written
 
 
-@pytest.mark.parametrize("rows", [1, 8, 40])
-def test_silu_mul_matches_float64(kernel, rows):
-    gen = torch.Generator().manual_seed(rows)
-    gate_up = torch.randn(rows, 2 * 1536, generator=gen) * 4
-    out = layer_ops.silu_mul(gate_up, kernel)
-    g, u = gate_up.double().chunk(2, dim=-1)
-    expected = g * torch.sigmoid(g) * u
-    # exp, an add, a division and a product, each within an ulp or two of float32
-    torch.testing.assert_close(out.double(), expected, rtol=8 * U32, atol=1e-30)
-
-
 def test_other_dtypes_are_refused(kernel):
     with pytest.raises(RuntimeError, match="float32"):
         kernel.rms_norm(torch.randn(2, 8).bfloat16(), torch.randn(8).bfloat16(), 1e-5)
@@ -135,7 +124,7 @@ def test_it_loads_without_a_warning(kernel, fresh_kernel_state, caplog):
 
     with caplog.at_level("INFO", logger=cpu_build.__name__):
         assert layer_ops_cpu.load_extension() is not None
-    assert [r.getMessage() for r in caplog.records] == ["CPU layer kernels (RMSNorm, RoPE, SiLU) loaded (portable code)"]
+    assert [r.getMessage() for r in caplog.records] == ["CPU layer kernels (RMSNorm, RoPE) loaded (portable code)"]
 
 
 def test_a_float32_cpu_model_takes_them(kernel, loaded):
