@@ -1,9 +1,9 @@
 """The small operations of a float32 layer on the CPU, each one compiled call
 (csrc/layer_ops_cpu.cpp): RMSNorm, the residual add with the next RMSNorm, and RoPE with the
-KV store. A decode step runs about twenty operations a layer on a
-handful of rows, where each of torch's costs ~5-10 us of dispatch on the 2-core machine against
-~1 us of arithmetic. Their torch references are `tandem.model.layer_ops`' other paths, which
-pick these where the kernel is built (cpu_build.py) and the tensors are float32 CPU.
+KV store. A decode step runs about twenty operations a layer on a handful of rows, where each
+of torch's costs ~5-10 us of dispatch on the 2-core machine against ~1 us of arithmetic. Their
+torch references are `tandem.model.layer_ops`' other paths; a float32 CPU model takes these
+where they are built (cpu_build.py).
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from tandem.config import ModelConfig
 from tandem.kernels import ops
-from tandem.kernels.layer_ops_cpu import kernels_for
 from tandem.kernels.attention_metadata import AttentionMetadata
+from tandem.kernels.layer_ops_cpu import kernels_for
 from tandem.model.layer_ops import add_rms_norm, rms_norm, rope_and_store_kv
 from tandem.model.quantization import Weight, linear, weight_bytes, weight_key
 

@@ -17,8 +17,9 @@ def test_bench_step_quick_times_every_part() -> None:
     step_ms, floor_ms = float(head.group(1)), float(head.group(2))
     assert 0 < floor_ms < step_ms
     parts = dict(re.findall(r"^  (.+?)\s+([\d.-]+) ms", run.stdout, flags=re.M))
-    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head", "attention", "KV store", "norms",
-                 "sampling", "metadata", "schedule", "update + detokenize", "rest of the forward", "Python between"):
+    for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head", "attention", "RoPE + KV store",
+                 "norms + residual adds", "sampling", "metadata", "schedule", "update + detokenize",
+                 "rest of the forward", "Python between"):
         assert name in parts, name
     timed = sum(float(v) for k, v in parts.items() if k != "Python between")
     assert timed <= step_ms * 1.05  # the parts are inside the step (rounded to 0.01 ms each)
