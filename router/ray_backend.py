@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, AsyncIterator
 import ray
 from ray.exceptions import RayActorError, RayTaskError
 
-from tandem.router.backend import NoHealthyWorker, Overloaded, WorkerFailed
+from tandem.router.admission import AdmissionQueue
+from tandem.router.backend import NoHealthyWorker, WorkerFailed
 from tandem.router.policy import Router, WorkerState
 from tandem.router.worker_calls import WORKER_GONE, WorkerCalls
 from tandem.router.worker_metrics import WorkerMetricsReport
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LOAD_POLL_S = 0.1
-ADMISSION_RETRY_S = 0.02
 WORKER_METRICS_TIMEOUT_S = 1.0
 LOAD_TIMEOUT_S = 2.0
 """A worker's load call that takes longer is left for the next poll (a restarting worker's
@@ -53,14 +53,16 @@ class RayBackend:
         self.decode_router = Router(policy)
         self.tokenizer_spec = tokenizer_spec
         self._poller: asyncio.Task | None = None
-        self.max_queued_requests = max_queued_requests
-        self.admission_timeout_s = admission_timeout_s
         self.unresponsive_after_s = unresponsive_after_s
-        self.num_admitting = 0
+        self.admission = AdmissionQueue(max_queued_requests, admission_timeout_s)
         self.calls = WorkerCalls()
         self._worker_ids: dict[str, set[str]] = {}
         """The client's request id -> the ids its calls have on the workers."""
         self.metrics: RouterMetrics | None = None
+
+    @property
+    def num_admitting(self) -> int:
+        return self.admission.num_waiting
 
     @property
     def workers(self) -> list[WorkerState]:
@@ -128,9 +130,12 @@ class RayBackend:
                 return
             if load is None:
                 return
+            if w in self.decode and (w.load is None or load.num_free_blocks > w.load.num_free_blocks):
+                self.admission.room_freed()
             w.load = load
             if w.may_recover(now):
                 w.recover(now)
+                self.admission.room_freed()
                 self.calls.came_back(w)
                 logger.warning("worker %s is serving again", w.instance)
         await asyncio.gather(*(one(w) for w in self.workers))
@@ -200,43 +205,38 @@ class RayBackend:
                 yield delta
         finally:
             phase.cancel()
+            self.admission.room_freed()  # its blocks are freed, or being freed, on the decode worker
 
     async def _reserve(self, request: WorkerRequest):
         """A decode worker with room for the prompt: wait in the admission queue for one
         while it is not too long, then give up (RESOURCE_EXHAUSTED)."""
-        if self.num_admitting >= self.max_queued_requests:
-            raise Overloaded(f"{self.num_admitting} requests already wait for KV room")
-        self.num_admitting += 1
-        try:
-            start = asyncio.get_running_loop().time()
-            deadline = start + self.admission_timeout_s
-            while True:
-                candidates = self.decode_router.order(self.decode, request.prompt_token_ids)
-                if not candidates:
-                    raise NoHealthyWorker("no decode worker is healthy")
-                for worker in candidates:
-                    reservation = worker.handle.reserve.remote(request)
-                    try:
-                        destination = await self.calls.unless_down(worker, reservation)
-                    except (asyncio.CancelledError, *WORKER_GONE) as e:
-                        # The worker may still reserve (or have reserved) blocks for it.
-                        self._undo_later(worker, reservation, request.request_id)
-                        if isinstance(e, asyncio.CancelledError):
-                            raise
-                        self.mark_unhealthy(worker)
-                    except PoolFull:
-                        continue
-                    else:
-                        self.decode_router.record(worker, request.prompt_token_ids)
-                        if self.metrics is not None:
-                            self.metrics.queue_time.observe(asyncio.get_running_loop().time() - start)
-                        return worker, destination
-                if asyncio.get_running_loop().time() >= deadline:
-                    raise Overloaded(f"no decode worker had room for {len(request.prompt_token_ids)} prompt "
-                                     f"tokens within {self.admission_timeout_s} s")
-                await asyncio.sleep(ADMISSION_RETRY_S)
-        finally:
-            self.num_admitting -= 1
+        start = asyncio.get_running_loop().time()
+
+        async def try_once():
+            candidates = self.decode_router.order(self.decode, request.prompt_token_ids)
+            if not candidates:
+                raise NoHealthyWorker("no decode worker is healthy")
+            for worker in candidates:
+                reservation = worker.handle.reserve.remote(request)
+                try:
+                    destination = await self.calls.unless_down(worker, reservation)
+                except (asyncio.CancelledError, *WORKER_GONE) as e:
+                    # The worker may still reserve (or have reserved) blocks for it.
+                    self._undo_later(worker, reservation, request.request_id)
+                    if isinstance(e, asyncio.CancelledError):
+                        raise
+                    self.mark_unhealthy(worker)
+                except PoolFull:
+                    continue
+                else:
+                    self.decode_router.record(worker, request.prompt_token_ids)
+                    return worker, destination
+            return None
+
+        reserved = await self.admission.admit(try_once, f"{len(request.prompt_token_ids)} prompt tokens")
+        if self.metrics is not None:
+            self.metrics.queue_time.observe(asyncio.get_running_loop().time() - start)
+        return reserved
 
     def _undo_later(self, worker: WorkerState, reservation, request_id: str) -> None:
         """A reservation its request no longer waits for: once the worker has made it, abort

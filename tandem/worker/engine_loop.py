@@ -105,8 +105,10 @@ class EngineLoop:
         engine = self.engine
         while not self._stop.is_set():
             self._last_iteration_at = time.monotonic()
-            while not self._commands.empty():
-                fn, future = self._commands.get()
+            # NOTE: only the commands already queued: callers that keep submitting (a flood of
+            # reservations) must not hold the step back.
+            for _ in range(self._commands.qsize()):
+                fn, future = self._commands.get_nowait()
                 if future.set_running_or_notify_cancel():
                     try:
                         future.set_result(fn(engine))
