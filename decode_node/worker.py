@@ -94,7 +94,7 @@ class DecodeWorker(Worker):
                                    node_id=self._node_id)
         self.metrics.kv_bytes["received"] = lambda: self.receiver.num_bytes_received
         self.metrics.num_transferring = lambda: self.receiver.num_pending
-        return EngineLoop(self.engine, tick=self._tick)
+        return EngineLoop(self.engine, tick=self._tick, on_down=self._engine_down)
 
     def _held(self, inventory: EngineInventory) -> dict[str, int]:
         return dict(num_reserved=inventory.num_reserved,

@@ -35,7 +35,7 @@ from tandem.kvtransfer.sender import KVSender
 from tandem.kvtransfer.slots import token_slots
 from tandem.outputs import RequestDelta
 from tandem.parallel.runner import TensorParallelRunner
-from tandem.worker.api import PrefillResult, Role, WorkerRequest, checked
+from tandem.worker.api import EngineDown, PrefillResult, Role, WorkerRequest, checked
 from tandem.worker.base import Worker
 from tandem.worker.engine_loop import EngineLoop
 
@@ -83,7 +83,7 @@ class PrefillWorker(Worker):
                                node_id=self._node_id, transport=self._kv_transport)
         self.metrics.kv_bytes["sent"] = lambda: self.sender.num_bytes_sent
         self.metrics.num_transferring = lambda: self.sender.num_pending
-        return EngineLoop(self.engine, tick=self._tick)
+        return EngineLoop(self.engine, tick=self._tick, on_down=self._engine_down)
 
     def _held(self, inventory: EngineInventory) -> dict[str, int]:
         return dict(num_pending_transfers=self.sender.num_pending, num_kept=len(self._prefills))
@@ -193,6 +193,10 @@ class PrefillWorker(Worker):
         self.sender.abort(request_id)
         p.loop.call_soon_threadsafe(_resolve, p.result, None, RuntimeError(f"{request_id} was aborted"))
         return True
+
+    def _fail_waiting(self, down: EngineDown) -> None:
+        for p in self._prefills.values():
+            p.loop.call_soon_threadsafe(_resolve, p.result, None, down)
 
 
 def _resolve(future: asyncio.Future, result: Any, error: BaseException | None) -> None:

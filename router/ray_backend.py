@@ -10,12 +10,13 @@ import uuid
 from typing import TYPE_CHECKING, AsyncIterator
 
 import ray
-from ray.exceptions import RayActorError, RayTaskError
+from ray.exceptions import RayTaskError
 
 from tandem.router.admission import AdmissionQueue
 from tandem.router.backend import NoHealthyWorker, WorkerFailed
 from tandem.router.policy import Router, WorkerState
-from tandem.router.worker_calls import WORKER_GONE, WorkerCalls
+from tandem.router.worker_calls import WORKER_GONE, WorkerCalls, short_error
+from tandem.router.worker_health import WorkerHealth
 from tandem.router.worker_metrics import WorkerMetricsReport
 from tandem.sampling_params import SamplingParams
 from tandem.worker.api import PoolFull, Role, StreamDelta, TokenizerSpec, WorkerLoad, WorkerRequest
@@ -25,25 +26,15 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-LOAD_POLL_S = 0.1
 WORKER_METRICS_TIMEOUT_S = 1.0
-LOAD_TIMEOUT_S = 2.0
-"""A worker's load call that takes longer is left for the next poll (a restarting worker's
-calls wait for it), so that one worker never holds up the others' loads."""
-UNRESPONSIVE_S = 15.0
-"""A worker whose heartbeat has not answered for this long, or whose engine loop has not gone
-round for this long, is marked down (hung: stopped, or stuck), and the requests waiting on it
-fail; it comes back once it answers again. (Load polls may wait behind request traffic: only
-the heartbeat, answered off the engine loop, tells busy from hung.)"""
 
 
 class RayBackend:
     def __init__(self, prefill: list[WorkerState], decode: list[WorkerState], colocated: list[WorkerState],
                  policy: str, tokenizer_spec: TokenizerSpec, max_queued_requests: int = 1024,
-                 admission_timeout_s: float = 60.0, unresponsive_after_s: float = UNRESPONSIVE_S) -> None:
+                 admission_timeout_s: float = 60.0) -> None:
         """max_queued_requests: requests waiting for a decode worker with room before new
-        ones are refused; admission_timeout_s: how long one waits; unresponsive_after_s:
-        see UNRESPONSIVE_S."""
+        ones are refused; admission_timeout_s: how long one waits."""
         if colocated and (prefill or decode):
             raise ValueError("either colocated workers or prefill and decode pools, not both")
         if not colocated and not (prefill and decode):
@@ -52,10 +43,9 @@ class RayBackend:
         self.prefill_router = Router(policy)
         self.decode_router = Router(policy)
         self.tokenizer_spec = tokenizer_spec
-        self._poller: asyncio.Task | None = None
-        self.unresponsive_after_s = unresponsive_after_s
         self.admission = AdmissionQueue(max_queued_requests, admission_timeout_s)
         self.calls = WorkerCalls()
+        self.health = WorkerHealth(self.workers, decode, self.calls, self.admission.room_freed)
         self._worker_ids: dict[str, set[str]] = {}
         """The client's request id -> the ids its calls have on the workers."""
         self.metrics: RouterMetrics | None = None
@@ -86,67 +76,18 @@ class RayBackend:
         return all(any(w.healthy for w in pool) for pool in pools)
 
     async def loads(self) -> list[WorkerLoad]:
-        await self._refresh_loads()
+        await self.health.refresh()
         return [w.load for w in self.workers if w.load is not None]
 
     def start_polling(self) -> None:
         """Keep worker loads (and health) fresh in the background."""
-        now = asyncio.get_running_loop().time()
-        for w in self.workers:
-            w.last_answer = now
-
-        async def poll() -> None:
-            while True:
-                await self._refresh_loads()
-                await asyncio.sleep(LOAD_POLL_S)
-        self._poller = asyncio.get_running_loop().create_task(poll())
+        self.health.start()
 
     async def stop_polling(self) -> None:
-        if self._poller is not None:
-            self._poller.cancel()
-            await asyncio.gather(self._poller, return_exceptions=True)
-            self._poller = None
+        await self.health.stop()
 
-    async def _refresh_loads(self) -> None:
-        """Each worker's heartbeat and load: one that answers is healthy again (e.g. restarted
-        by Ray) once its backoff is over; a dead or hung one is marked down; a busy one (its
-        load late, its heartbeat not) keeps its state."""
-        async def one(w: WorkerState) -> None:
-            stuck_s: float | None = None
-            load: WorkerLoad | None = None
-            try:
-                stuck_s = await asyncio.wait_for(w.handle.heartbeat.remote(), LOAD_TIMEOUT_S)
-                load = await asyncio.wait_for(w.handle.load.remote(), LOAD_TIMEOUT_S)
-            except RayActorError:
-                self.mark_unhealthy(w)
-                return
-            except asyncio.TimeoutError:
-                pass
-            now = asyncio.get_running_loop().time()
-            if load is not None or (stuck_s is not None and stuck_s < self.unresponsive_after_s):
-                w.last_answer = now
-            if now - w.last_answer >= self.unresponsive_after_s:
-                self.mark_unhealthy(w, f"is hung: no heartbeat or engine progress for {now - w.last_answer:.0f} s")
-                return
-            if load is None:
-                return
-            if w in self.decode and (w.load is None or load.num_free_blocks > w.load.num_free_blocks):
-                self.admission.room_freed()
-            w.load = load
-            if w.may_recover(now):
-                w.recover(now)
-                self.admission.room_freed()
-                self.calls.came_back(w)
-                logger.warning("worker %s is serving again", w.instance)
-        await asyncio.gather(*(one(w) for w in self.workers))
-
-    def mark_unhealthy(self, w: WorkerState, why: str = "died") -> None:
-        """Route nothing more to `w` (dead or hung, never for a refused request) and end the
-        waits on it, until it answers a load poll again after its backoff."""
-        if w.mark_down(asyncio.get_running_loop().time()):
-            self.calls.went_down(w)
-            logger.warning("worker %s %s (failure %d in a row): routing around it for at least %.0f s",
-                           w.instance, why, w.num_failures, w.retry_at - asyncio.get_running_loop().time())
+    def mark_unhealthy(self, w: WorkerState, why: str | BaseException = "died") -> None:
+        self.health.mark_down(w, why)
 
     async def abort(self, request_id: str) -> bool:
         """Abort the client's request(s) with this id on every worker."""
@@ -167,7 +108,7 @@ class RayBackend:
             async for delta in stream:
                 yield dataclasses.replace(delta, request_id=request_id)
         except WORKER_GONE as e:
-            raise WorkerFailed(f"a worker serving {request_id} is gone: {e}") from None
+            raise WorkerFailed(f"a worker serving {request_id} is gone: {short_error(e)}") from None
         except RayTaskError as e:
             if isinstance(e, ValueError):  # the worker refused the request's input
                 raise ValueError(str(e.cause if hasattr(e, "cause") else e)) from None
@@ -225,7 +166,7 @@ class RayBackend:
                     self._undo_later(worker, reservation, request.request_id)
                     if isinstance(e, asyncio.CancelledError):
                         raise
-                    self.mark_unhealthy(worker)
+                    self.mark_unhealthy(worker, e)
                 except PoolFull:
                     continue
                 else:
@@ -262,13 +203,13 @@ class RayBackend:
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the decode stream then ends with this request aborted
-            logger.warning("prefill of %s failed on %s: %s", request.request_id, worker.instance, e)
+            logger.warning("prefill of %s failed on %s: %s", request.request_id, worker.instance, short_error(e))
             if isinstance(e, WORKER_GONE):
                 # NOTE: only the worker whose call failed is marked down: a decode worker
                 # dying as it is handed the first token says nothing about the prefill pool.
                 if worker is prefill:
                     died.append(e)
-                self.mark_unhealthy(worker)
+                self.mark_unhealthy(worker, e)
             await self.calls.abort_on([decode], request.request_id)
             raise
         finally:
@@ -293,15 +234,15 @@ class RayBackend:
                 if delta.error is not None:
                     raise WorkerFailed(f"{request.request_id}: {delta.error}")
                 if delta.finish_reason == "abort" and died:
-                    raise WorkerFailed(f"{request.request_id}: the prefill worker is gone: {died[0]}")
+                    raise WorkerFailed(f"{request.request_id}: the prefill worker is gone: {short_error(died[0])}")
                 if delta.finish_reason == "abort" and phase is not None and phase.done() and phase.exception():
-                    raise NoHealthyWorker(f"{request.request_id}: prefill failed: {phase.exception()}")
+                    raise NoHealthyWorker(f"{request.request_id}: prefill failed: {short_error(phase.exception())}")
                 finished = delta.request_finished  # with n > 1, each completion finishes on its own
                 yield delta
                 if finished:
                     return
-        except WORKER_GONE:
-            self.mark_unhealthy(streamer)
+        except WORKER_GONE as e:
+            self.mark_unhealthy(streamer, e)
             raise
         finally:
             if not finished:

@@ -33,6 +33,10 @@ logger = logging.getLogger(__name__)
 
 HEALTH_POLL_S = 0.5
 """How often health follows backend.is_ready()."""
+LIVENESS_SERVICE = "tandem.liveness"
+"""The health service a liveness probe asks: SERVING while the router's event loop answers,
+whatever the workers' state (the "" service follows readiness: a pool restarting must not
+get the router, and every worker it owns, killed)."""
 WORKER_METRICS_WAIT_S = 3.0
 """How long a scrape waits for the workers' metrics (each worker has less; see RayBackend)."""
 
@@ -93,6 +97,7 @@ async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
         if http_port is not None:
             openai_endpoint = await start_openai_endpoint(backend, tokenizer, metrics, limits, host, http_port, auth_token)
         await server.start()
+        await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     except BaseException:
         if endpoint is not None:
             endpoint.stop()

@@ -11,9 +11,10 @@ import logging
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayTaskError
 
 from tandem.router.policy import WorkerState
+from tandem.worker.api import EngineDown
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +32,22 @@ class WorkerDown(RuntimeError):
     """The router marked the worker down while a call on it was waited for."""
 
 
-WORKER_GONE = (RayActorError, WorkerDown)
-"""What a call on a worker raises when the worker is gone (dead, or given up on)."""
+MAX_ERROR_CHARS = 200
+
+WORKER_GONE = (RayActorError, WorkerDown, EngineDown)
+"""What a call on a worker raises when the worker is gone (dead, given up on, or its engine
+stopped on an error)."""
+
+
+def short_error(e: BaseException) -> str:
+    """A worker's error as one short line for clients and logs: the remote cause's message,
+    never Ray's traceback with its pids, addresses and paths."""
+    if isinstance(e, RayTaskError) and getattr(e, "cause", None) is not None:
+        e = e.cause
+    if isinstance(e, RayActorError):
+        return "its process is gone"
+    lines = str(e).strip().splitlines()
+    return (lines[0] if lines else type(e).__name__)[:MAX_ERROR_CHARS]
 
 
 class WorkerCalls:

@@ -29,3 +29,10 @@ def assert_workers_empty(cluster, timeout: float = 15) -> None:
     while found := leaks(cluster):
         assert time.monotonic() < deadline, f"workers not empty after {timeout} s: {found}"
         time.sleep(0.1)
+
+
+def num_leaked_blocks(cluster) -> int:
+    """Blocks the workers still hold (in use, or referenced) once the test settled: what a
+    fault table row reports, counted from the workers themselves."""
+    return sum(max(i.num_blocks - i.num_free_blocks, i.num_referenced_blocks)
+               for i in cluster.run(inventories(cluster.backend)))

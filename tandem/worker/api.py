@@ -121,6 +121,11 @@ class PoolFull(RuntimeError):
     """The worker cannot take the request now (no free blocks); another may."""
 
 
+class EngineDown(RuntimeError):
+    """The worker's engine loop stopped on an error: every call on it fails with this while
+    the worker ends its process (Ray then restarts it)."""
+
+
 @dataclass(frozen=True)
 class WorkerInventory:
     """Everything a worker holds for requests, read on its engine loop thread between steps:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from typing import Any
 
 import torch
@@ -21,26 +22,37 @@ from tandem.engine.setup import engine_config_and_weights
 from tandem.model.loader import LoadedModel, load_model
 from tandem.model.source import resolve_model_source
 from tandem.parallel.launch import start_engine_model
-from tandem.worker.api import Role, TokenizerSpec, WorkerInventory, WorkerLoad
+from tandem.worker import faults
+from tandem.worker.api import EngineDown, Role, TokenizerSpec, WorkerInventory, WorkerLoad
 from tandem.worker.engine_loop import EngineLoop
 from tandem.worker.metrics import WorkerMetrics
 from tandem.worker.tokenizer_spec import tokenizer_spec_from
 
 logger = logging.getLogger(__name__)
 
+ENGINE_DOWN_EXIT_S = 1.0
+"""How long a worker whose engine stopped on an error lives on, so that its requests' errors
+reach the router, before it ends its process."""
+
 
 class Worker:
     """An engine over one KV pool, stepped by an EngineLoop. Subclasses add their phase."""
 
     role: Role
+    exit_on_engine_down = False
+    """Whether the process ends when the engine loop stops on an error (set for a Ray actor:
+    Ray restarts it, with a fresh engine)."""
 
     def __init__(self, instance: str, model: str | None = None, device: str = ENGINE_DEFAULTS["device"],
                  dtype: str = ENGINE_DEFAULTS["dtype"], num_threads: int | None = None, loaded: LoadedModel | None = None,
-                 placement_group: Any = None, allocate_kv: KVAllocator = private_pool, **engine_args: Any) -> None:
+                 placement_group: Any = None, allocate_kv: KVAllocator = private_pool, fault_injection: bool = False,
+                 **engine_args: Any) -> None:
         """loaded: weights already in this process (tests); otherwise `model` is loaded here
         (and by the other ranks with tensor_parallel_size > 1, which `placement_group`, a Ray
         placement group with a bundle per rank, places; see parallel.ranks.RankGroup).
-        allocate_kv: where the KV pool lives (at tensor_parallel_size 1)."""
+        allocate_kv: where the KV pool lives (at tensor_parallel_size 1).
+        fault_injection: `inject_fault` may break the engine (fault tests only)."""
+        self._fault_injection = fault_injection
         if num_threads is not None:
             torch.set_num_threads(num_threads)  # pinned: workers sharing a host do not fight
         self.instance = instance
@@ -73,7 +85,25 @@ class Worker:
         return None
 
     def _start_loop(self) -> EngineLoop:
-        return EngineLoop(self.engine)
+        return EngineLoop(self.engine, on_down=self._engine_down)
+
+    def _engine_down(self, down: EngineDown) -> None:
+        """On the loop thread, once the engine stopped on an error (its streams have their
+        error): fail whatever else waits on it, then end the process if so set."""
+        self._fail_waiting(down)
+        if self.exit_on_engine_down:
+            logger.error("worker %s: ending its process in %.0f s to be restarted: %s", self.instance,
+                         ENGINE_DOWN_EXIT_S, down)
+            threading.Timer(ENGINE_DOWN_EXIT_S, os._exit, args=(1,)).start()
+
+    def _fail_waiting(self, down: EngineDown) -> None:
+        """The role's own waiters (beside the streams) fail with `down`."""
+
+    async def inject_fault(self, kind: str) -> None:
+        """Break the engine on purpose (faults.FAULTS): only with fault_injection on."""
+        if not self._fault_injection:
+            raise PermissionError(f"worker {self.instance} was not started with fault_injection")
+        await self.loop.call(lambda engine: faults.inject(engine, kind))
 
     def is_ready(self) -> bool:
         return True

@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 from tandem.engine.engine import LLMEngine
 from tandem.outputs import RequestDelta
-from tandem.worker.api import StreamDelta
+from tandem.worker.api import EngineDown, StreamDelta
 
 logger = logging.getLogger(__name__)
 
@@ -30,11 +30,16 @@ def stream_delta(d: RequestDelta, error: str | None = None) -> StreamDelta:
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, tick: Callable[[], None] | None = None) -> None:
+    def __init__(self, engine: LLMEngine, tick: Callable[[], None] | None = None,
+                 on_down: Callable[[EngineDown], None] | None = None) -> None:
         """tick: runs every iteration, busy or idle (transfer events). What runs inside a step
-        is the engine's (see PrefillHooks)."""
+        is the engine's (see PrefillHooks). on_down: called on the loop thread, after every
+        open stream got its error, when the loop stopped on an error (see `down`)."""
         self.engine = engine
         self._tick = tick
+        self._on_down = on_down
+        self.down: EngineDown | None = None
+        """Why the loop stopped on an error; from then on every call fails with it."""
         self._commands: queue.Queue[tuple[Callable[[LLMEngine], Any], concurrent.futures.Future]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[StreamDelta]]] = {}
         self._wake = threading.Event()
@@ -46,6 +51,9 @@ class EngineLoop:
     def submit(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
         """Run fn(engine) on the loop thread between steps. -> its result, as a future."""
         future: concurrent.futures.Future = concurrent.futures.Future()
+        if self.down is not None:
+            future.set_exception(self.down)
+            return future
         self._commands.put((fn, future))
         self._wake.set()
         return future
@@ -97,9 +105,21 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             self._loop()
-        except BaseException:
+        except BaseException as e:  # noqa: BLE001 - whatever it was, the engine is unusable now
             logger.exception("the engine loop stopped on an error")
-            raise
+            self._stop_on(EngineDown(f"the worker's engine stopped on an error: {type(e).__name__}: {e}"[:300]))
+
+    def _stop_on(self, down: EngineDown) -> None:
+        """Fail every open stream and every call, queued or to come, with `down`."""
+        self.down = down
+        while not self._commands.empty():
+            _, future = self._commands.get_nowait()
+            if future.set_running_or_notify_cancel():
+                future.set_exception(down)
+        for request_id in list(self._streams):
+            self.publish(StreamDelta(request_id, [], "", "abort", 0, 0, error=str(down)))
+        if self._on_down is not None:
+            self._on_down(down)
 
     def _loop(self) -> None:
         engine = self.engine

@@ -40,6 +40,7 @@ class WorkerHost:
             worker_args["transfer_address"] = f"tcp://{kv_transfer_host}:0"
         module, name = WORKER_CLASSES[role].split(":")
         self.worker = getattr(importlib.import_module(module), name)(**worker_args)
+        self.worker.exit_on_engine_down = True  # NOTE: Ray restarts a process that ended, not a thread
 
     def is_ready(self) -> bool:
         return self.worker.is_ready()
@@ -68,6 +69,9 @@ class WorkerHost:
 
     async def metrics_text(self) -> str:
         return await self.worker.metrics_text()
+
+    async def inject_fault(self, kind: str) -> None:
+        await self.worker.inject_fault(kind)
 
     async def abort(self, request_id: str) -> bool:
         return await self.worker.abort(request_id)

@@ -14,7 +14,8 @@ from running_cluster import running_clusters
 from tandem.router.cluster import ClusterConfig
 
 # The float path (quantization none): its greedy output is token-exact with transformers.
-WORKER_ARGS = dict(kv_cache_memory_gib=0.1, max_num_batched_tokens=256, num_threads=1, quantization="none")
+WORKER_ARGS = dict(kv_cache_memory_gib=0.1, max_num_batched_tokens=256, num_threads=1, quantization="none",
+                   fault_injection=True)
 
 
 @pytest.fixture(scope="session")

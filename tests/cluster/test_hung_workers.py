@@ -17,7 +17,7 @@ import ray
 
 from fault_calls import decode_leaks, greedy, read_to_end, request, wait_until
 from reference import english_token_ids
-from worker_checks import assert_workers_empty, inventories
+from worker_checks import assert_workers_empty, inventories, num_leaked_blocks
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,7 @@ def test_prefill_worker_hung_mid_transfer(clusters, tokenizer, fault_report):
         os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
         try:
-            wait_until(lambda: all("code" in out for out in pending), backend.unresponsive_after_s + 15,
+            wait_until(lambda: all("code" in out for out in pending), backend.health.unresponsive_after_s + 15,
                        "the hung worker's requests end")
             # A request whose KV had all arrived finishes on its decode worker; the others fail.
             failed = [out for out in pending if out["code"] != grpc.StatusCode.OK]
@@ -89,3 +89,46 @@ def test_prefill_worker_hung_mid_transfer(clusters, tokenizer, fault_report):
                      note=f"held {on_it}; {len(failed)} UNAVAILABLE {end_s:.1f} s after the stop, "
                           f"{len(pending) - len(failed)} finished (KV already there); new request refused in "
                           f"{refused_s:.2f} s; taken back {back_s:.1f} s after resuming")
+
+
+def test_decode_worker_hung_for_good_is_killed_and_restarted(clusters, tokenizer, fault_report):
+    """A decode worker that stays stopped: the router marks it down after unresponsive_after_s
+    and, past restart_hung_after_s, has it killed; Ray restarts it and it serves again. (The
+    bounds are shortened for the test: 15 s and 120 s by default.)"""
+    cluster = clusters["disaggregated"]
+    backend = cluster.backend
+    victim = backend.decode[0]
+    assert_workers_empty(cluster)
+    pid = ray.get(victim.handle.pid.remote())
+    health = backend.health
+    bounds = health.unresponsive_after_s, health.restart_hung_after_s
+    health.unresponsive_after_s, health.restart_hung_after_s = 2.0, 5.0
+    try:
+        os.kill(pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        wait_until(lambda: not victim.healthy, 10, "the stopped worker is marked down")
+        down_s = time.monotonic() - stopped
+        # Meanwhile the other decode worker serves.
+        assert greedy(cluster, english_token_ids(tokenizer, 20), 4)
+
+        def restarted() -> bool:
+            try:
+                return ray.get(victim.handle.pid.remote(), timeout=1) != pid
+            except Exception:  # noqa: BLE001 - being killed or restarted
+                return False
+        wait_until(restarted, 120, "the router has the hung worker killed and Ray restarts it")
+        wait_until(lambda: victim.healthy, 120, "the restarted worker is taken back")
+        recovery_s = time.monotonic() - stopped
+    finally:
+        health.unresponsive_after_s, health.restart_hung_after_s = bounds
+        try:
+            os.kill(pid, signal.SIGCONT)  # should it still be there
+        except ProcessLookupError:
+            pass
+    assert_workers_empty(cluster, timeout=30)
+    leaked = num_leaked_blocks(cluster)
+    assert leaked == 0 and backend.is_ready()
+    fault_report.add("decode worker hung for good (SIGSTOP, never resumed)", injected=1, affected=0, clear=0,
+                     leaked=leaked, recovery_s=recovery_s,
+                     note=f"marked down {down_s:.1f} s after the stop (bound 2 s), killed by the router after 5 s "
+                          "of silence, restarted by Ray, serving again; the other decode worker served meanwhile")

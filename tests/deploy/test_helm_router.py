@@ -11,6 +11,7 @@ import pytest
 from tandem.model.source import DEFAULT_MODEL_NAME, resolve_model_source
 from tandem.router import serve_command
 from tandem.router.policy import POLICIES
+from tandem.router.server import LIVENESS_SERVICE
 
 from helm_render import (
     GPU, HEAD, SCENARIOS, components, container, find, flag, gpu_values, manifests, merged, render, router_args,
@@ -32,8 +33,9 @@ def test_router_defaults():
     assert "--model" not in args and "--max-model-len" not in args and "--colocated" not in args
     router = find(docs, "Deployment", "router")
     c = container(router)
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "readinessProbe"):
         assert c[probe]["grpc"] == {"port": 50051, "service": ""}
+    assert c["livenessProbe"]["grpc"] == {"port": 50051, "service": LIVENESS_SERVICE}
     assert router["spec"]["strategy"]["type"] == "Recreate"
     assert "TANDEM_AUTH_TOKEN" not in {e["name"] for e in c["env"]}
     annotations = router["spec"]["template"]["metadata"]["annotations"]
@@ -66,7 +68,7 @@ def test_router_ports_follow_their_values():
     c = container(router)
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50052, "metrics": 9100, "http": 8080}
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert c[probe]["grpc"] == {"port": 50052, "service": ""}  # the probes stay on gRPC
+        assert c[probe]["grpc"]["port"] == 50052  # the probes stay on gRPC
     assert router["spec"]["template"]["metadata"]["annotations"]["prometheus.io/port"] == "9100"
     svc = find(docs, "Service", "router")
     assert {p["name"]: (p["port"], p["targetPort"]) for p in svc["spec"]["ports"]} == {

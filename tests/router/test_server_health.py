@@ -1,4 +1,5 @@
-"""Health follows the backend's readiness and turns NOT_SERVING on drain; reflection lists the API."""
+"""Health follows the backend's readiness and turns NOT_SERVING on drain, liveness follows the
+router alone; reflection lists the API."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from fake_backend import FakeBackend
-from tandem.router.server import bound_port, drain, serve
+from tandem.router.server import LIVENESS_SERVICE, bound_port, drain, serve
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -37,10 +38,12 @@ def test_health_follows_readiness_and_drain(router_tokenizer):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{bound_port(server)}") as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             before = await statuses(stub)
+            live = [(await stub.Check(health_pb2.HealthCheckRequest(service=LIVENESS_SERVICE))).status]
             backend.ready = True
             await wait_for_status(stub, SERVING)
-            backend.ready = False  # a worker pool lost: health follows
+            backend.ready = False  # a worker pool lost: health follows, liveness does not
             await wait_for_status(stub, NOT_SERVING)
+            live.append((await stub.Check(health_pb2.HealthCheckRequest(service=LIVENESS_SERVICE))).status)
             backend.ready = True
             await wait_for_status(stub, SERVING)
             # Drain: a watcher sees NOT_SERVING before the server goes away.
@@ -50,10 +53,10 @@ def test_health_follows_readiness_and_drain(router_tokenizer):
             after = (await asyncio.wait_for(watch.read(), 5)).status
             watch.cancel()
             await draining
-            return before, after
+            return before, after, live
 
-    before, after = asyncio.run(body())
-    assert before == [NOT_SERVING, NOT_SERVING]
+    before, after, live = asyncio.run(body())
+    assert before == [NOT_SERVING, NOT_SERVING] and live == [SERVING, SERVING]
     assert after == NOT_SERVING
 
 

@@ -9,11 +9,11 @@ import asyncio
 import pytest
 from ray.exceptions import RayActorError, RayTaskError
 
-from tandem.router import ray_backend
+from tandem.router import worker_health
 from tandem.router.policy import RETRY_BASE_S, RETRY_MAX_S, STABLE_S, WorkerState
 from tandem.router.ray_backend import RayBackend
 from tandem.sampling_params import SamplingParams
-from tandem.worker.api import Role, WorkerLoad
+from tandem.worker.api import Role, WorkerLoad, WorkerRequest
 
 LOAD = WorkerLoad(role=Role.DECODE, instance="d-0", num_blocks=10, num_free_blocks=10, num_running=0, num_waiting=0,
                   num_queued_tokens=0)
@@ -80,13 +80,13 @@ def test_a_dead_worker_is_polled_back_only_after_its_backoff(router_tokenizer):
 
     async def body():
         loop = asyncio.get_running_loop()
-        await b._refresh_loads()
+        await b.health.refresh()
         assert not decode.healthy and decode.num_failures == 1 and not b.is_ready()
         answers["dead"] = False  # restarted: it answers, but its backoff is not over
-        await b._refresh_loads()
+        await b.health.refresh()
         assert not decode.healthy and decode.load == LOAD
         await asyncio.sleep(decode.retry_at - loop.time() + 0.01)
-        await b._refresh_loads()
+        await b.health.refresh()
         assert decode.healthy and b.is_ready()
 
     asyncio.run(body())
@@ -97,7 +97,7 @@ def test_busy_is_not_hung(router_tokenizer, monkeypatch, case):
     """Its load late (queued behind request traffic) but its heartbeat prompt and the engine
     going round: busy, kept. A heartbeat reporting the engine loop stuck, or no answer at
     all, for unresponsive_after_s: hung, marked down."""
-    monkeypatch.setattr(ray_backend, "LOAD_TIMEOUT_S", 0.05)
+    monkeypatch.setattr(worker_health, "LOAD_TIMEOUT_S", 0.05)
     never = asyncio.Event()
 
     async def late():
@@ -109,13 +109,13 @@ def test_busy_is_not_hung(router_tokenizer, monkeypatch, case):
     if case == "silent":
         decode.handle.heartbeat.remote = late
     b = backend(decode, router_tokenizer)
-    b.unresponsive_after_s = 0.3
+    b.health.unresponsive_after_s = 0.3
 
     async def body():
         b.start_polling()  # the clock of last answers starts now
         await b.stop_polling()
         for _ in range(6):
-            await b._refresh_loads()
+            await b.health.refresh()
             await asyncio.sleep(0.05)
 
     asyncio.run(body())
@@ -132,7 +132,7 @@ def test_a_refused_request_is_not_a_worker_failure(router_tokenizer):
             with pytest.raises(ValueError, match="prompt: too long"):
                 async for _ in b.generate("r-1", [1, 2, 3], SamplingParams(max_tokens=1)):
                     pass
-        await b._refresh_loads()
+        await b.health.refresh()
 
     asyncio.run(body())
     assert decode.healthy and decode.num_failures == 0 and decode.handle.reserve.num_calls == 3
@@ -152,9 +152,41 @@ def test_a_decode_worker_dying_at_the_hand_off_is_its_failure_not_the_prefill_wo
 
     async def body():
         with pytest.raises(RayActorError):
-            await b._prefill(prefill, decode, ray_backend.WorkerRequest("r-1", [1, 2, 3], SamplingParams()),
+            await b._prefill(prefill, decode, WorkerRequest("r-1", [1, 2, 3], SamplingParams()),
                              None, died)
 
     asyncio.run(body())
     assert not decode.healthy and decode.num_failures == 1
     assert prefill.healthy and prefill.num_failures == 0 and died == []
+
+
+def test_a_worker_hung_past_the_bound_is_killed_for_ray_to_restart(router_tokenizer, monkeypatch):
+    """Silent for restart_hung_after_s: killed (Ray restarts it), once per bound of silence."""
+    killed = []
+    monkeypatch.setattr(worker_health.ray, "kill", lambda handle, no_restart: killed.append((handle, no_restart)))
+    monkeypatch.setattr(worker_health, "LOAD_TIMEOUT_S", 0.02)
+    never = asyncio.Event()
+
+    async def late():
+        await never.wait()
+
+    decode = WorkerState("d-0", Handle(lambda: LOAD))
+    decode.handle.load.remote = decode.handle.heartbeat.remote = late
+    b = backend(decode, router_tokenizer)
+    b.health.unresponsive_after_s, b.health.restart_hung_after_s = 0.1, 0.5
+    marked_down_at = []
+
+    async def body():
+        loop = asyncio.get_running_loop()
+        b.start_polling()
+        await b.stop_polling()
+        start = loop.time()
+        while loop.time() - start < 0.8:
+            await b.health.refresh()
+            if not decode.healthy and not marked_down_at:
+                marked_down_at.append(loop.time() - start)
+            assert not killed or loop.time() - start >= 0.5
+
+    asyncio.run(body())
+    assert 0.1 <= marked_down_at[0] < 0.5
+    assert killed == [(decode.handle, False)]

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
+import torch
+
+from tandem.worker.api import EngineDown, StreamDelta
 from tandem.worker.engine_loop import EngineLoop
 
 
@@ -44,3 +48,36 @@ def test_commands_that_keep_coming_do_not_hold_back_the_steps():
     # A command queued by a command runs after the next step, not in the same round.
     for seen in steps_seen.values():
         assert len(seen) == 21 and all(b > a for a, b in zip(seen, seen[1:])), seen
+
+
+class FailingEngine:
+    """An engine whose first step, once it has work, runs out of memory."""
+
+    def __init__(self) -> None:
+        self.has_unfinished = False
+
+    def step(self) -> list:
+        raise torch.OutOfMemoryError("out of memory in the forward")
+
+
+def test_an_error_in_the_step_fails_every_stream_and_call():
+    downs: list[EngineDown] = []
+    engine = FailingEngine()
+    loop = EngineLoop(engine, on_down=downs.append)
+
+    async def main() -> tuple[StreamDelta, BaseException]:
+        queue = loop.open_stream("r1")
+        engine.has_unfinished = True
+        delta = await asyncio.wait_for(queue.get(), 10)
+        try:
+            await loop.call(lambda engine: "never run")
+        except EngineDown as e:
+            return delta, e
+        raise AssertionError("a call on a stopped loop ran")
+    try:
+        delta, refused = asyncio.run(main())
+    finally:
+        loop.stop()
+    assert delta.request_id == "r1" and delta.request_finished and delta.finish_reason == "abort"
+    assert delta.error == "the worker's engine stopped on an error: OutOfMemoryError: out of memory in the forward"
+    assert refused is loop.down and downs == [loop.down]
