@@ -5,25 +5,40 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from typing import Any, Iterator
 
 import torch
 
 from tandem.model.loader import LoadedModel
 
 
-SAMPLE_ELEMENTS = 4096
-
-
 def model_fingerprint(loaded: LoadedModel) -> str:
-    """-> "name:hash" over the config and samples of the weights that shape every layer's
-    KV (embeddings, each layer's QKV projection, the final norm); cheap at start-up."""
-    digest = hashlib.blake2b(repr(loaded.config).encode(), digest_size=8)
-    w = loaded.weights
-    for weight in (w.embed_tokens, *(layer.qkv_proj for layer in w.layers), w.norm):
-        # A quantized weight is its values and scales (and offsets): workers on different quantizations differ.
-        fields = [weight] if isinstance(weight, torch.Tensor) else [getattr(weight, f.name)
-                                                                    for f in dataclasses.fields(weight)]
-        for tensor in (t for t in fields if isinstance(t, torch.Tensor)):
-            sample = tensor.detach().flatten()[:SAMPLE_ELEMENTS].to("cpu", torch.float32).contiguous()
-            digest.update(sample.numpy().tobytes())
+    """-> "name:hash" over the config and every byte of every weight (a quantized weight's
+    values, scales and offsets too: workers on different quantizations differ). Computed once
+    at load: about a second a GB."""
+    digest = hashlib.blake2b(repr(loaded.config).encode(), digest_size=16)
+    seen: set[tuple[int, int]] = set()  # a tied lm_head is the embedding's very tensor
+    for name, value in _leaves(loaded.weights, "weights"):
+        digest.update(name.encode())
+        if isinstance(value, torch.Tensor):
+            key = (value.data_ptr(), value.numel())
+            if key not in seen:
+                seen.add(key)
+                raw = value.detach().to("cpu").contiguous().flatten().view(torch.uint8)
+                digest.update(repr((value.dtype, tuple(value.shape))).encode())
+                digest.update(memoryview(raw.numpy()))
+        else:
+            digest.update(repr(value).encode())
     return f"{loaded.config.name}:{digest.hexdigest()}"
+
+
+def _leaves(value: Any, name: str) -> Iterator[tuple[str, Any]]:
+    """(path, tensor or scalar) for every leaf of nested dataclasses and lists, in order."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for f in dataclasses.fields(value):
+            yield from _leaves(getattr(value, f.name), f"{name}.{f.name}")
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _leaves(item, f"{name}[{i}]")
+    else:
+        yield name, value
