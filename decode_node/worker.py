@@ -93,6 +93,7 @@ class DecodeWorker(Worker):
                                    model=self.fingerprint, sink=sink, shared_pool=self._shared_pool,
                                    node_id=self._node_id)
         self.metrics.kv_bytes["received"] = lambda: self.receiver.num_bytes_received
+        self.metrics.kv_dropped = lambda: dict(self.receiver.dropped)
         self.metrics.num_transferring = lambda: self.receiver.num_pending
         return EngineLoop(self.engine, tick=self._tick, on_down=self._engine_down)
 

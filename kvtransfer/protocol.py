@@ -114,6 +114,8 @@ class LayerHeader:
     in_place: bool = False
     """The rows are written already, straight into the receiver's shared pool (a sender that
     negotiated that path in its handshake): no payload follows."""
+    grant: str = ""
+    """The request's Destination.grant."""
 
 
 def payload_crc32(frames: Iterable[memoryview | bytes]) -> int:
@@ -169,7 +171,13 @@ def layer_header(request_id: str, msg: dict[str, Any]) -> LayerHeader:
         raise ProtocolError("malformed", "in_place must be a boolean")
     return LayerHeader(request_id, msg["layer"], msg["token_start"], msg["num_tokens"], tuple(msg["block_ids"]),
                        msg["dtype"], tuple(msg["row_shape"]), tuple(msg["frame_tokens"]), crc,
-                       msg.get("in_place", False))
+                       msg.get("in_place", False), grant_of(msg))
+
+
+def grant_of(msg: dict[str, Any]) -> str:
+    """The grant a message carries ("" when none, or not a string)."""
+    grant = msg.get("grant", "")
+    return grant if isinstance(grant, str) else ""
 
 
 @dataclass(frozen=True)
@@ -199,6 +207,10 @@ class Destination:
     """The reservation's token in that pool's grant table: a same-node sender writes into
     the reserved blocks only while the table holds it for them (fence.py); 0 without a
     shared pool."""
+    grant: str = ""
+    """The reservation's secret (hex): the receiver takes LAYER and ABORT messages for the
+    request only when they carry it. The router hands the Destination to the one prefill
+    worker it chose, so no other peer can write (or end) this request's KV."""
 
 
 class TransferStatus(enum.IntEnum):

@@ -28,10 +28,10 @@ from tandem.kvtransfer.handshake import answer_hello
 from tandem.kvtransfer.payload import TORCH_DTYPES, DistPayload, rows_of
 from tandem.kvtransfer.placement import host_identity
 from tandem.kvtransfer.protocol import (
-    Destination, KVLayout, LayerHeader, MessageKind, ProtocolError, TransferEvent, TransferStatus, decode, encode,
-    layer_header, payload_crc32,
+    MAX_HEADER_BYTES, Destination, KVLayout, LayerHeader, MessageKind, ProtocolError, TransferEvent, TransferStatus,
+    decode, encode, grant_of, layer_header, payload_crc32,
 )
-from tandem.kvtransfer.reservation import Reservation, check_layer, layer_slots
+from tandem.kvtransfer.reservation import Reservation, check_layer, is_granted, layer_slots, new_grant
 from tandem.kvtransfer.shared_pool import HostSharedPool
 from tandem.kvtransfer.sink import KVSink, PoolSink
 
@@ -68,6 +68,8 @@ class KVReceiver:
         self.layout: KVLayout = self.sink.layout
         self.timeout_s = timeout_s
         self.dist_payload = dist_payload
+        self.max_frame_bytes = max(MAX_HEADER_BYTES, self.layout.num_blocks * self.layout.block_size * self.layout.row_bytes)
+        """The largest frame taken: a header, or one layer's K (or V) rows for the whole pool."""
         self.dropped: collections.Counter[str] = collections.Counter()
         """Messages dropped, by reason (malformed, unknown_request, wrong_dtype, ...)."""
         self.num_bytes_received = 0
@@ -79,6 +81,8 @@ class KVReceiver:
         self._outbox: queue.Queue[tuple[bytes, bytes]] = queue.Queue()
         self._socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
+        # NOTE: ZMQ disconnects a peer that sends a larger frame, before buffering it whole.
+        self._socket.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
         self._socket.bind(address)
         self.address: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._pairs = ReceiverPairs(self.address, timeout_s)
@@ -108,7 +112,8 @@ class KVReceiver:
                 raise ValueError(f"{request_id}: already expected")
             self._ended.pop(request_id, None)
             dest = Destination(request_id, self.address, tuple(block_ids), num_tokens, num_cached_tokens, self.node_id,
-                               "" if pool is None else pool.name, 0 if pool is None else pool.fence.grant(granted))
+                               "" if pool is None else pool.name, 0 if pool is None else pool.fence.grant(granted),
+                               grant=new_grant())
             self._expected[request_id] = Reservation(dest, timeout_s, [num_cached_tokens] * self.layout.num_layers,
                                                      granted)
         return dest
@@ -183,6 +188,9 @@ class KVReceiver:
             self._receive_layer(sender, layer_header(request_id, msg), frames[1:], msg.get("dist_rank"))
         elif kind is MessageKind.ABORT:
             with self._lock:
+                exp = self._expected.get(request_id)
+                if exp is not None and not is_granted(exp, grant_of(msg)):
+                    raise ProtocolError("no_grant", f"ABORT of {request_id} without its grant")
                 exp = self._close(request_id)
             if exp is not None:
                 self._events.put(TransferEvent(request_id, TransferStatus.FAILED, "aborted by the sender"))
@@ -216,7 +224,10 @@ class KVReceiver:
         self._socket.send_multipart([sender, encode(MessageKind.HELLO_OK, **reply)])
 
     def _receive_layer(self, sender: bytes, h: LayerHeader, frames: list[zmq.Frame], dist_rank: object) -> None:
-        k_parts, v_parts = self._payload(sender, h, frames, dist_rank)
+        with self._lock:
+            exp = self._expected.get(h.request_id)
+            granted = exp is not None and is_granted(exp, h.grant)
+        k_parts, v_parts = self._payload(sender, h, frames, dist_rank, granted)
         with self._lock:
             exp = self._expected.get(h.request_id)
             if exp is None:
@@ -224,6 +235,8 @@ class KVReceiver:
                     self._socket.send_multipart([sender, encode(MessageKind.ABORT, h.request_id)])
                     raise ProtocolError("ended_request", f"{h.request_id} has ended")
                 raise ProtocolError("unknown_request", h.request_id)
+            if not is_granted(exp, h.grant):  # NOTE: before it counts as the sender at work
+                raise ProtocolError("no_grant", f"{h.request_id}: a LAYER without the request's grant")
             exp.deadline = time.monotonic() + exp.timeout_s  # the sender is at work: a stall is timed
             check_layer(h, exp, self.layout)
             exp.sender = sender
@@ -240,9 +253,10 @@ class KVReceiver:
             self._socket.send_multipart([sender, encode(MessageKind.DONE, h.request_id)])
             self._events.put(TransferEvent(h.request_id, TransferStatus.DONE))
 
-    def _payload(self, sender: bytes, h: LayerHeader, frames: list[zmq.Frame], dist_rank: object
+    def _payload(self, sender: bytes, h: LayerHeader, frames: list[zmq.Frame], dist_rank: object, granted: bool
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """-> the K and the V rows the message carries, as pieces ([n_i, *row_shape]) in token order."""
+        """-> the K and the V rows the message carries, as pieces ([n_i, *row_shape]) in token order.
+        granted: the message carries its request's grant (else it fails no request)."""
         dist_parts = None
         if h.in_place:
             if sender not in self._shm_senders or frames:
@@ -260,7 +274,7 @@ class KVReceiver:
                 k, v = payload.recv(dist_rank, h.num_tokens, h.row_shape, h.dtype)
             except Exception as e:  # the peer died between header and tensors (or never joined its pair)
                 self._pairs.forget(sender)  # out of step for good: the sender must shake hands again
-                self._fail_sender(sender, h.request_id, f"torch.distributed peer lost: {e}")
+                self._fail_sender(sender, h.request_id if granted else None, f"torch.distributed peer lost: {e}")
                 raise ProtocolError("peer_lost", f"{h.request_id}: {e}") from None
             dist_parts = ([k], [v])
         if h.dtype != self.layout.dtype:
@@ -281,7 +295,8 @@ class KVReceiver:
             parts[i // len(h.frame_tokens)].append(rows_of(frame.buffer, h.dtype, h.row_shape))
         if h.crc32 is not None and payload_crc32(f.buffer for f in frames) != h.crc32:
             # Corrupted on the way: this request's KV can never be whole, the others are unharmed.
-            self._fail_request(sender, h.request_id, "checksum mismatch: the KV was corrupted in transit")
+            if granted:
+                self._fail_request(sender, h.request_id, "checksum mismatch: the KV was corrupted in transit")
             raise ProtocolError("checksum", f"{h.request_id}: layer {h.layer}")
         return parts
 
@@ -294,7 +309,7 @@ class KVReceiver:
         self._socket.send_multipart([sender, encode(MessageKind.FAILED, request_id, reason=reason)])
         self._events.put(TransferEvent(request_id, TransferStatus.FAILED, reason))
 
-    def _fail_sender(self, sender: bytes, request_id: str, reason: str) -> None:
+    def _fail_sender(self, sender: bytes, request_id: str | None, reason: str) -> None:
         """Fail `request_id` and every pending request of a sender whose data path broke
         (its stream is out of step)."""
         with self._lock:

@@ -3,12 +3,16 @@ against it, whichever path its rows took."""
 
 from __future__ import annotations
 
+import hmac
+import secrets
 from dataclasses import dataclass
 
 import numpy as np
 
 from tandem.kvtransfer.protocol import Destination, KVLayout, LayerHeader, ProtocolError
 from tandem.kvtransfer.slots import covering_blocks, token_slots
+
+GRANT_BYTES = 16
 
 
 @dataclass
@@ -27,6 +31,16 @@ class Reservation:
     reservation whose prompt waits in the prefill queue, or between its chunks, never times
     out; before the first one its owner ends it (NOTE: timeouts count from work, not from
     queues)."""
+
+
+def new_grant() -> str:
+    """A reservation's secret (Destination.grant)."""
+    return secrets.token_hex(GRANT_BYTES)
+
+
+def is_granted(res: Reservation, grant: str) -> bool:
+    """Whether a message carrying `grant` may write (or end) the reservation's KV."""
+    return hmac.compare_digest(grant.encode(), res.destination.grant.encode())
 
 
 def check_layer(h: LayerHeader, res: Reservation, layout: KVLayout) -> None:

@@ -158,7 +158,7 @@ class KVSender:
             raise ValueError(f"{request_id}: token range [{start}, {end}) outside [{dest.num_cached_tokens}, "
                              f"{dest.num_tokens}) or the {len(out.src_block_ids)} source blocks")
         peer = self._peers[dest.address]
-        header = dict(layer=layer, token_start=start, num_tokens=end - start,
+        header = dict(layer=layer, token_start=start, num_tokens=end - start, grant=dest.grant,
                       block_ids=covering_blocks(dest.block_ids, peer.layout.block_size, start, end),
                       dtype=self.layout.dtype, row_shape=[self.layout.num_kv_heads, self.layout.head_dim])
         num_bytes = 2 * (end - start) * self.layout.row_bytes
@@ -263,7 +263,7 @@ class KVSender:
         peer = self._peers.get(out.destination.address)
         try:  # best effort: a receiver that is gone times the request out itself
             if peer is not None:
-                peer.socket.send(encode(MessageKind.ABORT, request_id), zmq.DONTWAIT)
+                peer.socket.send(encode(MessageKind.ABORT, request_id, grant=out.destination.grant), zmq.DONTWAIT)
         except zmq.Again:
             pass
         self._end(request_id, TransferEvent(request_id, TransferStatus.FAILED, "aborted by the sender"))

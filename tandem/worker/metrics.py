@@ -73,6 +73,8 @@ class WorkerMetrics:
         """Requests whose KV is in flight now (set by the worker that transfers)."""
         self.kv_bytes: dict[str, Callable[[], int]] = {}
         """Cumulative KV payload bytes by direction ("sent", "received")."""
+        self.kv_dropped: Callable[[], dict[str, int]] = dict
+        """KV messages a receiver dropped, by reason (a decode worker's: no grant, malformed, ...)."""
         self.registry.register(_EngineCollector(self))
 
     def _histogram(self, name: str, documentation: str):
@@ -166,3 +168,8 @@ class _EngineCollector(Collector):
         for direction, read in m.kv_bytes.items():
             bytes_total.add_metric((*m.label_values, direction), read())
         yield bytes_total
+        dropped = CounterMetricFamily("tandem_kv_messages_dropped", "KV transfer messages a receiver dropped.",
+                                      labels=(*LABELS, "reason"))
+        for reason, n in m.kv_dropped().items():
+            dropped.add_metric((*m.label_values, reason), n)
+        yield dropped

@@ -5,7 +5,6 @@ timeouts end a transfer on both sides."""
 from __future__ import annotations
 
 import time
-import uuid
 
 import msgpack
 import pytest
@@ -13,58 +12,10 @@ import torch
 import zmq
 
 from kv_pools import pair, random_pool, token_rows
-from tandem.kvtransfer.payload import frame_of, layer_rows
-from tandem.kvtransfer.protocol import MessageKind, TransferStatus, encode
+from raw_sender import BLOCKS, DIM, DST_BLOCKS, HEADS, LAYERS, NUM_TOKENS, RawSender
+from tandem.kvtransfer.protocol import MessageKind, TransferStatus
 from tandem.kvtransfer.receiver import KVReceiver
 from tandem.kvtransfer.sender import KVSender
-
-LAYERS, BLOCKS, BLOCK_SIZE, HEADS, DIM = 2, 8, 4, 2, 8
-DST_BLOCKS = [5, 2]  # the request's reservation: 8 tokens in blocks 5 and 2
-NUM_TOKENS = 8
-
-
-class RawSender:
-    """A hand-driven peer that can put any bytes on the wire after a proper handshake."""
-
-    def __init__(self, receiver: KVReceiver, dtype: torch.dtype = torch.float32) -> None:
-        self.socket = zmq.Context.instance().socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.socket.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
-        self.socket.connect(receiver.address)
-        self.src = random_pool(LAYERS, 2, 8, HEADS, DIM, dtype, seed=7)  # tokens 0..7 in block 0
-        layout = dict(num_layers=LAYERS, num_blocks=2, block_size=8, num_kv_heads=HEADS, head_dim=DIM,
-                      dtype=str(dtype).removeprefix("torch."))
-        self.socket.send(encode(MessageKind.HELLO, layout=layout))
-        assert self.socket.poll(5000)
-        assert msgpack.unpackb(self.socket.recv())["kind"] == MessageKind.HELLO_OK
-
-    def header(self, request_id: str = "req", layer: int = 0, **changes) -> dict:
-        h = dict(layer=layer, token_start=0, num_tokens=NUM_TOKENS, block_ids=DST_BLOCKS, dtype="float32",
-                 row_shape=[HEADS, DIM], frame_tokens=[NUM_TOKENS])
-        h.update(changes)
-        return h
-
-    def frames(self, layer: int = 0) -> list:
-        return [frame_of(layer_rows(self.src, layer, kv)[:NUM_TOKENS]) for kv in (0, 1)]
-
-    def send(self, header: dict | bytes, frames: list, request_id: str = "req") -> None:
-        first = header if isinstance(header, bytes) else encode(MessageKind.LAYER, request_id, **header)
-        self.socket.send_multipart([first, *frames])
-
-    def send_all_layers(self, request_id: str = "req") -> None:
-        for layer in range(LAYERS):
-            self.send(self.header(request_id, layer), self.frames(layer), request_id)
-
-    def next_kind(self, timeout_s: float = 5.0) -> MessageKind:
-        assert self.socket.poll(int(timeout_s * 1000)), "no answer from the receiver"
-        return MessageKind(msgpack.unpackb(self.socket.recv())["kind"])
-
-
-@pytest.fixture
-def receiver():
-    r = KVReceiver(random_pool(LAYERS, BLOCKS, BLOCK_SIZE, HEADS, DIM, torch.float32, seed=3), timeout_s=10)
-    yield r
-    r.close()
 
 
 def wait_dropped(receiver: KVReceiver, reason: str) -> None:
@@ -92,8 +43,9 @@ BAD_MESSAGES = {
 @pytest.mark.parametrize("reason", list(BAD_MESSAGES))
 def test_bad_message_is_dropped_and_the_connection_stays_usable(receiver, reason):
     before = receiver.kv_cache.clone()
-    receiver.expect("req", DST_BLOCKS, NUM_TOKENS)
+    dest = receiver.expect("req", DST_BLOCKS, NUM_TOKENS)
     raw = RawSender(receiver)
+    raw.handed(dest)
     header, frames, *request_id = BAD_MESSAGES[reason](raw)
     raw.send(header, frames, *request_id)
     wait_dropped(receiver, reason)
@@ -108,8 +60,9 @@ def test_bad_message_is_dropped_and_the_connection_stays_usable(receiver, reason
 
 
 def test_duplicate_layer_is_dropped_and_keeps_the_first(receiver):
-    receiver.expect("req", DST_BLOCKS, NUM_TOKENS)
+    dest = receiver.expect("req", DST_BLOCKS, NUM_TOKENS)
     raw = RawSender(receiver)
+    raw.handed(dest)
     raw.send(raw.header(layer=0), raw.frames(0))
     raw.send(raw.header(layer=0), raw.frames(1))  # layer 0 again, with other bytes
     wait_dropped(receiver, "duplicate_layer")
@@ -119,8 +72,9 @@ def test_duplicate_layer_is_dropped_and_keeps_the_first(receiver):
 
 
 def test_receiver_abort_stops_the_sender_and_late_layers_write_nothing(receiver):
-    receiver.expect("req", DST_BLOCKS, NUM_TOKENS)
+    dest = receiver.expect("req", DST_BLOCKS, NUM_TOKENS)
     raw = RawSender(receiver)
+    raw.handed(dest)
     raw.send(raw.header(layer=0), raw.frames(0))
     deadline = time.monotonic() + 5
     while receiver._expected["req"].received[0] == 0:  # layer 0 written

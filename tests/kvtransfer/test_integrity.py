@@ -10,7 +10,7 @@ from kv_pools import random_pool, token_rows
 from tandem.kvtransfer.protocol import MessageKind, TransferRefused, TransferStatus, payload_crc32
 from tandem.kvtransfer.receiver import KVReceiver
 from tandem.kvtransfer.sender import KVSender
-from test_faults import BLOCK_SIZE, BLOCKS, DIM, DST_BLOCKS, HEADS, LAYERS, NUM_TOKENS, RawSender
+from raw_sender import BLOCK_SIZE, BLOCKS, DIM, DST_BLOCKS, HEADS, LAYERS, NUM_TOKENS, RawSender
 
 SRC_BLOCKS = [1, 0]
 
@@ -59,7 +59,7 @@ def test_a_corrupted_layer_fails_only_its_request(fault_report):
     receiver = KVReceiver(random_pool(LAYERS, BLOCKS, BLOCK_SIZE, HEADS, DIM, torch.float32, seed=3), timeout_s=10)
     try:
         raw = RawSender(receiver)
-        receiver.expect("bad", DST_BLOCKS, NUM_TOKENS)
+        raw.handed(receiver.expect("bad", DST_BLOCKS, NUM_TOKENS))
         frames = raw.frames(0)
         good_crc = payload_crc32(frames)
         corrupted = [bytearray(f) for f in frames]
@@ -70,7 +70,7 @@ def test_a_corrupted_layer_fails_only_its_request(fault_report):
         assert (event.request_id, event.status) == ("bad", TransferStatus.FAILED) and "checksum" in event.reason
         assert receiver.dropped["checksum"] == 1 and receiver.num_pending == 0
         # The receiver goes on: the next request, checksummed and intact, completes.
-        receiver.expect("next", DST_BLOCKS, NUM_TOKENS)
+        raw.handed(receiver.expect("next", DST_BLOCKS, NUM_TOKENS))
         for layer in range(LAYERS):
             raw.send(raw.header("next", layer, crc32=payload_crc32(raw.frames(layer))), raw.frames(layer), "next")
         assert raw.next_kind() is MessageKind.DONE
