@@ -85,7 +85,7 @@ def test_prefill_worker_hung_mid_transfer(clusters, tokenizer, fault_report):
     assert_workers_empty(cluster, timeout=30)
     assert backend.is_ready() and all(w.healthy for w in backend.workers)
     fault_report.add("prefill worker hung (SIGSTOP) mid-transfer", injected=1, affected=len(failed),
-                     clear=len(failed), leaked=0, recovery_s=back_s,
+                     clear=len(failed), leaked=num_leaked_blocks(cluster), recovery_s=back_s,
                      note=f"held {on_it}; {len(failed)} UNAVAILABLE {end_s:.1f} s after the stop, "
                           f"{len(pending) - len(failed)} finished (KV already there); new request refused in "
                           f"{refused_s:.2f} s; taken back {back_s:.1f} s after resuming")

@@ -13,7 +13,7 @@ from fault_calls import greedy, request, wait_until
 from metrics_text import parse_samples, total
 from reference import english_token_ids
 from tandem.proto import generation_pb2 as pb
-from worker_checks import assert_workers_empty, inventories
+from worker_checks import assert_workers_empty, inventories, num_leaked_blocks
 
 pytestmark = pytest.mark.slow
 
@@ -59,6 +59,6 @@ def test_buffered_requests_rerun_when_their_decode_worker_dies(clusters, tokeniz
     restart_s = time.monotonic() - killed
     assert_workers_empty(cluster, timeout=30)
     fault_report.add("decode worker killed under buffered requests", injected=1, affected=int(num_reruns),
-                     clear=int(num_reruns), leaked=0, recovery_s=restart_s,
+                     clear=int(num_reruns), leaked=num_leaked_blocks(cluster), recovery_s=restart_s,
                      note=f"{int(num_reruns)} of 6 on it ({on_victim[victim.instance]} of them decoding) re-run; "
                           f"all 6 OK with the undisturbed greedy output {done_s:.1f} s after the kill; recovery = Ray's restart, serving again")

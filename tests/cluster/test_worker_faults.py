@@ -20,7 +20,7 @@ from fault_calls import CLEAR, assert_serves, awaited, decode_leaks, greedy, rea
 from metrics_text import parse_samples, total
 from reference import english_token_ids
 from tandem.proto import generation_pb2 as pb
-from worker_checks import assert_workers_empty, inventories
+from worker_checks import assert_workers_empty, inventories, num_leaked_blocks
 
 pytestmark = pytest.mark.slow
 
@@ -83,7 +83,7 @@ def test_cancel_storm_leaves_every_worker_empty(clusters, tokenizer, fault_repor
     settle_s = time.monotonic() - start - storm_s
     clear = sum(n for code, n in codes.items() if code in CLEAR)
     fault_report.add("cancel storm (client cancels, deadlines)", injected=STORM_REQUESTS, affected=STORM_REQUESTS,
-                     clear=clear, leaked=0, recovery_s=settle_s,
+                     clear=clear, leaked=num_leaked_blocks(cluster), recovery_s=settle_s,
                      note=f"{', '.join(f'{c.name} {n}' for c, n in codes.most_common())} over {storm_s:.1f} s; "
                           f"peaks held: {dict(peaks)}; recovery = storm over to every worker empty")
     unclear = [f"{c.code().name}: {c.details()}" for c in calls if c.code() not in CLEAR]
@@ -146,7 +146,7 @@ def test_decode_worker_killed_mid_stream(clusters, tokenizer, fault_report):
     assert all(out["code"] in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) for _, _, out in streams)
     assert_workers_empty(cluster, timeout=30)
     assert backend.is_ready()
-    fault_report.add("decode worker killed mid-stream", injected=1, affected=len(ended), clear=len(ended), leaked=0,
+    fault_report.add("decode worker killed mid-stream", injected=1, affected=len(ended), clear=len(ended), leaked=num_leaked_blocks(cluster),
                      recovery_s=restart_s,
                      note=f"{len(streams)} streaming, the victim's {len(ended)} all UNAVAILABLE within {end_s:.2f} s, "
                           f"the other {len(streams) - len(ended)} went on; recovery = Ray's restart, serving again")
@@ -246,7 +246,7 @@ def test_prefill_worker_killed_with_requests_queued_and_in_prefill(clusters, tok
     assert_workers_empty(cluster, timeout=30)
     assert backend.is_ready() and all(w.healthy for w in backend.workers)
     fault_report.add("prefill worker killed in prefill", injected=1, affected=len(pending), clear=len(pending),
-                     leaked=0, recovery_s=restart_s,
+                     leaked=num_leaked_blocks(cluster), recovery_s=restart_s,
                      note=f"{running} in prefill, {waiting} queued on it, {len(pending) - running - waiting} not yet "
                           f"on it: all UNAVAILABLE within {end_s:.2f} s; a request sent while it was down refused "
                           f"with UNAVAILABLE in {refused_s:.2f} s")

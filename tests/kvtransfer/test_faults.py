@@ -146,7 +146,8 @@ def test_a_transfer_that_stalls_times_out_on_both_sides(fault_report):
     finally:
         sender.close()
         receiver.close()
-    fault_report.add("KV transfer stalled after layer 0", injected=1, affected=1, clear=1, leaked=0, recovery_s=None,
+    fault_report.add("KV transfer stalled after layer 0", injected=1, affected=1, clear=1,
+                     leaked=receiver.num_pending + sender.num_pending, recovery_s=None,
                      note=f"the receiver failed it {receiver_s:.2f} s into the stall (its timeout: 0.3 s), the sender "
                           f"{sender_s:.2f} s (told by the receiver before its own 0.6 s), with no other traffic")
 
