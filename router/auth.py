@@ -1,4 +1,6 @@
-"""A shared token guarding the gRPC API: calls must carry `authorization: Bearer <token>`.
+"""API keys guarding the gRPC API (and the HTTP one): calls must carry
+`authorization: Bearer <key>`. Each key names a tenant: a tenant's requests are its own (Abort
+reaches no other tenant's).
 
 Health checks stay open (load balancers and Kubernetes probes carry no token).
 """
@@ -8,26 +10,73 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-from typing import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Awaitable, Callable, Mapping
 
 import grpc
 
 logger = logging.getLogger(__name__)
 
 AUTH_TOKEN_ENV = "TANDEM_AUTH_TOKEN"
+"""One key, of the tenant DEFAULT_TENANT."""
+API_KEYS_ENV = "TANDEM_API_KEYS"
+"""Several keys, each naming its tenant: ``tenant=key,tenant=key`` (with AUTH_TOKEN_ENV too)."""
+DEFAULT_TENANT = "default"
 OPEN_SERVICES = ("/grpc.health.v1.Health/",)
 
 
+@dataclass(frozen=True)
+class ApiKeys:
+    tenants: Mapping[str, str]
+    """Each key -> the tenant it names."""
+
+    def __post_init__(self) -> None:
+        if not self.tenants or not all(k and t for k, t in self.tenants.items()):
+            raise ValueError("API keys and their tenants must not be empty")
+
+    @classmethod
+    def of(cls, keys: str | ApiKeys | None) -> ApiKeys | None:
+        """One key (str: of the default tenant), the keys themselves, or None (no auth)."""
+        return keys if keys is None or isinstance(keys, ApiKeys) else cls({keys: DEFAULT_TENANT})
+
+    @classmethod
+    def parse(cls, text: str) -> dict[str, str]:
+        """``tenant=key,tenant=key`` -> {key: tenant}."""
+        tenants = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            tenant, sep, key = item.partition("=")
+            if not sep or not tenant or not key:
+                raise ValueError(f"${API_KEYS_ENV}: each entry is tenant=key, got {item.split('=')[0]!r}=...")
+            tenants[key] = tenant
+        return tenants
+
+    def tenant_of(self, authorization: str | bytes) -> str | None:
+        """The tenant whose key an ``authorization`` header carries (None: no valid key).
+        Every key is compared, in constant time each."""
+        given = authorization.encode("utf-8", "surrogateescape") if isinstance(authorization, str) else authorization
+        found = None
+        for key, tenant in self.tenants.items():
+            if hmac.compare_digest(given, f"Bearer {key}".encode()):
+                found = tenant
+        return found
+
+
 def auth_token_from_env() -> str | None:
-    """The token in $TANDEM_AUTH_TOKEN (None when unset or empty)."""
+    """The token in $TANDEM_AUTH_TOKEN (None when unset or empty): what clients send."""
     return os.environ.get(AUTH_TOKEN_ENV) or None
 
 
+def api_keys_from_env() -> ApiKeys | None:
+    """The server's keys: $TANDEM_AUTH_TOKEN (the default tenant's) and $TANDEM_API_KEYS."""
+    tenants = ApiKeys.parse(os.environ.get(API_KEYS_ENV, ""))
+    if token := auth_token_from_env():
+        tenants[token] = DEFAULT_TENANT
+    return ApiKeys(tenants) if tenants else None
+
+
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, token: str) -> None:
-        if not token:
-            raise ValueError("the auth token must not be empty")
-        self._expected = f"Bearer {token}".encode()
+    def __init__(self, keys: ApiKeys) -> None:
+        self._keys = keys
 
     async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
                                 handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
@@ -35,7 +84,7 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         if method.startswith(OPEN_SERVICES):
             return await continuation(handler_call_details)
         given = dict(handler_call_details.invocation_metadata or ()).get("authorization", "")
-        if hmac.compare_digest(given.encode() if isinstance(given, str) else given, self._expected):
+        if self._keys.tenant_of(given) is not None:
             return await continuation(handler_call_details)
         logger.warning("refused %s: %s", method, "no token" if not given else "wrong token")
         handler = await continuation(handler_call_details)

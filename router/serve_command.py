@@ -12,7 +12,7 @@ from typing import Any
 
 from tandem.engine_options import ENGINE_DEFAULTS, MODEL_HELP, add_engine_options, engine_options_from_args
 from tandem.kvtransfer.protocol import KV_TRANSPORTS
-from tandem.router.auth import AUTH_TOKEN_ENV, auth_token_from_env
+from tandem.router.auth import API_KEYS_ENV, AUTH_TOKEN_ENV, api_keys_from_env
 from tandem.router.limits import add_limit_args, limits_from_args
 from tandem.router.metrics_endpoint import DEFAULT_METRICS_PORT
 from tandem.router.placement import add_placement_args, placement_options
@@ -99,12 +99,12 @@ async def _serve(args: argparse.Namespace) -> int:
     print(f"tandem: starting {mode} worker(s); each loads the model...", file=sys.stderr, flush=True)
     backend = await start_cluster(cfg)
     backend.start_polling()
-    token = auth_token_from_env()
-    server = await serve(backend, args.host, args.port, metrics_port=args.metrics_port, auth_token=token,
+    keys = api_keys_from_env()
+    server = await serve(backend, args.host, args.port, metrics_port=args.metrics_port, auth_token=keys,
                         limits=limits, http_port=None if args.http_port < 0 else args.http_port)
     where = f"{args.host}:{bound_port(server)}"
     print(f"tandem: serving {backend.tokenizer_spec.model_name} on {where} (gRPC tandem.v1.Generation)"
-          f"{f', token from ${AUTH_TOKEN_ENV} required' if token else ''}\n"
+          f"{f', a key from ${AUTH_TOKEN_ENV} or ${API_KEYS_ENV} required' if keys else ''}\n"
           f"  metrics: http://{args.host}:{metrics_port(server)}/metrics\n"
           + (f"  OpenAI API: http://{args.host}:{http_port(server)}/v1 (e.g. openai.OpenAI(base_url=..., api_key=...))\n"
              if http_port(server) is not None else "") +

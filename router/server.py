@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
-from tandem.router.auth import TokenAuthInterceptor
+from tandem.router.auth import ApiKeys, TokenAuthInterceptor
 from tandem.router.backend import Backend
 from tandem.router.limits import RequestLimits
 from tandem.router.metrics import RouterMetrics
@@ -57,7 +57,7 @@ _ROUTERS: weakref.WeakKeyDictionary[grpc.aio.Server, _Router] = weakref.WeakKeyD
 
 async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
                 tokenizer: RouterTokenizer | None = None, metrics_port: int | None = None,
-                auth_token: str | None = None, health_poll_s: float = HEALTH_POLL_S,
+                auth_token: str | ApiKeys | None = None, health_poll_s: float = HEALTH_POLL_S,
                 limits: RequestLimits | None = None, http_port: int | None = None) -> grpc.aio.Server:
     """Start the router on ``host:port`` (loopback unless told otherwise; port 0 picks a free
     one, see ``bound_port``) -> the started server. Health says NOT_SERVING until
@@ -66,7 +66,8 @@ async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
     The tokenizer defaults to the one the backend describes (``backend.tokenizer_spec``).
     metrics_port: also serve ``/metrics`` (the router's and its workers' metrics) on
     ``host:metrics_port`` (None: not over HTTP). auth_token: calls must carry
-    ``authorization: Bearer <auth_token>`` (health checks excepted). limits: what one
+    ``authorization: Bearer <key>`` with this key, or one of these (health checks excepted);
+    a key's tenant owns its requests (without keys, a connection does). limits: what one
     request may cost (default ``RequestLimits()``; past them, INVALID_ARGUMENT naming the limit).
     http_port: also serve the OpenAI-compatible HTTP API on ``host:http_port`` (same backend,
     limits, token and metrics; see ``http_port(server)``; None: not at all).
@@ -74,10 +75,11 @@ async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
     tokenizer = tokenizer or RouterTokenizer.from_spec(backend.tokenizer_spec)
     limits = limits or RequestLimits()
     metrics = _router_metrics(backend, tokenizer)
-    interceptors = [TokenAuthInterceptor(auth_token)] if auth_token else []
+    keys = ApiKeys.of(auth_token)
+    interceptors = [TokenAuthInterceptor(keys)] if keys else []
     # so_reuseport=0: a second router on a busy port must fail, not share the port.
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
-    add_generation_service(GenerationServicer(backend, tokenizer, metrics, limits), server)
+    add_generation_service(GenerationServicer(backend, tokenizer, metrics, limits, keys), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
     reflection.enable_server_reflection(
@@ -95,7 +97,7 @@ async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
     openai_endpoint = None
     try:
         if http_port is not None:
-            openai_endpoint = await start_openai_endpoint(backend, tokenizer, metrics, limits, host, http_port, auth_token)
+            openai_endpoint = await start_openai_endpoint(backend, tokenizer, metrics, limits, host, http_port, keys)
         await server.start()
         await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     except BaseException:
@@ -107,7 +109,7 @@ async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
     task = asyncio.create_task(_follow_readiness(backend, health, health_poll_s), name="tandem-router-health")
     _ROUTERS[server] = _Router(health, task, bound, endpoint, openai_endpoint)
     logger.info("router serving %s on %s:%d (model %s%s)", SERVICE_NAME, host, bound, tokenizer.spec.model_name,
-                ", token required" if auth_token else "")
+                ", token required" if keys else "")
     return server
 
 

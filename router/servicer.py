@@ -14,6 +14,7 @@ import grpc
 
 from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc  # the servicer's base class
+from tandem.router.auth import ApiKeys
 from tandem.router.backend import Backend
 from tandem.router.limits import RequestLimits
 from tandem.router.metrics import RouterMetrics
@@ -38,8 +39,11 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     """``tandem.v1.Generation`` over a Backend."""
 
     def __init__(self, backend: Backend, tokenizer: RouterTokenizer, metrics: RouterMetrics,
-                 limits: RequestLimits = RequestLimits()) -> None:
+                 limits: RequestLimits = RequestLimits(), keys: ApiKeys | None = None) -> None:
+        """keys: the API keys, whose tenants own their requests (None: each connection owns
+        its own): Abort reaches only the caller's."""
         self._backend = backend
+        self._keys = keys
         self._tokenizer = tokenizer
         self._limits = limits
         self._relay = RequestRelay(backend, metrics, limits)
@@ -64,7 +68,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 # grpc.aio ends a call early by cancelling this task (client cancel, deadline)
                 # while it waits on the backend, or by closing this generator while it waits
                 # to write: the relay counts either and closes the backend's stream.
-                async with self._relay.relay(valid, timer, buffered=request.buffered,
+                owned = valid._replace(request_id=owned_id(self._owner(context), valid.request_id))
+                async with self._relay.relay(owned, timer, buffered=request.buffered,
                                              deadline_passed=lambda: _deadline_passed(context)) as deltas:
                     async for delta in deltas:
                         yield _response(valid.request_id, delta)
@@ -85,8 +90,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         aborted: list[str] = []
         error: RequestFailed | None = None
         try:
+            owner = self._owner(context)
             for request_id in dict.fromkeys(request.request_ids):  # once each, in order
-                if await self._backend.abort(request_id):
+                # NOTE: another owner's id is never found: Abort neither ends it nor tells it exists.
+                if await self._backend.abort(owned_id(owner, request_id)):
                     aborted.append(request_id)
         except Exception as e:  # noqa: BLE001
             error = failure_of("(abort)", e)
@@ -94,6 +101,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             await context.abort(error.code, error.message)
         logger.info("abort: %d of %d requests were running: %s", len(aborted), len(request.request_ids), aborted)
         return pb.AbortResponse(aborted_request_ids=aborted)
+
+    def _owner(self, context: grpc.aio.ServicerContext) -> str:
+        """Who owns the call's requests: its key's tenant, or (without keys) its connection."""
+        if self._keys is None:
+            return f"peer {context.peer()}"
+        metadata = dict(context.invocation_metadata() or ())
+        return f"tenant {self._keys.tenant_of(metadata.get('authorization', ''))}"
+
+
+def owned_id(owner: str, request_id: str) -> str:
+    """The id the backend knows a client's request by: its owner's and its own, so that
+    owners never meet each other's requests, whatever ids they pick."""
+    return f"{owner.replace('/', '%2F')}/{request_id}"
 
 
 def _response(request_id: str, delta: StreamDelta) -> pb.GenerateResponse:

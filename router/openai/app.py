@@ -9,13 +9,13 @@ come in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, aio
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from tandem.router.auth import ApiKeys
 from tandem.router.backend import Backend
 from tandem.router.limits import RequestLimits
 from tandem.router.metrics import RouterMetrics
@@ -53,18 +53,19 @@ class OpenAIEndpoint:
 
 async def start_openai_endpoint(backend: Backend, tokenizer: RouterTokenizer, metrics: RouterMetrics,
                                 limits: RequestLimits, host: str, port: int,
-                                auth_token: str | None = None, *, grace_s: float = STOP_GRACE_S) -> OpenAIEndpoint:
+                                auth_token: str | ApiKeys | None = None, *, grace_s: float = STOP_GRACE_S
+                                ) -> OpenAIEndpoint:
     """Serve the OpenAI-compatible API on host:port (0: a free port) on the running loop.
 
     Requests share the gRPC API's admission bound (``metrics.num_running`` against
     ``limits.max_concurrent_requests``), validation and request metrics. auth_token: the
-    ``Authorization: Bearer`` token every route but /health needs (None: open). grace_s:
+    ``Authorization: Bearer`` key (or one of the keys) every route but /health needs (None: open). grace_s:
     how long stop() waits for running requests. A busy port raises OSError.
     """
     if auth_token is not None and not auth_token:
         raise ValueError("the auth token must not be empty")
     generation = Generation(backend, tokenizer, metrics, limits)
-    app = _application(generation, backend, auth_token, _client_max_size(limits))
+    app = _application(generation, backend, ApiKeys.of(auth_token), _client_max_size(limits))
     # handler_cancellation: a client that disconnects cancels its handler at once, wherever
     # it waits (the admission queue, the workers), and the cancel aborts its request.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=grace_s)
@@ -86,9 +87,9 @@ def _client_max_size(limits: RequestLimits) -> int:
     return max(4 * _MiB, 6 * limits.max_prompt_chars + _MiB)
 
 
-def _application(generation: Generation, backend: Backend, auth_token: str | None,
+def _application(generation: Generation, backend: Backend, keys: ApiKeys | None,
                  client_max_size: int) -> web.Application:
-    middlewares = [_errors] + ([_auth(auth_token)] if auth_token else [])
+    middlewares = [_errors] + ([_auth(keys)] if keys else [])
     app = web.Application(middlewares=middlewares, client_max_size=client_max_size)
     created = int(time.time())
     model = generation.model
@@ -144,15 +145,13 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
                                         headers=headers))
 
 
-def _auth(token: str) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
-    expected = f"Bearer {token}".encode()
-
+def _auth(keys: ApiKeys) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path in OPEN_PATHS:
             return await handler(request)
         given = request.headers.get("Authorization", "")
-        if hmac.compare_digest(given.encode("utf-8", "surrogateescape"), expected):
+        if keys.tenant_of(given) is not None:
             return await handler(request)
         logger.warning("refused %s %s: %s", request.method, request.path[:200],
                        "no token" if not given else "wrong token")

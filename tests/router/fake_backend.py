@@ -25,6 +25,12 @@ from tandem.worker.api import StreamDelta, TokenizerSpec, WorkerLoad
 REPLY = "The capital of France is Paris. It is known for the Eiffel Tower."
 
 
+def client_id(request_id: str) -> str:
+    """The client's own id in the one a router hands its backend (servicer.owned_id: the
+    owner's, then the client's): what the fake records, so that tests speak the client's ids."""
+    return request_id.split("/", 1)[-1]
+
+
 @dataclass
 class Seen:
     """One generate() call as the backend received it."""
@@ -76,7 +82,7 @@ class FakeBackend:
         event = self.running.get(request_id)
         if event is None:
             return False
-        self.aborted.append(request_id)
+        self.aborted.append(client_id(request_id))
         event.set()
         return True
 
@@ -90,7 +96,7 @@ class FakeBackend:
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[StreamDelta]:
         if self.closed_event is None:
             self.closed_event = asyncio.Event()
-        self.seen.append(Seen(request_id, list(prompt_token_ids), params))
+        self.seen.append(Seen(client_id(request_id), list(prompt_token_ids), params))
         if isinstance(self.fail_with, Exception):
             raise self.fail_with
         if isinstance(self.fail_with, str):
@@ -137,8 +143,8 @@ class FakeBackend:
         finally:
             self.running.pop(request_id, None)
             if done:
-                self.finished.append(request_id)
+                self.finished.append(client_id(request_id))
             else:
-                self.closed_early.append(request_id)
+                self.closed_early.append(client_id(request_id))
                 self.closed_event.set()
 
