@@ -42,6 +42,18 @@ class RequestLimits:
     max_concurrent_requests: int = 4096
     """Most Generate calls in progress at once, waiting ones included; past it a new call gets
     RESOURCE_EXHAUSTED at once (what bounds the router's and the workers' queues under overload)."""
+    max_body_bytes_in_flight: int = 256 * 2**20
+    """Most bytes of HTTP request bodies being received at once (each reserves its declared
+    length before it is read); past it a new request gets 503 at once."""
+    body_read_timeout_s: int = 30
+    """Seconds an HTTP request body may take to arrive (a slow upload then gets 408)."""
+
+    @property
+    def max_body_bytes(self) -> int:
+        """The largest request body (HTTP) or message (gRPC) received: room for
+        max_prompt_chars of text even when JSON escapes every character (``\\uXXXX``, 6 bytes),
+        plus the other fields; at least gRPC's usual 4 MiB."""
+        return max(4 * 2**20, 6 * self.max_prompt_chars + 2**20)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -88,6 +100,9 @@ _FLAGS = (
      "most completions per request: sampling.n, and beam_width with beam search (default 16)"),
     ("--max-concurrent-requests", "max_concurrent_requests",
      "most Generate calls in progress at once; past it RESOURCE_EXHAUSTED (default 4096)"),
+    ("--max-body-bytes-in-flight", "max_body_bytes_in_flight",
+     "most bytes of HTTP request bodies received at once; past it 503 (default 268435456)"),
+    ("--body-read-timeout-s", "body_read_timeout_s", "seconds an HTTP request body may take to arrive (default 30)"),
 )
 
 

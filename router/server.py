@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 
 HEALTH_POLL_S = 0.5
 """How often health follows backend.is_ready()."""
+MAX_STREAMS_PER_CONNECTION = 1024
+"""HTTP/2 streams one client connection may have open at once (more wait in the client)."""
 LIVENESS_SERVICE = "tandem.liveness"
 """The health service a liveness probe asks: SERVING while the router's event loop answers,
 whatever the workers' state (the "" service follows readiness: a pool restarting must not
@@ -77,8 +79,12 @@ async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
     metrics = _router_metrics(backend, tokenizer)
     keys = ApiKeys.of(auth_token)
     interceptors = [TokenAuthInterceptor(keys)] if keys else []
-    # so_reuseport=0: a second router on a busy port must fail, not share the port.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=interceptors)
+    # so_reuseport=0: a second router on a busy port must fail, not share the port. A message
+    # longer than a request may be is refused from its length prefix, before it is read.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+                                      ("grpc.max_receive_message_length", limits.max_body_bytes),
+                                      ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION)],
+                             interceptors=interceptors)
     add_generation_service(GenerationServicer(backend, tokenizer, metrics, limits, keys), server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)

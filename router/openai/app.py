@@ -31,7 +31,6 @@ OPEN_PATHS = ("/health",)
 """What needs no token (load balancers and Kubernetes probes carry none)."""
 STOP_GRACE_S = 5.0
 """How long stop() lets running requests finish before cancelling them."""
-_MiB = 2**20
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -65,7 +64,7 @@ async def start_openai_endpoint(backend: Backend, tokenizer: RouterTokenizer, me
     if auth_token is not None and not auth_token:
         raise ValueError("the auth token must not be empty")
     generation = Generation(backend, tokenizer, metrics, limits)
-    app = _application(generation, backend, ApiKeys.of(auth_token), _client_max_size(limits))
+    app = _application(generation, backend, ApiKeys.of(auth_token), limits.max_body_bytes)
     # handler_cancellation: a client that disconnects cancels its handler at once, wherever
     # it waits (the admission queue, the workers), and the cancel aborts its request.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=grace_s)
@@ -79,12 +78,6 @@ async def start_openai_endpoint(backend: Backend, tokenizer: RouterTokenizer, me
     logger.info("OpenAI-compatible API on http://%s:%d/v1 (model %s%s)", host, bound, generation.model,
                 ", token required" if auth_token else "")
     return OpenAIEndpoint(runner, bound)
-
-
-def _client_max_size(limits: RequestLimits) -> int:
-    """The largest body read: room for max_prompt_chars of text even when JSON escapes every
-    character (``\\uXXXX``, 6 bytes), plus the other fields; at least gRPC's 4 MiB."""
-    return max(4 * _MiB, 6 * limits.max_prompt_chars + _MiB)
 
 
 def _application(generation: Generation, backend: Backend, keys: ApiKeys | None,

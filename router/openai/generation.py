@@ -20,6 +20,7 @@ from tandem.router.backend import Backend
 from tandem.router.buffered import merged
 from tandem.router.limits import RequestLimits
 from tandem.router.metrics import RequestTimer, RouterMetrics
+from tandem.router.openai.body_budget import BodyBudget
 from tandem.router.openai.errors import APIError, invalid
 from tandem.router.openai.protocol import CHAT, ParsedRequest, parse_request, validated
 from tandem.router.openai.responses import DONE, Responses, new_id, sse, usage
@@ -49,6 +50,7 @@ class Generation:
         self._tokenizer = tokenizer
         self._limits = limits
         self._relay = RequestRelay(backend, metrics, limits)
+        self._bodies = BodyBudget(limits)
         self.model = tokenizer.spec.model_name
 
     async def handle(self, kind: str, request: web.Request) -> web.StreamResponse:
@@ -62,13 +64,10 @@ class Generation:
     async def _generate(self, kind: str, request: web.Request, timer: RequestTimer) -> web.StreamResponse:
         request_id = new_id(kind)
         try:
-            try:
-                raw = await request.read()
-            except web.HTTPRequestEntityTooLarge as e:
-                raise APIError(413, e.text or "the request body is too large") from e
-            # Off the event loop, as the gRPC servicer tokenizes: a long prompt or
-            # conversation takes milliseconds, and every other stream waits on this loop.
-            parsed, valid = await asyncio.to_thread(self._prepare, kind, raw, request_id)
+            async with self._bodies.body(request) as raw:
+                # Off the event loop, as the gRPC servicer tokenizes: a long prompt or
+                # conversation takes milliseconds, and every other stream waits on this loop.
+                parsed, valid = await asyncio.to_thread(self._prepare, kind, raw, request_id)
         except APIError as e:
             logger.info("rejected request %s: %s", request_id, e.message)
             self._relay.count_invalid()

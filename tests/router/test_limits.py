@@ -207,14 +207,15 @@ def test_nan_and_infinities_are_refused_in_every_float_field(router_tokenizer, f
 
 
 def test_a_message_past_grpcs_receive_limit_is_resource_exhausted(router_tokenizer):
-    """gRPC's own 4 MiB limit on a received message refuses it before the servicer runs."""
+    """A message longer than any request may be (RequestLimits.max_body_bytes) is refused by
+    gRPC before the servicer runs."""
     backend = FakeBackend(router_tokenizer)
 
     async def body():
         async with serving(backend) as (channel, _):
             stub = pb_grpc.GenerationStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as error:
-                [r async for r in stub.Generate(pb.GenerateRequest(prompt="a" * (5 * 2**20)))]
+                [r async for r in stub.Generate(pb.GenerateRequest(prompt="a" * RequestLimits().max_body_bytes))]
             ok = [r async for r in stub.Generate(pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=1)))]
             return error.value.code(), ok
 
