@@ -32,6 +32,8 @@ DASHBOARD_PROVIDERS = DEPLOY / "grafana/provisioning/dashboards/tandem.yaml"
 DASHBOARD = DEPLOY / "grafana/dashboards/tandem.json"
 
 TANDEM_SERVICES = {"ray-head", "prefill", "decode", "router"}
+RAY_TOKEN = "a-test-ray-token"
+RAY_TOKEN_AS_WRITTEN = "${TANDEM_RAY_TOKEN:?set TANDEM_RAY_TOKEN to a secret token, e.g. $(openssl rand -hex 24)}"
 SERVICES = TANDEM_SERVICES | {"prometheus", "grafana"}
 ROUTER_FLAGS = ["--host 0.0.0.0", "--port 50051", "--metrics-port 9464", "--http-port 8000",
                 "--address ray-head:6379", "--prefill 1", "--decode 1", "--pool-resources",
@@ -115,6 +117,9 @@ def check_services(config: dict, base: Path) -> None:
     for flag in ROUTER_FLAGS:
         assert f" {flag} " in f" {line} ", f"router command lacks {flag}: {line}"
     assert "TANDEM_AUTH_TOKEN" in router["environment"]
+    for name in TANDEM_SERVICES:  # Ray's token authentication on every node and the router
+        env = services[name]["environment"]
+        assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN"] in (RAY_TOKEN, RAY_TOKEN_AS_WRITTEN), name
 
     for name, service in services.items():
         for host_ip, port in published_ports(service):
@@ -191,19 +196,25 @@ def test_dockerignore_keeps_what_pip_install_needs():
 
 # ---- docker-compose config -------------------------------------------------------------
 
-def compose_config(*files: Path) -> dict:
+def compose_config(*files: Path, extra_env: dict[str, str] | None = None) -> dict:
     binary = shutil.which("docker-compose")
     if binary is None:
         pytest.skip("docker-compose not on PATH (Debian package `docker-compose`; CI installs it)")
     # The defaults in the files, not whatever this shell exports.
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("COMPOSE_", "TANDEM_", "GRAFANA_", "TORCH_", "DOCKER_"))}
+    env.update({"TANDEM_RAY_TOKEN": RAY_TOKEN} if extra_env is None else extra_env)
     args = [binary]
     for f in files:
         args += ["-f", str(f.relative_to(ROOT))]
     done = subprocess.run(args + ["config"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return yaml.safe_load(done.stdout)
+
+
+def test_compose_needs_a_ray_token():
+    with pytest.raises(AssertionError, match="set TANDEM_RAY_TOKEN"):
+        compose_config(COMPOSE, extra_env={})
 
 
 def test_compose_config():

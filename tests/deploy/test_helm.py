@@ -18,7 +18,7 @@ import pytest
 from packaging.version import Version
 
 from helm_render import (
-    CHART, HEAD, NAMESPACE, SCENARIOS, components, container, find, flag, gpu_values, manifests, render, router_args,
+    CHART, HEAD, NAMESPACE, RELEASE, SCENARIOS, components, container, find, flag, gpu_values, manifests, render, router_args,
 )
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dashboards" / "tandem.json"
@@ -111,10 +111,79 @@ def token_env(docs: list[dict]) -> dict:
     return env["valueFrom"]["secretKeyRef"]
 
 
+def api_secrets(docs: list[dict]) -> list[dict]:
+    """The API token's Secrets (not Ray's)."""
+    return [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] != RAY_AUTH_SECRET]
+
+
+RAY_AUTH_SECRET = f"{RELEASE}-tandem-ray-auth"
+
+
+def ray_auth_envs(docs: list[dict]) -> dict[str, dict]:
+    """Each container (init containers too) of each Deployment -> its Ray auth env."""
+    found = {}
+    for dep in (d for d in docs if d["kind"] == "Deployment"):
+        spec = dep["spec"]["template"]["spec"]
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c.get("env", [])}
+            found[f"{dep['metadata']['name']}/{c['name']}"] = {k: v for k, v in env.items() if k.startswith("RAY_AUTH")}
+    return found
+
+
+def test_ray_token_auth_on_every_ray_process():
+    """Every Ray node, the router (a Ray driver) and the probes' init containers present Ray's
+    token, from a Secret the chart creates with a random token."""
+    rendered = render()
+    envs = ray_auth_envs(rendered)
+    assert len(envs) == 7, envs  # the head, 2 workers and the router, and their init containers
+    for name, env in envs.items():
+        assert env == {"RAY_AUTH_MODE": "token",
+                       "RAY_AUTH_TOKEN": {"secretKeyRef": {"name": RAY_AUTH_SECRET, "key": "token"}}}, name
+    [secret] = [d for d in rendered if d["kind"] == "Secret" and d["metadata"]["name"] == RAY_AUTH_SECRET]
+    token = base64.b64decode(secret["data"]["token"])
+    assert len(token) == 48 and token != base64.b64decode(find_ray_secret(render())["data"]["token"])
+    given = find_ray_secret(render({"ray": {"auth": {"token": "ray-s3cret"}}}))
+    assert base64.b64decode(given["data"]["token"]) == b"ray-s3cret"
+    mine = render({"ray": {"auth": {"existingSecret": "my-ray", "existingSecretKey": "t"}}})
+    assert not [d for d in mine if d["kind"] == "Secret"]
+    assert {str(e) for e in ray_auth_envs(mine).values()} == {
+        str({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": {"secretKeyRef": {"name": "my-ray", "key": "t"}}})}
+    off = render({"ray": {"auth": {"enabled": False}}})
+    assert not any(ray_auth_envs(off).values()) and not [d for d in off if d["kind"] == "Secret"]
+
+
+def find_ray_secret(docs: list[dict]) -> dict:
+    [secret] = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == RAY_AUTH_SECRET]
+    return secret
+
+
+def test_network_policies_keep_ray_and_kv_ports_to_the_release():
+    rendered = render()
+    policies = {d["metadata"]["name"]: d["spec"] for d in rendered if d["kind"] == "NetworkPolicy"}
+    release = {"app.kubernetes.io/name": "tandem", "app.kubernetes.io/instance": RELEASE}
+    ray = policies[f"{RELEASE}-tandem-ray"]
+    assert ray["podSelector"]["matchLabels"] == release
+    assert ray["podSelector"]["matchExpressions"] == [
+        {"key": "app.kubernetes.io/component", "operator": "NotIn", "values": ["router"]}]
+    assert ray["ingress"] == [{"from": [{"podSelector": {"matchLabels": release}}]}]
+    pods = {d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+            for d in rendered if d["kind"] == "Deployment"}
+    guarded = {name for name, labels in pods.items() if release.items() <= labels.items()
+               and labels["app.kubernetes.io/component"] != "router"}
+    assert len(guarded) == 3  # the head and both pools' workers
+    router = policies[f"{RELEASE}-tandem-router"]
+    assert router["ingress"][1] == {"ports": [{"port": p, "protocol": "TCP"} for p in ("grpc", "http", "metrics")]}
+    clients = [{"namespaceSelector": {"matchLabels": {"name": "apps"}}}]
+    limited = render({"networkPolicy": {"routerClients": clients}})
+    [router] = [d["spec"] for d in limited if d["kind"] == "NetworkPolicy" and "router" in d["metadata"]["name"]]
+    assert router["ingress"][1]["from"] == clients
+    assert not [d for d in render({"networkPolicy": {"enabled": False}}) if d["kind"] == "NetworkPolicy"]
+
+
 def test_auth_from_a_created_secret():
     docs = render(SCENARIOS["auth-created"])
     ref = token_env(docs)
-    [secret] = [d for d in docs if d["kind"] == "Secret"]
+    [secret] = api_secrets(docs)
     assert secret["metadata"]["name"] == ref["name"]
     assert base64.b64decode(secret["data"][ref["key"]]) == b"s3cret"
     assert "TANDEM_AUTH_TOKEN" in manifests(SCENARIOS["auth-created"])["tandem/templates/NOTES.txt"]
@@ -123,7 +192,7 @@ def test_auth_from_a_created_secret():
 def test_auth_from_an_existing_secret():
     docs = render(SCENARIOS["auth-existing"])
     assert token_env(docs) == {"name": "my-token", "key": "api-key"}
-    assert not [d for d in docs if d["kind"] == "Secret"]
+    assert not api_secrets(docs)
 
 
 def test_service_monitor():

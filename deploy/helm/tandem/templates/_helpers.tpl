@@ -132,6 +132,24 @@ affinity:
       fieldPath: status.podIP
 - name: RAY_USAGE_STATS_ENABLED
   value: "0"
+{{- include "tandem.rayAuthEnv" . }}
+{{- end }}
+
+{{/* Ray's token authentication, for every process that talks to Ray (nodes, router, probes). */}}
+{{- define "tandem.rayAuthEnv" -}}
+{{- if .Values.ray.auth.enabled }}
+- name: RAY_AUTH_MODE
+  value: token
+- name: RAY_AUTH_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "tandem.rayAuthSecretName" . }}
+      key: {{ if .Values.ray.auth.existingSecret }}{{ .Values.ray.auth.existingSecretKey | default "token" }}{{ else }}token{{ end }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.rayAuthSecretName" -}}
+{{- .Values.ray.auth.existingSecret | default (include "tandem.componentName" (dict "root" . "component" "ray-auth")) }}
 {{- end }}
 
 {{/* Init container of every Ray node but the head: wait until the head's GCS answers. */}}
@@ -143,6 +161,7 @@ affinity:
   env:
     - name: RAY_USAGE_STATS_ENABLED
       value: "0"
+    {{- include "tandem.rayAuthEnv" . | nindent 4 }}
   resources:
     requests: {cpu: 100m, memory: 256Mi}
     limits: {memory: 512Mi}
