@@ -9,6 +9,7 @@ import grpc
 from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc
 from tandem.router.auth import auth_token_from_env
+from tandem.router.tls import client_channel
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 
@@ -39,9 +40,10 @@ def build_request(prompt: str, *, chat: bool = False, request_id: str = "", max_
 class GenerationClient:
     """A channel to one router. Use as a context manager (closes the channel)."""
 
-    def __init__(self, target: str = DEFAULT_SERVER, auth_token: str | None = None) -> None:
-        """auth_token: sent as `authorization: Bearer <token>` (default: $TANDEM_AUTH_TOKEN, if set)."""
-        self._channel = grpc.insecure_channel(target)
+    def __init__(self, target: str = DEFAULT_SERVER, auth_token: str | None = None, tls_ca: str | None = None) -> None:
+        """auth_token: sent as `authorization: Bearer <token>` (default: $TANDEM_AUTH_TOKEN, if set).
+        tls_ca: connect over TLS, trusting this PEM CA file (None: plaintext)."""
+        self._channel = client_channel(target, tls_ca)
         self._stub = pb_grpc.GenerationStub(self._channel)
         token = auth_token if auth_token is not None else auth_token_from_env()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
@@ -64,6 +66,18 @@ class GenerationClient:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def health_status(target: str, service: str = "", tls_ca: str | None = None, server_name: str | None = None,
+                  timeout: float = 5.0) -> str:
+    """A router's grpc.health.v1 status for `service` ("SERVING", "NOT_SERVING", ...): what
+    the Helm chart's probes ask when the router speaks TLS (Kubernetes' own gRPC probes do not)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with client_channel(target, tls_ca, server_name) as channel:
+        answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                           timeout=timeout)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
 
 
 def describe_error(error: grpc.RpcError) -> str:

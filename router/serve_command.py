@@ -13,6 +13,7 @@ from typing import Any
 from tandem.engine_options import ENGINE_DEFAULTS, MODEL_HELP, add_engine_options, engine_options_from_args
 from tandem.kvtransfer.protocol import KV_TRANSPORTS
 from tandem.router.auth import API_KEYS_ENV, AUTH_TOKEN_ENV, api_keys_from_env
+from tandem.router.tls import TLSFiles
 from tandem.router.limits import add_limit_args, limits_from_args
 from tandem.router.metrics_endpoint import DEFAULT_METRICS_PORT
 from tandem.router.placement import add_placement_args, placement_options
@@ -42,6 +43,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
                         help=f"the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
                              f"/health) on --host (default {DEFAULT_HTTP_PORT}; -1: off)")
+    parser.add_argument("--tls-certfile", default=None, help="serve gRPC and HTTP over TLS with this PEM certificate "
+                                                             "(and --tls-keyfile)")
+    parser.add_argument("--tls-keyfile", default=None, help="the PEM private key of --tls-certfile")
     parser.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
     parser.add_argument("--pool-resources", action="store_true",
                         help="each worker asks Ray for the custom resource tandem_prefill/tandem_decode/tandem_colocated, "
@@ -90,7 +94,8 @@ async def _serve(args: argparse.Namespace) -> int:
     from tandem.router.cluster import ClusterConfig, start_cluster, stop_cluster
     from tandem.router.server import bound_port, drain, http_port, metrics_port, serve
 
-    limits = limits_from_args(args)  # refuse bad limits before any worker starts
+    limits = limits_from_args(args)  # refuse bad limits (and TLS files) before any worker starts
+    tls = TLSFiles.of(args.tls_certfile, args.tls_keyfile)
     cfg = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, colocated=args.colocated,
                         policy=args.policy, address=args.address, worker_args=worker_args(args),
                         pool_resources=args.pool_resources, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
@@ -101,14 +106,16 @@ async def _serve(args: argparse.Namespace) -> int:
     backend.start_polling()
     keys = api_keys_from_env()
     server = await serve(backend, args.host, args.port, metrics_port=args.metrics_port, auth_token=keys,
-                        limits=limits, http_port=None if args.http_port < 0 else args.http_port)
+                        limits=limits, http_port=None if args.http_port < 0 else args.http_port, tls=tls)
+    scheme = "http" if tls is None else "https"
     where = f"{args.host}:{bound_port(server)}"
     print(f"tandem: serving {backend.tokenizer_spec.model_name} on {where} (gRPC tandem.v1.Generation)"
           f"{f', a key from ${AUTH_TOKEN_ENV} or ${API_KEYS_ENV} required' if keys else ''}\n"
           f"  metrics: http://{args.host}:{metrics_port(server)}/metrics\n"
-          + (f"  OpenAI API: http://{args.host}:{http_port(server)}/v1 (e.g. openai.OpenAI(base_url=..., api_key=...))\n"
+          + (f"  OpenAI API: {scheme}://{args.host}:{http_port(server)}/v1 (e.g. openai.OpenAI(base_url=..., api_key=...))\n"
              if http_port(server) is not None else "") +
-          f"  try:  tandem generate --server {where} \"What is the capital of France?\" --chat\n"
+          f"  try:  tandem generate --server {where}{'' if tls is None else ' --tls-ca CA.pem'} "
+          "\"What is the capital of France?\" --chat\n"
           f"  or:   grpcurl -plaintext -d '{{\"prompt\": \"Hello\"}}' {where} tandem.v1.Generation/Generate\n"
           "  Ctrl-C stops", file=sys.stderr, flush=True)
     stop = asyncio.Event()

@@ -19,6 +19,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from tandem.router.auth import ApiKeys, TokenAuthInterceptor
+from tandem.router.tls import TLSFiles
 from tandem.router.backend import Backend
 from tandem.router.limits import RequestLimits
 from tandem.router.metrics import RouterMetrics
@@ -60,7 +61,8 @@ _ROUTERS: weakref.WeakKeyDictionary[grpc.aio.Server, _Router] = weakref.WeakKeyD
 async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
                 tokenizer: RouterTokenizer | None = None, metrics_port: int | None = None,
                 auth_token: str | ApiKeys | None = None, health_poll_s: float = HEALTH_POLL_S,
-                limits: RequestLimits | None = None, http_port: int | None = None) -> grpc.aio.Server:
+                limits: RequestLimits | None = None, http_port: int | None = None,
+                tls: TLSFiles | None = None) -> grpc.aio.Server:
     """Start the router on ``host:port`` (loopback unless told otherwise; port 0 picks a free
     one, see ``bound_port``) -> the started server. Health says NOT_SERVING until
     ``backend.is_ready()``, then follows it; ``drain(server)`` is the way to stop.
@@ -73,6 +75,7 @@ async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
     request may cost (default ``RequestLimits()``; past them, INVALID_ARGUMENT naming the limit).
     http_port: also serve the OpenAI-compatible HTTP API on ``host:http_port`` (same backend,
     limits, token and metrics; see ``http_port(server)``; None: not at all).
+    tls: serve gRPC and HTTP over TLS with this certificate (None: plaintext).
     """
     tokenizer = tokenizer or RouterTokenizer.from_spec(backend.tokenizer_spec)
     limits = limits or RequestLimits()
@@ -92,7 +95,8 @@ async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
         (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), server
     )
     try:
-        bound = server.add_insecure_port(f"{host}:{port}")
+        bound = (server.add_insecure_port(f"{host}:{port}") if tls is None
+                 else server.add_secure_port(f"{host}:{port}", tls.grpc_credentials()))
     except RuntimeError as e:  # grpc's word for a failed bind
         raise OSError(f"cannot listen on {host}:{port}: {e}") from e
     if bound == 0:  # older grpc reports a failed bind this way
@@ -103,7 +107,8 @@ async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
     openai_endpoint = None
     try:
         if http_port is not None:
-            openai_endpoint = await start_openai_endpoint(backend, tokenizer, metrics, limits, host, http_port, keys)
+            openai_endpoint = await start_openai_endpoint(backend, tokenizer, metrics, limits, host, http_port, keys,
+                                                          ssl_context=None if tls is None else tls.ssl_context())
         await server.start()
         await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     except BaseException:

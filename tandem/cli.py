@@ -75,7 +75,7 @@ def generate(args: argparse.Namespace) -> int:
         use_beam_search=True if args.beam_search else None, beam_width=args.beam_width,
     )
     several = (args.n or 1) > 1
-    with GenerationClient(args.server) as client:
+    with GenerationClient(args.server, tls_ca=args.tls_ca) as client:
         call = client.generate(request, timeout=args.timeout)
         last = None
         texts: dict[int, list[str]] = {}
@@ -107,6 +107,21 @@ def generate(args: argparse.Namespace) -> int:
         print(f"[{last.request_id}] finish_reason={reason} prompt_tokens={last.usage.prompt_tokens} "
               f"completion_tokens={last.usage.completion_tokens}", file=sys.stderr)
     return 0
+
+
+def health(args: argparse.Namespace) -> int:
+    """Print a router's health status; exit 0 when SERVING (a probe's command)."""
+    import grpc
+
+    from tandem.router.client import describe_error, health_status
+
+    try:
+        status = health_status(args.server, args.service, args.tls_ca, args.tls_server_name)
+    except grpc.RpcError as e:
+        print(f"tandem: error: {describe_error(e)}", file=sys.stderr)
+        return 1
+    print(status)
+    return 0 if status == "SERVING" else 1
 
 
 def plan(args: argparse.Namespace) -> int:
@@ -155,7 +170,8 @@ def run_bench(name: str, args: argparse.Namespace) -> int:
     return module.run(parser.parse_args(args.bench_args))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every `tandem` command and its flags."""
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -178,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     p = commands.add_parser("generate", help="stream a completion from a running router (gRPC)")
     p.add_argument("prompt", help="the prompt (with --chat: one user message)")
     p.add_argument("--server", default="127.0.0.1:50051", help="the router's host:port")
+    p.add_argument("--tls-ca", default=None, help="connect over TLS, trusting this PEM CA file")
     p.add_argument("--max-tokens", type=int, default=None, help="default: the server's")
     p.add_argument("--temperature", type=float, default=None)
     p.add_argument("--top-p", type=float, default=None)
@@ -189,6 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     p.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
     p.set_defaults(func=generate)
+
+    p = commands.add_parser("health", help="a router's grpc.health.v1 status; exit 0 when SERVING (for probes)")
+    p.add_argument("--server", default="127.0.0.1:50051", help="the router's host:port")
+    p.add_argument("--service", default="", help='"" (ready to serve), tandem.liveness (the router itself is alive)')
+    p.add_argument("--tls-ca", default=None, help="connect over TLS, trusting this PEM CA file")
+    p.add_argument("--tls-server-name", default=None, help="the name the router's certificate carries")
+    p.set_defaults(func=health)
 
     p = commands.add_parser("plan", help="KV capacity per rank for a memory budget, before loading anything",
                             description=plan.__doc__)
@@ -210,7 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     for name in BENCH_HELP:
         p = bench_commands.add_parser(name, help=BENCH_HELP[name], add_help=False)
         p.set_defaults(func=functools.partial(run_bench, name))
+    return parser
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         args.bench_args = rest  # the bench's own parser reads them

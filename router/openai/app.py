@@ -10,6 +10,7 @@ come in OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``, aio
 from __future__ import annotations
 
 import logging
+import ssl
 import time
 from collections.abc import Awaitable, Callable
 
@@ -52,14 +53,15 @@ class OpenAIEndpoint:
 
 async def start_openai_endpoint(backend: Backend, tokenizer: RouterTokenizer, metrics: RouterMetrics,
                                 limits: RequestLimits, host: str, port: int,
-                                auth_token: str | ApiKeys | None = None, *, grace_s: float = STOP_GRACE_S
-                                ) -> OpenAIEndpoint:
+                                auth_token: str | ApiKeys | None = None, *, grace_s: float = STOP_GRACE_S,
+                                ssl_context: ssl.SSLContext | None = None) -> OpenAIEndpoint:
     """Serve the OpenAI-compatible API on host:port (0: a free port) on the running loop.
 
     Requests share the gRPC API's admission bound (``metrics.num_running`` against
     ``limits.max_concurrent_requests``), validation and request metrics. auth_token: the
     ``Authorization: Bearer`` key (or one of the keys) every route but /health needs (None: open). grace_s:
-    how long stop() waits for running requests. A busy port raises OSError.
+    how long stop() waits for running requests. ssl_context: HTTPS (None: HTTP). A busy port
+    raises OSError.
     """
     if auth_token is not None and not auth_token:
         raise ValueError("the auth token must not be empty")
@@ -70,7 +72,7 @@ async def start_openai_endpoint(backend: Backend, tokenizer: RouterTokenizer, me
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=grace_s)
     await runner.setup()
     try:
-        await web.TCPSite(runner, host, port).start()
+        await web.TCPSite(runner, host, port, ssl_context=ssl_context).start()
     except OSError as e:
         await runner.cleanup()
         raise OSError(f"cannot serve the OpenAI-compatible API on {host}:{port}: {e}") from e

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from tandem.cli import build_parser
 from tandem.model.source import DEFAULT_MODEL_NAME, resolve_model_source
 from tandem.router import serve_command
 from tandem.router.policy import POLICIES
@@ -154,3 +155,27 @@ def test_gpu_values_give_each_worker_one_gpu():
         assert GPU not in json.dumps(find(docs, "Deployment", role))
     colocated = container(find(render(merged(gpu_values(), SCENARIOS["colocated"])), "Deployment", "colocated"))
     assert colocated["resources"]["limits"][GPU] == 1 and "--num-gpus=1" in colocated["args"]
+
+
+def test_router_tls_from_a_secret():
+    """router.tls.secretName: the certificate is mounted and passed to `tandem serve`; the
+    probes become `tandem health` over TLS (a command the CLI parses), each on its service."""
+    docs = render({"router": {"tls": {"secretName": "router-tls"}}})
+    args = router_args(docs)
+    assert (flag(args, "--tls-certfile"), flag(args, "--tls-keyfile")) == ("/etc/tandem/tls/tls.crt",
+                                                                          "/etc/tandem/tls/tls.key")
+    router = find(docs, "Deployment", "router")
+    c = container(router)
+    assert {"name": "tls", "mountPath": "/etc/tandem/tls", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "tls", "secret": {"secretName": "router-tls"}} in router["spec"]["template"]["spec"]["volumes"]
+    services = {}
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        command = c[probe]["exec"]["command"]
+        assert command[:2] == ["tandem", "health"] and "grpc" not in c[probe]
+        parsed = build_parser().parse_args(command[1:])
+        assert (parsed.server, parsed.tls_ca, parsed.tls_server_name) == (
+            "127.0.0.1:50051", "/etc/tandem/tls/ca.crt", "demo-tandem-router")
+        services[probe] = parsed.service
+    assert services == {"startupProbe": "", "readinessProbe": "", "livenessProbe": LIVENESS_SERVICE}
+    plain = container(find(render(), "Deployment", "router"))
+    assert "volumeMounts" in plain and all(m["name"] != "tls" for m in plain["volumeMounts"])
