@@ -32,6 +32,9 @@ class Outgoing:
     """One per message with frames of the pool: done once ZMQ no longer reads them."""
     ended: TransferEvent | None = None
     """Set when the request ended but ZMQ may still read its blocks: reported once it does not."""
+    ended_at: float | None = None
+    """When it ended (monotonic): frames ZMQ still holds RELEASE_GRACE_S later are dropped
+    with their peer's socket, so that a stopped receiver never pins the blocks."""
     in_place: InPlaceWrites | None = None
     """The request's writes into the receiver's pool, on the shared-memory path."""
     num_staged: int = 0

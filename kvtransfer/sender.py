@@ -39,6 +39,9 @@ from tandem.kvtransfer.staging import Staging
 logger = logging.getLogger(__name__)
 
 POOL_CHECK_S = 1.0  # how often poll looks for shared pools whose owner is gone
+RELEASE_GRACE_S = 2.0
+"""How long ZMQ may hold frames of ended requests before their peer is closed (see
+_drop_pinning_peers): a live receiver drains them in milliseconds."""
 
 
 class KVSender:
@@ -79,6 +82,8 @@ class KVSender:
         self._next_pool_check = 0.0
         self.num_bytes_sent = 0
         """KV payload bytes handed to the transport (K and V), for the metrics."""
+        self._announced: set[str] = set()
+        """Receivers whose data path was logged."""
 
     def connect(self, address: str, timeout_s: float = 10.0, shm_pool: str = "") -> KVLayout:
         """Handshake with a receiver (once per address, again after its data path broke).
@@ -89,12 +94,20 @@ class KVSender:
         Raises TransferRefused when the layouts cannot exchange KV, TimeoutError when it
         does not answer.
         """
+        if self.is_connected(address):
+            return self._peers[address].layout
+        return self.adopt(address, self.handshake(address, timeout_s, shm_pool))
+
+    def is_connected(self, address: str) -> bool:
+        """Whether a handshake with `address` stands (readable from any thread)."""
         peer = self._peers.get(address)
-        if peer is not None and not peer.lost:
-            return peer.layout
-        if peer is not None:  # its requests all ended when it broke
-            peer.close()
-            del self._peers[address]
+        return peer is not None and not peer.lost
+
+    def handshake(self, address: str, timeout_s: float = 10.0, shm_pool: str = "") -> Peer:
+        """A new connection to the receiver at `address`, not yet the sender's (see `adopt`).
+        NOTE: touches nothing of the sender's state, so any thread may run it: a prefill
+        worker shakes hands off its engine loop, which a silent receiver would stall for
+        timeout_s."""
         hello = {"layout": self.layout.as_dict()}
         if self.model is not None:
             hello["model"] = self.model
@@ -108,26 +121,43 @@ class KVSender:
                             dist_required=self.transport in ("gloo", "nccl"))
         if self.dist_payload is not None:
             peer.dist = self.dist_payload
+        return peer
+
+    def adopt(self, address: str, peer: Peer) -> KVLayout:
+        """Make a `handshake`'s connection the one to `address` (on the sender's thread); one
+        that came second is closed. -> the receiver's layout."""
+        old = self._peers.get(address)
+        if old is not None and not old.lost:
+            peer.close()
+            return old.layout
+        if old is not None:  # its requests all ended when it broke
+            old.close()
         self._peers[address] = peer
         return peer.layout
 
+    def shm_offer(self, destination: Destination) -> tuple[str, str]:
+        """-> (the receiver's pool to offer writing into in place, or ""; why not, or "")."""
+        why_not = (f"{self.transport} asked for" if self.transport != "auto"
+                   else "the receiver's pool is private" if not destination.shm_pool
+                   else "the receiver is on another node" if not self.node_id or destination.node_id != self.node_id
+                   else "this pool is not in host memory" if self.kv_cache.device.type != "cpu" else "")
+        return ("" if why_not else destination.shm_pool), why_not
+
     def begin(self, destination: Destination, src_block_ids: list[int] = ()) -> str:
         """Start sending a request's KV (held in `src_block_ids` here, or given to each
-        `send_layer` as the blocks come) to its destination.
+        `send_layer` as the blocks come) to its destination (shaking hands first, unless a
+        handshake was `adopt`ed).
 
         -> the data path it takes: "shm" (written in place: same node, shared pool), "dist"
         (torch.distributed) or "zmq" (frames over the socket).
         """
         if destination.request_id in self._outgoing:
             raise ValueError(f"{destination.request_id}: its KV is being sent already")
-        first = destination.address not in self._peers
-        why_not = (f"{self.transport} asked for" if self.transport != "auto"
-                   else "the receiver's pool is private" if not destination.shm_pool
-                   else "the receiver is on another node" if not self.node_id or destination.node_id != self.node_id
-                   else "this pool is not in host memory" if self.kv_cache.device.type != "cpu" else "")
-        self.connect(destination.address, shm_pool="" if why_not else destination.shm_pool)
+        shm_pool, why_not = self.shm_offer(destination)
+        self.connect(destination.address, shm_pool=shm_pool)
         peer = self._peers[destination.address]
-        if first:
+        if destination.address not in self._announced:
+            self._announced.add(destination.address)
             logger.info("kv sender: KV to %s goes by %s%s", destination.address, peer.path,
                         f" ({why_not})" if why_not else "")
         in_place = InPlaceWrites(peer.shm, destination, self.layout.block_size) if peer.shm is not None else None
@@ -250,6 +280,19 @@ class KVSender:
         out = self._outgoing.get(request_id)
         if out is not None and out.ended is None:
             out.ended = event
+            out.ended_at = time.monotonic()
+
+    def _drop_pinning_peers(self, now: float) -> None:
+        """A peer whose socket still holds frames of ended requests RELEASE_GRACE_S after they
+        ended (a stopped or vanished receiver: nothing drains its queue) is closed: ZMQ drops
+        the queued frames, which are views of the pool, and lets go of their blocks. Its other
+        requests fail; the next `begin` for it shakes hands anew."""
+        for address, peer in list(self._peers.items()):
+            if any(o.destination.address == address and o.ended_at is not None and now - o.ended_at >= RELEASE_GRACE_S
+                   and not all(t.done for t in o.trackers) for o in self._outgoing.values()):
+                self._lose(address, peer, f"frames still queued {RELEASE_GRACE_S:.0f} s after their requests ended")
+                peer.close()
+                del self._peers[address]
 
     def abort(self, request_id: str) -> bool:
         """Stop sending a request and tell its receiver (which then frees its blocks).
@@ -293,6 +336,7 @@ class KVSender:
             if out.ended is None and out.deadline is not None and out.deadline <= now:
                 logger.warning("kv transfer %s: no ack within %.1f s", request_id, self.timeout_s)
                 self._end(request_id, TransferEvent(request_id, TransferStatus.FAILED, "timed out waiting for the receiver"))
+        self._drop_pinning_peers(now)
         released = [r for r, o in self._outgoing.items()
                     if o.ended is not None and not o.num_staged and all(t.done for t in o.trackers)]
         for request_id in released:

@@ -30,6 +30,7 @@ from tandem.engine.model_runner import ModelRunner
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
 from tandem.engine.snapshots import EngineInventory
+from tandem.kvtransfer.peer import Peer
 from tandem.kvtransfer.protocol import Destination, TransferStatus
 from tandem.kvtransfer.sender import KVSender
 from tandem.kvtransfer.slots import token_slots
@@ -96,8 +97,13 @@ class PrefillWorker(Worker):
         if destination.request_id != request.request_id:
             raise ValueError(f"the destination is for {destination.request_id!r}, the request is {request.request_id!r}")
         result = asyncio.get_running_loop().create_future()
+        peer = None
+        if not self.sender.is_connected(destination.address):
+            # NOTE: off the engine loop: a receiver that answers late stalls only this request.
+            peer = await asyncio.to_thread(self.sender.handshake, destination.address,
+                                           shm_pool=self.sender.shm_offer(destination)[0])
         try:
-            await self.loop.call(lambda engine: self._admit(engine, request, destination, result))
+            await self.loop.call(lambda engine: self._admit(engine, request, destination, result, peer))
             return await result
         except asyncio.CancelledError:  # the admission may have run all the same: undo it
             await self.abort(request.request_id)
@@ -107,7 +113,10 @@ class PrefillWorker(Worker):
         return await self.loop.call(lambda engine: self._abort(engine, request_id))
 
     # -- on the loop thread -------------------------------------------------------------
-    def _admit(self, engine: LLMEngine, request: WorkerRequest, destination: Destination, result: asyncio.Future) -> None:
+    def _admit(self, engine: LLMEngine, request: WorkerRequest, destination: Destination, result: asyncio.Future,
+               peer: Peer | None) -> None:
+        if peer is not None:
+            self.sender.adopt(destination.address, peer)
         if destination.num_tokens != len(request.prompt_token_ids):
             raise ValueError(f"{request.request_id}: the destination holds {destination.num_tokens} tokens, "
                              f"the prompt has {len(request.prompt_token_ids)}")
