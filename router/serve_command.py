@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from typing import Any
@@ -13,11 +14,11 @@ from typing import Any
 from tandem.engine_options import ENGINE_DEFAULTS, MODEL_HELP, add_engine_options, engine_options_from_args
 from tandem.kvtransfer.protocol import KV_TRANSPORTS
 from tandem.router.auth import API_KEYS_ENV, AUTH_TOKEN_ENV, api_keys_from_env
-from tandem.router.tls import TLSFiles
 from tandem.router.limits import add_limit_args, limits_from_args
-from tandem.router.metrics_endpoint import DEFAULT_METRICS_PORT
+from tandem.router.metrics_endpoint import DEFAULT_METRICS_PORT, METRICS_TOKEN_ENV
 from tandem.router.placement import add_placement_args, placement_options
 from tandem.router.policy import POLICIES
+from tandem.router.tls import TLSFiles
 
 logger = logging.getLogger(__name__)
 
@@ -106,7 +107,8 @@ async def _serve(args: argparse.Namespace) -> int:
     backend.start_polling()
     keys = api_keys_from_env()
     server = await serve(backend, args.host, args.port, metrics_port=args.metrics_port, auth_token=keys,
-                        limits=limits, http_port=None if args.http_port < 0 else args.http_port, tls=tls)
+                        limits=limits, http_port=None if args.http_port < 0 else args.http_port, tls=tls,
+                        metrics_token=os.environ.get(METRICS_TOKEN_ENV) or None)
     scheme = "http" if tls is None else "https"
     where = f"{args.host}:{bound_port(server)}"
     print(f"tandem: serving {backend.tokenizer_spec.model_name} on {where} (gRPC tandem.v1.Generation)"

@@ -62,7 +62,7 @@ async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
                 tokenizer: RouterTokenizer | None = None, metrics_port: int | None = None,
                 auth_token: str | ApiKeys | None = None, health_poll_s: float = HEALTH_POLL_S,
                 limits: RequestLimits | None = None, http_port: int | None = None,
-                tls: TLSFiles | None = None) -> grpc.aio.Server:
+                tls: TLSFiles | None = None, metrics_token: str | None = None) -> grpc.aio.Server:
     """Start the router on ``host:port`` (loopback unless told otherwise; port 0 picks a free
     one, see ``bound_port``) -> the started server. Health says NOT_SERVING until
     ``backend.is_ready()``, then follows it; ``drain(server)`` is the way to stop.
@@ -76,6 +76,7 @@ async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
     http_port: also serve the OpenAI-compatible HTTP API on ``host:http_port`` (same backend,
     limits, token and metrics; see ``http_port(server)``; None: not at all).
     tls: serve gRPC and HTTP over TLS with this certificate (None: plaintext).
+    metrics_token: scrapes of ``/metrics`` must carry ``Authorization: Bearer <metrics_token>``.
     """
     tokenizer = tokenizer or RouterTokenizer.from_spec(backend.tokenizer_spec)
     limits = limits or RequestLimits()
@@ -103,7 +104,8 @@ async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
         raise OSError(f"cannot listen on {host}:{port}")
     for service in ("", SERVICE_NAME):
         await health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-    endpoint = None if metrics_port is None else start_metrics_endpoint(metrics.registry, host, metrics_port)
+    endpoint = None if metrics_port is None else start_metrics_endpoint(metrics.registry, host, metrics_port,
+                                                                                  token=metrics_token)
     openai_endpoint = None
     try:
         if http_port is not None:
