@@ -29,7 +29,7 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 _SAMPLING_ERROR_RE = re.compile(r"^SamplingParams\.(\w+) (.*)$", re.DOTALL)
 # The proto's optional scalars, by SamplingParams field name.
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "logprobs",
-                             "n", "use_beam_search", "beam_width", "length_penalty")
+                             "n", "use_beam_search", "beam_width", "length_penalty", "cache_salt")
 
 
 class ValidRequest(NamedTuple):

@@ -6,6 +6,9 @@ import math
 from dataclasses import dataclass
 
 
+MAX_CACHE_SALT_CHARS = 256
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request's tokens are chosen and when it stops (vLLM's field names).
@@ -45,6 +48,10 @@ class SamplingParams:
     """Beams kept at each step (beam search only)."""
     length_penalty: float = 1.0
     """A finished beam's score is its summed log-probability divided by its length to this power."""
+    cache_salt: str | None = None
+    """Isolates the request's prefix cache (vLLM's field): its blocks are shared only with
+    requests of the same salt, so one tenant cannot tell from timing or hit counts whether
+    another sent a prefix. At most MAX_CACHE_SALT_CHARS characters."""
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -73,6 +80,9 @@ class SamplingParams:
         _check(isinstance(self.beam_width, int) and not isinstance(self.beam_width, bool) and self.beam_width >= 1,
                "beam_width", f"must be an integer >= 1, got {self.beam_width!r}")
         _check(_is_real(self.length_penalty), "length_penalty", f"must be a finite number, got {self.length_penalty!r}")
+        _check(self.cache_salt is None or (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt)
+                                           <= MAX_CACHE_SALT_CHARS),
+               "cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
         if self.use_beam_search:
             _check(self.n <= self.beam_width, "n", f"must be <= beam_width ({self.beam_width}) with beam search, "
                    f"got {self.n}")

@@ -47,3 +47,9 @@ def boolean(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise invalid(name, f"must be a boolean, got {json_kind(value)}")
     return value
+
+
+def string(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise invalid(name, f"must be a string, got {json_kind(value)}")
+    return value

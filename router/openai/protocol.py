@@ -22,7 +22,7 @@ from typing import Any
 from tandem.proto import generation_pb2 as pb
 from tandem.router.limits import RequestLimits
 from tandem.router.openai.errors import APIError, invalid
-from tandem.router.openai.fields import boolean, int64, integer, json_kind, number
+from tandem.router.openai.fields import boolean, int64, integer, json_kind, number, string
 from tandem.router.tokenizer import RouterTokenizer
 from tandem.router.validation import ValidRequest, shown, validate_request
 
@@ -62,6 +62,7 @@ _SAMPLING: dict[str, tuple[str, Callable[[str, object], Any]]] = {
     "use_beam_search": ("use_beam_search", boolean),
     "beam_width": ("beam_width", integer),
     "length_penalty": ("length_penalty", number),
+    "cache_salt": ("cache_salt", string),
 }
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "stop", "stop_token_ids", "logprobs", *_SAMPLING}
 # Identifiers for the caller's own bookkeeping: accepted, and without effect on the output.

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from typing import Sequence as Seq
 
 from tandem.engine.sequence import Sequence
-from tandem.kvcache.block_hash import hash_block
+from tandem.kvcache.block_hash import hash_block, root_hash
 
 
 class BlockManager:
@@ -52,7 +52,7 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         block_ids: list[int] = []
-        parent = b""
+        parent = root_hash(seq.params.cache_salt)
         num_full = (seq.num_tokens - 1) // self.block_size
         for i in range(num_full):
             parent = hash_block(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
@@ -68,7 +68,7 @@ class BlockManager:
             return
         num_full = seq.num_computed_tokens // self.block_size
         for i in range(len(seq.block_hashes), num_full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else b""
+            parent = seq.block_hashes[-1] if seq.block_hashes else root_hash(seq.params.cache_salt)
             block_hash = hash_block(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             seq.block_hashes.append(block_hash)
             block_id = seq.block_ids[i]

@@ -10,8 +10,8 @@ from tandem.sampling_params import SamplingParams
 BS = 4  # block size of every test here
 
 
-def make_seq(tokens: list[int], rid: str = "r") -> Sequence:
-    return Sequence(rid, tokens, SamplingParams(), arrival_index=0)
+def make_seq(tokens: list[int], rid: str = "r", cache_salt: str | None = None) -> Sequence:
+    return Sequence(rid, tokens, SamplingParams(cache_salt=cache_salt), arrival_index=0)
 
 
 def compute(bm: BlockManager, seq: Sequence, n: int | None = None, cached: list[int] | None = None) -> None:

@@ -141,3 +141,16 @@ def test_duplicate_computation_keeps_the_first_registered_block() -> None:
     bm.free(a)
     bm.free(b)
     assert bm.find_cached_prefix(make_seq(toks(0, 9), "c")) == [0, 1]
+
+
+def test_a_cache_salt_shares_blocks_only_with_the_same_salt() -> None:
+    """The same 3-block prefix under salts: found only by its own salt; unsalted requests
+    neither see salted blocks nor are seen by them. The salted chain differs from block 0 on."""
+    bm = BlockManager(16, BS)
+    compute(bm, a := make_seq(toks(0, 14), "a", cache_salt="acme"))
+    compute(bm, u := make_seq(toks(0, 14), "u"))
+    assert a.block_ids == [0, 1, 2, 3] and u.block_ids == [4, 5, 6, 7]
+    assert not set(a.block_hashes) & set(u.block_hashes)
+    assert bm.find_cached_prefix(make_seq(toks(0, 13), "a2", cache_salt="acme")) == [0, 1, 2]
+    assert bm.find_cached_prefix(make_seq(toks(0, 13), "b", cache_salt="bobs")) == []
+    assert bm.find_cached_prefix(make_seq(toks(0, 13), "u2")) == [4, 5, 6]
