@@ -99,6 +99,7 @@ class PrefillWorker(Worker):
         result = asyncio.get_running_loop().create_future()
         peer = None
         if not self.sender.is_connected(destination.address):
+            await self.loop.call(lambda engine: self._check(engine, request, destination))  # refused before any handshake
             # NOTE: off the engine loop: a receiver that answers late stalls only this request.
             peer = await asyncio.to_thread(self.sender.handshake, destination.address,
                                            shm_pool=self.sender.shm_offer(destination)[0])
@@ -117,6 +118,19 @@ class PrefillWorker(Worker):
                peer: Peer | None) -> None:
         if peer is not None:
             self.sender.adopt(destination.address, peer)
+        self._check(engine, request, destination)
+        # One token: the first (of each completion, or the beams' candidates); the decode
+        # worker samples the rest with the request's own params.
+        params = dataclasses.replace(request.params, max_tokens=1, stop=())
+        path = self.sender.begin(destination)  # first: a refused handshake must leave no sequence behind
+        self.metrics.transfer_began(path)
+        # Its blocks are freed once the decode worker has the KV (see _tick).
+        seq = engine.add_request(request.request_id, request.prompt_token_ids, params, keep_blocks=True)
+        # The receiver's cached prefix is never sent: start counting after it.
+        self._prefills[request.request_id] = _Prefill(seq, result, result.get_loop(), num_sent_tokens=destination.num_cached_tokens)
+
+    def _check(self, engine: LLMEngine, request: WorkerRequest, destination: Destination) -> None:
+        """ValueError for a request (or destination) the engine cannot take."""
         if destination.num_tokens != len(request.prompt_token_ids):
             raise ValueError(f"{request.request_id}: the destination holds {destination.num_tokens} tokens, "
                              f"the prompt has {len(request.prompt_token_ids)}")
@@ -124,16 +138,7 @@ class PrefillWorker(Worker):
         if not (isinstance(num_cached, int) and 0 <= num_cached < destination.num_tokens):
             raise ValueError(f"{request.request_id}: the destination's num_cached_tokens {num_cached!r} is not "
                              f"in [0, {destination.num_tokens})")
-        # One token: the first (of each completion, or the beams' candidates); the decode
-        # worker samples the rest with the request's own params.
-        params = dataclasses.replace(request.params, max_tokens=1, stop=())
         engine.check_request(request.request_id, request.prompt_token_ids)
-        path = self.sender.begin(destination)  # first: a refused handshake must leave no sequence behind
-        self.metrics.transfer_began(path)
-        # Its blocks are freed once the decode worker has the KV (see _tick).
-        seq = engine.add_request(request.request_id, request.prompt_token_ids, params, keep_blocks=True)
-        # The receiver's cached prefix is never sent: start counting after it.
-        self._prefills[request.request_id] = _Prefill(seq, result, result.get_loop(), num_sent_tokens=num_cached)
 
     def _sends(self, batch: ScheduledBatch) -> list[tuple[_Prefill, int]]:
         """The step's prefills whose KV goes out, each with the end of the tokens it sends

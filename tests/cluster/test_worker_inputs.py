@@ -29,7 +29,10 @@ def _fails(ref, *fragments: str) -> str:
 
 
 def _running_worker_id(cluster, client_id: str) -> str:
-    (worker_id,) = cluster.backend._worker_ids[client_id]
+    """The worker id of the client's running call (the backend knows the call by its
+    owner, the client's connection, and its id: servicer.owned_id)."""
+    (worker_id,) = [w for owned, ids in cluster.backend._worker_ids.items()
+                    if owned.endswith(f"/{client_id}") for w in ids]
     return worker_id
 
 
