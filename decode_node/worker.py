@@ -29,6 +29,7 @@ from tandem.decoding.beam_search import num_candidates
 from tandem.engine.engine import LLMEngine
 from tandem.engine.sequence import Sequence
 from tandem.engine.snapshots import EngineInventory
+from tandem.kvtransfer.curve import CurveKeys
 from tandem.kvtransfer.protocol import Destination, TransferStatus
 from tandem.engine.model_runner import private_pool
 from tandem.kvtransfer.receiver import DEFAULT_ADDRESS, KVReceiver
@@ -91,7 +92,7 @@ class DecodeWorker(Worker):
         sink = runner.kv_writes if isinstance(runner, TensorParallelRunner) else None
         self.receiver = KVReceiver(runner.kv_cache, self._transfer_address, self._transfer_timeout_s,
                                    model=self.fingerprint, sink=sink, shared_pool=self._shared_pool,
-                                   node_id=self._node_id)
+                                   node_id=self._node_id, curve=CurveKeys.from_env())
         self.metrics.kv_bytes["received"] = lambda: self.receiver.num_bytes_received
         self.metrics.kv_dropped = lambda: dict(self.receiver.dropped)
         self.metrics.num_transferring = lambda: self.receiver.num_pending

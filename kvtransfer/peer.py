@@ -11,6 +11,7 @@ from typing import Any
 
 import zmq
 
+from tandem.kvtransfer.curve import CurveKeys
 from tandem.kvtransfer.dist_pairs import RECEIVER_RANK, join_pair
 from tandem.kvtransfer.payload import DistPayload
 from tandem.kvtransfer.protocol import KVLayout, MessageKind, TransferRefused, decode, encode
@@ -57,13 +58,14 @@ class Peer:
 
 
 def connect_peer(address: str, hello: dict[str, Any], timeout_s: float, shm_pool: str = "",
-                 dist_pair: str = "", dist_required: bool = False) -> Peer:
+                 dist_pair: str = "", dist_required: bool = False, curve: CurveKeys | None = None) -> Peer:
     """Handshake with the receiver at `address` with `hello` (the sender's fields).
 
     shm_pool: the receiver's pool file, offered when this process can open it: the rows go
     in place if the receiver agrees and the file is a pool of its layout, else by socket.
     dist_pair: a torch.distributed backend ("gloo", "nccl") to send the rows by, in a group
     of two made now (dist_pairs.py); dist_required: the receiver must take it, or refuse.
+    curve: the cluster's CurveZMQ keys, which the receiver must serve with.
     Raises TransferRefused when the receiver refuses (or the pair cannot be made),
     TimeoutError when it does not answer.
     """
@@ -75,6 +77,8 @@ def connect_peer(address: str, hello: dict[str, Any], timeout_s: float, shm_pool
     sock.setsockopt(zmq.IMMEDIATE, 1)
     sock.setsockopt(zmq.SNDHWM, SEND_QUEUE_MESSAGES)
     sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
+    if curve is not None:
+        curve.connect(sock)
     sock.connect(address)
     if dist_pair:
         hello = {**hello, "dist_pair": dist_pair, "dist_required": dist_required}

@@ -22,6 +22,7 @@ import time
 import torch
 import zmq
 
+from tandem.kvtransfer.curve import CurveKeys
 from tandem.kvtransfer.dist_pairs import SENDER_RANK, ReceiverPairs, can_host
 from tandem.kvtransfer.fence import granted_blocks
 from tandem.kvtransfer.handshake import answer_hello
@@ -46,7 +47,7 @@ class KVReceiver:
     def __init__(self, kv_cache: torch.Tensor | None, address: str = DEFAULT_ADDRESS, timeout_s: float = 30.0,
                  dist_payload: DistPayload | None = None, model: str | None = None,
                  sink: KVSink | None = None, shared_pool: HostSharedPool | None = None,
-                 node_id: str | None = None) -> None:
+                 node_id: str | None = None, curve: CurveKeys | None = None) -> None:
         """kv_cache: the pool written into, [layers, 2, blocks, block_size, kv_heads, head_dim]
         (or None with a sink that takes the rows instead).
         timeout_s: a request fails when its KV has not all arrived this long after its latest
@@ -54,6 +55,7 @@ class KVReceiver:
         model: the weights' identity (model_fingerprint): senders must name the same one.
         shared_pool: kv_cache's file in shared memory, offered to same-node senders.
         node_id: this worker's node, which Destinations name (default: placement.host_identity()).
+        curve: the cluster's CurveZMQ keys: the socket is encrypted and admits only its senders.
         """
         if shared_pool is not None and (sink is not None or kv_cache is None
                                         or kv_cache.data_ptr() != shared_pool.kv_cache.data_ptr()):
@@ -79,7 +81,12 @@ class KVReceiver:
         self._lock = threading.Lock()
         self._events: queue.Queue[TransferEvent] = queue.Queue()
         self._outbox: queue.Queue[tuple[bytes, bytes]] = queue.Queue()
-        self._socket = zmq.Context.instance().socket(zmq.ROUTER)
+        # A context of its own under CURVE: its ZAP handler (one per context) admits the senders.
+        self._context = zmq.Context.instance() if curve is None else zmq.Context()
+        self._auth = None if curve is None else curve.authenticator(self._context, self._count_unauthenticated)
+        self._socket = self._context.socket(zmq.ROUTER)
+        if curve is not None:
+            curve.serve(self._socket)
         self._socket.setsockopt(zmq.LINGER, 0)
         # NOTE: ZMQ disconnects a peer that sends a larger frame, before buffering it whole.
         self._socket.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
@@ -153,8 +160,15 @@ class KVReceiver:
         self._thread.join()
         self._socket.close()
         self._pairs.close()
+        if self._auth is not None:
+            self._auth.stop()
+            self._context.term()
 
     # -- the I/O thread ---------------------------------------------------------------
+    def _count_unauthenticated(self) -> None:  # (on the ZAP handler's thread)
+        self.dropped["unauthenticated"] += 1
+        logger.warning("kv receiver refused a sender whose CURVE key is not the cluster's")
+
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)

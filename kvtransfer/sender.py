@@ -24,6 +24,7 @@ import time
 import torch
 import zmq
 
+from tandem.kvtransfer.curve import CurveKeys
 from tandem.kvtransfer.in_place import InPlaceWrites
 from tandem.kvtransfer.outgoing import Outgoing, StagedMessage, host_frames
 from tandem.kvtransfer.payload import DistPayload, frame_of, layer_rows, layout_of
@@ -47,7 +48,7 @@ _drop_pinning_peers): a live receiver drains them in milliseconds."""
 class KVSender:
     def __init__(self, kv_cache: torch.Tensor, timeout_s: float = 30.0, dist_payload: DistPayload | None = None,
                  model: str | None = None, checksum: bool = False, layout: KVLayout | None = None,
-                 node_id: str | None = None, transport: str = "auto") -> None:
+                 node_id: str | None = None, transport: str = "auto", curve: CurveKeys | None = None) -> None:
         """kv_cache: the pool read from, [layers, 2, blocks, block_size, kv_heads, head_dim].
         layout: the pool as receivers see it, when send_layer is given every row (a
         tensor-parallel worker's pool holds only some heads per rank; default: kv_cache's).
@@ -59,6 +60,7 @@ class KVSender:
         receiver on the same one with a shared pool gets the rows in place.
         transport: protocol.KV_TRANSPORTS: which data paths begin may take (auto: the best
         each receiver allows; gloo, nccl: a torch.distributed pair with every receiver).
+        curve: the cluster's CurveZMQ keys: every socket to a receiver is encrypted with them.
         """
         if transport not in KV_TRANSPORTS:
             raise ValueError(f"transport must be one of {KV_TRANSPORTS}, got {transport!r}")
@@ -72,6 +74,7 @@ class KVSender:
         self.layout = layout if layout is not None else layout_of(kv_cache)
         self.timeout_s = timeout_s
         self.dist_payload = dist_payload
+        self.curve = curve
         self._staging = Staging.for_pool(kv_cache)
         """A pool on a GPU: frames are staged through pinned host memory on a side stream."""
         self._staged: collections.deque[StagedMessage] = collections.deque()
@@ -118,7 +121,7 @@ class KVSender:
         pair = ("" if self.dist_payload is not None else self.transport if self.transport in ("gloo", "nccl")
                 else "nccl" if self.transport == "auto" and on_gpu and not shm_pool else "")
         peer = connect_peer(address, hello, timeout_s, shm_pool, dist_pair=pair,
-                            dist_required=self.transport in ("gloo", "nccl"))
+                            dist_required=self.transport in ("gloo", "nccl"), curve=self.curve)
         if self.dist_payload is not None:
             peer.dist = self.dist_payload
         return peer

@@ -30,6 +30,7 @@ from tandem.engine.model_runner import ModelRunner
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
 from tandem.engine.snapshots import EngineInventory
+from tandem.kvtransfer.curve import CurveKeys
 from tandem.kvtransfer.peer import Peer
 from tandem.kvtransfer.protocol import Destination, TransferStatus
 from tandem.kvtransfer.sender import KVSender
@@ -81,7 +82,7 @@ class PrefillWorker(Worker):
         runner = self.engine.runner
         self.sender = KVSender(runner.kv_cache, timeout_s=self._transfer_timeout_s, model=self.fingerprint,
                                checksum=self._kv_checksum, layout=None if self._tp_runner is None else runner.layout,
-                               node_id=self._node_id, transport=self._kv_transport)
+                               node_id=self._node_id, transport=self._kv_transport, curve=CurveKeys.from_env())
         self.metrics.kv_bytes["sent"] = lambda: self.sender.num_bytes_sent
         self.metrics.num_transferring = lambda: self.sender.num_pending
         return EngineLoop(self.engine, tick=self._tick, on_down=self._engine_down)

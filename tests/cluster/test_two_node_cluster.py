@@ -8,7 +8,8 @@ same-host shared-memory one.
 
 Two nodes on one machine are still one host: this proves the cluster plumbing (placement by
 pool resource, the receiver bound to its node's address, the prefill worker reaching it
-there), not a network between machines."""
+there), not a network between machines. The KV sockets run CurveZMQ with the cluster's
+secret (TANDEM_KV_SECRET): a sender without it gets no handshake from the decode worker."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import concurrent.futures
 import time
 
 import pytest
+import torch
 
 from metrics_text import parse_samples, total
 from reference import english_token_ids
@@ -24,7 +26,10 @@ from tandem.proto import generation_pb2 as pb
 from tandem.router.client import GenerationClient
 from tandem.worker.api import Role
 from tandem.worker.host import pool_resource
-from two_node_ray import (SECOND_NODE_IP, TANDEM, free_port, live_actors, nodes, scrape, tcp_links,
+from tandem.kvtransfer.curve import CurveKeys
+from tandem.kvtransfer.protocol import TransferRefused
+from tandem.kvtransfer.sender import KVSender
+from two_node_ray import (KV_SECRET, SECOND_NODE_IP, TANDEM, free_port, live_actors, nodes, scrape, tcp_links,
                           two_node_ray, wait_for_line)
 
 pytestmark = pytest.mark.slow
@@ -90,6 +95,18 @@ def test_pools_on_two_ray_nodes(make_llm, tokenizer):
         _, connected = tcp_links(prefill.pid)
         receivers = {a for a in listening if a[0] == SECOND_NODE_IP} & connected
         assert receivers, (listening, connected)
+
+        # CurveZMQ: a sender without the secret gets no answer; one with it gets the receiver's
+        # (a refusal here: this pool's layout is not the decode worker's).
+        (host, receiver_port), = receivers
+        for curve in (None, CurveKeys.from_secret(KV_SECRET)):
+            outsider = KVSender(torch.zeros(1, 2, 1, 1, 1, 1), curve=curve)
+            try:
+                with pytest.raises(TimeoutError if curve is None else TransferRefused):
+                    outsider.connect(f"tcp://{host}:{receiver_port}", timeout_s=2)
+            finally:
+                outsider.close()
+        phase("KV sockets: CURVE only")
 
         # ...and counted it as the cross-node path: ZMQ frames, not the same-host shared memory.
         samples = parse_samples(scrape(metrics_port))

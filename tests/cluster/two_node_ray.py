@@ -34,6 +34,7 @@ BIN = Path(sys.executable).parent
 RAY = str(BIN / "ray")
 TANDEM = str(BIN / "tandem")
 SECOND_NODE_IP = "127.0.0.2"
+KV_SECRET = "the-two-node-test-kv-secret"
 
 
 def free_port() -> int:
@@ -47,8 +48,9 @@ def ray_env() -> dict[str, str]:
     the model cache reach the workers through their raylet), with Ray's token authentication
     off and no usage stats. (Ray 2.60: a head that finds a token, ~/.ray/auth_token, which
     any local ray.init() such as the other cluster tests' writes, turns authentication on,
-    and a node joining with `ray start --address` then fails unless told RAY_AUTH_MODE=token.)"""
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0")
+    and a node joining with `ray start --address` then fails unless told RAY_AUTH_MODE=token.)
+    The KV sockets between the nodes are encrypted with the keys of KV_SECRET."""
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", RAY_USAGE_STATS_ENABLED="0", TANDEM_KV_SECRET=KV_SECRET)
     for name in ("RAY_ADDRESS", "TANDEM_AUTH_TOKEN"):
         env.pop(name, None)
     return env

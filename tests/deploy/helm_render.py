@@ -72,6 +72,7 @@ SCENARIOS = {
     "auth-existing": {"auth": {"existingSecret": "my-token", "existingSecretKey": "api-key"}},
     "service-monitor": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kps"}}}},
     "model-volume": {"model": "/models/qwen2", "modelVolume": {"existingClaim": "models"}},
+    "kv-encryption": {"kvTransfer": {"encryption": {"enabled": True}}},
 }
 """Values every chart-wide check runs on (the `rendered` fixture of conftest.py)."""
 

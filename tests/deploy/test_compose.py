@@ -120,6 +120,7 @@ def check_services(config: dict, base: Path) -> None:
     for name in TANDEM_SERVICES:  # Ray's token authentication on every node and the router
         env = services[name]["environment"]
         assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN"] in (RAY_TOKEN, RAY_TOKEN_AS_WRITTEN), name
+        assert env["TANDEM_KV_SECRET"] in ("", "${TANDEM_KV_SECRET:-}"), name  # the KV sockets' key, optional
 
     for name, service in services.items():
         for host_ip, port in published_ports(service):

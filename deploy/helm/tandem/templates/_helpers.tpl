@@ -133,6 +133,17 @@ affinity:
 - name: RAY_USAGE_STATS_ENABLED
   value: "0"
 {{- include "tandem.rayAuthEnv" . }}
+{{- if .Values.kvTransfer.encryption.enabled }}
+- name: TANDEM_KV_SECRET
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "tandem.kvSecretName" . }}
+      key: {{ if .Values.kvTransfer.encryption.existingSecret }}{{ .Values.kvTransfer.encryption.existingSecretKey | default "secret" }}{{ else }}secret{{ end }}
+{{- end }}
+{{- end }}
+
+{{- define "tandem.kvSecretName" -}}
+{{- .Values.kvTransfer.encryption.existingSecret | default (include "tandem.componentName" (dict "root" . "component" "kv-secret")) }}
 {{- end }}
 
 {{/* Ray's token authentication, for every process that talks to Ray (nodes, router, probes). */}}
