@@ -170,6 +170,15 @@ def run_bench(name: str, args: argparse.Namespace) -> int:
     return module.run(parser.parse_args(args.bench_args))
 
 
+def heartbeat_check(args: argparse.Namespace) -> int:
+    from tandem.worker.heartbeat_file import stale_heartbeats
+
+    stale = stale_heartbeats(args.directory, args.max_age)
+    for name, age in sorted(stale.items()):
+        print(f"{name}: engine loop silent for {age:.0f} s", file=sys.stderr)
+    return 1 if stale else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every `tandem` command and its flags."""
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
@@ -213,6 +222,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", default=None, help="connect over TLS, trusting this PEM CA file")
     p.add_argument("--tls-server-name", default=None, help="the name the router's certificate carries")
     p.set_defaults(func=health)
+
+    p = commands.add_parser("heartbeat-check", help="exit 1 when a worker's engine loop on this host is stuck (for probes)")
+    p.add_argument("directory", help="the workers' TANDEM_HEARTBEAT_DIR")
+    p.add_argument("--max-age", type=float, default=180.0,
+                   help="seconds without a beat that count as stuck (default 180: above the router's own "
+                        "120 s bound for restarting a hung worker, so that it acts first)")
+    p.set_defaults(func=heartbeat_check)
 
     p = commands.add_parser("plan", help="KV capacity per rank for a memory budget, before loading anything",
                             description=plan.__doc__)

@@ -25,6 +25,7 @@ from tandem.parallel.launch import start_engine_model
 from tandem.worker import faults
 from tandem.worker.api import EngineDown, Role, TokenizerSpec, WorkerInventory, WorkerLoad
 from tandem.worker.engine_loop import EngineLoop
+from tandem.worker.heartbeat_file import HeartbeatFile
 from tandem.worker.metrics import WorkerMetrics
 from tandem.worker.tokenizer_spec import tokenizer_spec_from
 
@@ -77,6 +78,7 @@ class Worker:
         self.metrics = WorkerMetrics(self.role, instance, loaded.config.name, self.engine)
         self.engine.observer = self.metrics
         self.loop = self._start_loop()
+        self.loop.heartbeat_file = HeartbeatFile.from_env(instance)
         logger.info("%s worker %s ready on %s, %s (pid %d, %d torch threads)", self.role.value, instance,
                     config.device_name, config.dtype_name, os.getpid(), torch.get_num_threads())
 

@@ -17,6 +17,7 @@ from typing import Any, Callable
 from tandem.engine.engine import LLMEngine
 from tandem.outputs import RequestDelta
 from tandem.worker.api import EngineDown, StreamDelta
+from tandem.worker.heartbeat_file import HeartbeatFile
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ class EngineLoop:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._last_iteration_at = time.monotonic()
+        self.heartbeat_file: HeartbeatFile | None = None
+        """Touched as the loop goes round, for a probe outside the process (see heartbeat_file.py)."""
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -125,6 +128,8 @@ class EngineLoop:
         engine = self.engine
         while not self._stop.is_set():
             self._last_iteration_at = time.monotonic()
+            if self.heartbeat_file is not None:
+                self.heartbeat_file.beat(self._last_iteration_at)
             # NOTE: only the commands already queued: callers that keep submitting (a flood of
             # reservations) must not hold the step back.
             for _ in range(self._commands.qsize()):

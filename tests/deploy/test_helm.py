@@ -102,6 +102,13 @@ def test_ray_cluster_layout(rendered):
         resources = next(a for a in worker["args"] if a.startswith("--resources="))
         assert json.loads(resources.removeprefix("--resources=")) == {f"tandem_{role}": 1}
         assert worker["readinessProbe"]["exec"]["command"] == ["ray", "health-check", f"--address={HEAD}"]
+        # Liveness follows the engine loops' heartbeat files (tandem/worker/heartbeat_file.py) too.
+        env = {e["name"]: e.get("value") for e in worker["env"]}
+        beats = env["TANDEM_HEARTBEAT_DIR"]
+        assert {"name": "heartbeats", "mountPath": beats} in worker["volumeMounts"]
+        assert {"name": "heartbeats", "emptyDir": {}} in dep["spec"]["template"]["spec"]["volumes"]
+        assert worker["livenessProbe"]["exec"]["command"] == [
+            "sh", "-c", f"tandem heartbeat-check {beats} --max-age 180 && ray health-check --address={HEAD}"]
         init = dep["spec"]["template"]["spec"]["initContainers"][0]
         assert HEAD in init["command"][-1]
 
@@ -112,11 +119,12 @@ def token_env(docs: list[dict]) -> dict:
 
 
 def api_secrets(docs: list[dict]) -> list[dict]:
-    """The API token's Secrets (not Ray's)."""
-    return [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] != RAY_AUTH_SECRET]
+    """The API token's Secrets (not Ray's, not the KV sockets')."""
+    return [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] not in (RAY_AUTH_SECRET, KV_SECRET)]
 
 
 RAY_AUTH_SECRET = f"{RELEASE}-tandem-ray-auth"
+KV_SECRET = f"{RELEASE}-tandem-kv-secret"
 
 
 def ray_auth_envs(docs: list[dict]) -> dict[str, dict]:
@@ -150,6 +158,28 @@ def test_ray_token_auth_on_every_ray_process():
         str({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": {"secretKeyRef": {"name": "my-ray", "key": "t"}}})}
     off = render({"ray": {"auth": {"enabled": False}}})
     assert not any(ray_auth_envs(off).values()) and not [d for d in off if d["kind"] == "Secret"]
+
+
+def kv_secret_envs(docs: list[dict]) -> dict[str, dict]:
+    """Each Deployment's main container -> its TANDEM_KV_SECRET, when it has one."""
+    return {dep["metadata"]["name"]: e["valueFrom"]["secretKeyRef"]
+            for dep in docs if dep["kind"] == "Deployment"
+            for e in container(dep).get("env", []) if e["name"] == "TANDEM_KV_SECRET"}
+
+
+def test_kv_encryption_gives_every_worker_pod_the_secret():
+    """Off by default; on, every Ray pod (where the workers' KV sockets are) gets TANDEM_KV_SECRET
+    from a Secret the chart creates with a random secret, or from one the operator names."""
+    assert not kv_secret_envs(render()) and not [d for d in render() if d["metadata"]["name"] == KV_SECRET]
+    docs = render(SCENARIOS["kv-encryption"])
+    envs = kv_secret_envs(docs)
+    assert envs == {f"{RELEASE}-tandem-{c}": {"name": KV_SECRET, "key": "secret"}
+                    for c in ("ray-head", "prefill", "decode", "router")}  # every Ray node
+    [secret] = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == KV_SECRET]
+    assert len(base64.b64decode(secret["data"]["secret"])) == 48
+    mine = render({"kvTransfer": {"encryption": {"enabled": True, "existingSecret": "kv", "existingSecretKey": "k"}}})
+    assert set(map(str, kv_secret_envs(mine).values())) == {str({"name": "kv", "key": "k"})}
+    assert not [d for d in mine if d["metadata"]["name"] == KV_SECRET]
 
 
 def find_ray_secret(docs: list[dict]) -> dict:
