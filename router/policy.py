@@ -85,7 +85,8 @@ class Router:
         if self.policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
 
-    def order(self, workers: list[WorkerState], prompt_token_ids: list[int]) -> list[WorkerState]:
+    def order(self, workers: list[WorkerState], prompt_token_ids: list[int],
+              cache_salt: str | None = None) -> list[WorkerState]:
         """Healthy workers, the policy's choice first (the rest as fallbacks)."""
         healthy = [w for w in workers if w.healthy]
         if not healthy:
@@ -96,13 +97,13 @@ class Router:
         by_load = sorted(healthy, key=WorkerState.pressure)
         if self.policy == "least_loaded":
             return by_load
-        return sorted(by_load, key=lambda w: w.pressure()[0] - self.num_cached_tokens(w, prompt_token_ids))
+        return sorted(by_load, key=lambda w: w.pressure()[0] - self.num_cached_tokens(w, prompt_token_ids, cache_salt))
 
-    def num_cached_tokens(self, worker: WorkerState, prompt_token_ids: list[int]) -> int:
-        """Prompt tokens `worker` probably holds already (prefix_aware only remembers)."""
-        return self._index.num_cached_tokens(worker.instance, worker.load, prompt_token_ids)
+    def num_cached_tokens(self, worker: WorkerState, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
+        """Prompt tokens `worker` probably holds already under `cache_salt` (prefix_aware only remembers)."""
+        return self._index.num_cached_tokens(worker.instance, worker.load, prompt_token_ids, cache_salt)
 
-    def record(self, worker: WorkerState, prompt_token_ids: list[int]) -> None:
-        """Remember that `worker` now holds this prompt's prefix."""
+    def record(self, worker: WorkerState, prompt_token_ids: list[int], cache_salt: str | None = None) -> None:
+        """Remember that `worker` now holds this prompt's prefix (under `cache_salt`)."""
         if self.policy == "prefix_aware":
-            self._index.record(worker.instance, worker.load, prompt_token_ids)
+            self._index.record(worker.instance, worker.load, prompt_token_ids, cache_salt)

@@ -24,12 +24,14 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._held: dict[str, OrderedDict[bytes, None]] = {}
 
-    def record(self, instance: str, load: WorkerLoad | None, token_ids: Sequence[int]) -> None:
-        """The worker `instance` (last reported `load`) now computes or holds these tokens."""
+    def record(self, instance: str, load: WorkerLoad | None, token_ids: Sequence[int],
+               cache_salt: str | None = None) -> None:
+        """The worker `instance` (last reported `load`) now computes or holds these tokens
+        (under `cache_salt`: the worker's hashes start from it, see block_hash.root_hash)."""
         if load is None:  # block size unknown: nothing to hash with
             return
         held = self._held.setdefault(instance, OrderedDict())
-        for h in prefix_hashes(token_ids, load.block_size):
+        for h in prefix_hashes(token_ids, load.block_size, cache_salt=cache_salt):
             held[h] = None
             held.move_to_end(h)
         # A worker caches at most its pool's blocks and evicts the least recently used
@@ -37,14 +39,15 @@ class PrefixIndex:
         while len(held) > min(load.num_blocks, MAX_BLOCKS_PER_WORKER):
             held.popitem(last=False)
 
-    def num_cached_tokens(self, instance: str, load: WorkerLoad | None, token_ids: Sequence[int]) -> int:
+    def num_cached_tokens(self, instance: str, load: WorkerLoad | None, token_ids: Sequence[int],
+                          cache_salt: str | None = None) -> int:
         """Leading prompt tokens the worker probably holds: whole blocks, and never the last
         token (its block manager always leaves one to compute, see find_cached_prefix)."""
         held = self._held.get(instance)
         if load is None or not held:
             return 0
         num_blocks = 0
-        for h in prefix_hashes(token_ids, load.block_size, (len(token_ids) - 1) // load.block_size):
+        for h in prefix_hashes(token_ids, load.block_size, (len(token_ids) - 1) // load.block_size, cache_salt):
             if h not in held:
                 break
             num_blocks += 1

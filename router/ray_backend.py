@@ -121,23 +121,23 @@ class RayBackend:
                     del self._worker_ids[request_id]
 
     async def _colocated(self, request: WorkerRequest) -> AsyncIterator[StreamDelta]:
-        order = self.prefill_router.order(self.colocated, request.prompt_token_ids)
+        order = self.prefill_router.order(self.colocated, request.prompt_token_ids, request.params.cache_salt)
         if not order:
             raise NoHealthyWorker("no colocated worker is healthy")
         worker = order[0]
-        self.prefill_router.record(worker, request.prompt_token_ids)
+        self.prefill_router.record(worker, request.prompt_token_ids, request.params.cache_salt)
         async for delta in self._follow(worker, worker.handle.generate.options(num_returns="streaming").remote(request),
                                         request, [worker]):
             yield delta
 
     async def _disaggregated(self, request: WorkerRequest) -> AsyncIterator[StreamDelta]:
         decode, destination = await self._reserve(request)
-        prefills = self.prefill_router.order(self.prefill, request.prompt_token_ids)
+        prefills = self.prefill_router.order(self.prefill, request.prompt_token_ids, request.params.cache_salt)
         if not prefills:
             await self.calls.abort_on([decode], request.request_id)
             raise NoHealthyWorker("no prefill worker is healthy")
         prefill = prefills[0]
-        self.prefill_router.record(prefill, request.prompt_token_ids)
+        self.prefill_router.record(prefill, request.prompt_token_ids, request.params.cache_salt)
         stream = decode.handle.stream.options(num_returns="streaming").remote(request.request_id)
         died: list[BaseException] = []
         phase = asyncio.get_running_loop().create_task(self._prefill(prefill, decode, request, destination, died))
@@ -154,7 +154,7 @@ class RayBackend:
         start = asyncio.get_running_loop().time()
 
         async def try_once():
-            candidates = self.decode_router.order(self.decode, request.prompt_token_ids)
+            candidates = self.decode_router.order(self.decode, request.prompt_token_ids, request.params.cache_salt)
             if not candidates:
                 raise NoHealthyWorker("no decode worker is healthy")
             for worker in candidates:
@@ -170,7 +170,7 @@ class RayBackend:
                 except PoolFull:
                     continue
                 else:
-                    self.decode_router.record(worker, request.prompt_token_ids)
+                    self.decode_router.record(worker, request.prompt_token_ids, request.params.cache_salt)
                     return worker, destination
             return None
 

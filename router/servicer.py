@@ -20,6 +20,7 @@ from tandem.router.limits import RequestLimits
 from tandem.router.metrics import RouterMetrics
 from tandem.router.relay import RequestFailed, RequestRelay, failure_of
 from tandem.router.service import Unparsable
+from tandem.router.tenant_cache import for_tenant
 from tandem.router.tokenizer import RouterTokenizer
 from tandem.router.validation import check_request_id, shown, validate_request
 from tandem.worker.api import StreamDelta
@@ -68,7 +69,8 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 # grpc.aio ends a call early by cancelling this task (client cancel, deadline)
                 # while it waits on the backend, or by closing this generator while it waits
                 # to write: the relay counts either and closes the backend's stream.
-                owned = valid._replace(request_id=owned_id(self._owner(context), valid.request_id))
+                owned = for_tenant(valid, self._tenant(context))._replace(
+                    request_id=owned_id(self._owner(context), valid.request_id))
                 async with self._relay.relay(owned, timer, buffered=request.buffered,
                                              deadline_passed=lambda: _deadline_passed(context)) as deltas:
                     async for delta in deltas:
@@ -104,10 +106,15 @@ class GenerationServicer(pb_grpc.GenerationServicer):
 
     def _owner(self, context: grpc.aio.ServicerContext) -> str:
         """Who owns the call's requests: its key's tenant, or (without keys) its connection."""
+        tenant = self._tenant(context)
+        return f"peer {context.peer()}" if tenant is None else f"tenant {tenant}"
+
+    def _tenant(self, context: grpc.aio.ServicerContext) -> str | None:
+        """The call's key's tenant (None without keys)."""
         if self._keys is None:
-            return f"peer {context.peer()}"
+            return None
         metadata = dict(context.invocation_metadata() or ())
-        return f"tenant {self._keys.tenant_of(metadata.get('authorization', ''))}"
+        return self._keys.tenant_of(metadata.get("authorization", ""))
 
 
 def owned_id(owner: str, request_id: str) -> str:

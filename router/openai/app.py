@@ -21,7 +21,7 @@ from tandem.router.backend import Backend
 from tandem.router.limits import RequestLimits
 from tandem.router.metrics import RouterMetrics
 from tandem.router.openai.errors import APIError
-from tandem.router.openai.generation import Generation
+from tandem.router.openai.generation import TENANT_KEY, Generation
 from tandem.router.openai.protocol import CHAT, COMPLETION
 from tandem.router.openai.responses import model_card, models_list
 from tandem.router.tokenizer import RouterTokenizer
@@ -146,7 +146,9 @@ def _auth(keys: ApiKeys) -> Callable[[web.Request, Handler], Awaitable[web.Strea
         if request.path in OPEN_PATHS:
             return await handler(request)
         given = request.headers.get("Authorization", "")
-        if keys.tenant_of(given) is not None:
+        tenant = keys.tenant_of(given)
+        if tenant is not None:
+            request[TENANT_KEY] = tenant  # whose prefix cache its requests use (tenant_cache.py)
             return await handler(request)
         logger.warning("refused %s %s: %s", request.method, request.path[:200],
                        "no token" if not given else "wrong token")

@@ -25,6 +25,7 @@ from tandem.router.openai.errors import APIError, invalid
 from tandem.router.openai.protocol import CHAT, ParsedRequest, parse_request, validated
 from tandem.router.openai.responses import DONE, Responses, new_id, sse, usage
 from tandem.router.relay import ClientGone, RequestFailed, RequestRelay
+from tandem.router.tenant_cache import for_tenant
 from tandem.router.tokenizer import RouterTokenizer
 from tandem.router.validation import ValidRequest
 from tandem.worker.api import StreamDelta
@@ -40,6 +41,9 @@ _HTTP_ERRORS: dict[grpc.StatusCode, tuple[int, str, str | None]] = {
 }
 RETRY_AFTER_S = 1
 """What a 429 tells the client to wait (OpenAI's client honours Retry-After)."""
+
+TENANT_KEY = web.RequestKey("tandem.tenant", str)
+"""Where the auth middleware leaves a request's tenant (whose prefix cache it uses)."""
 
 
 class Generation:
@@ -68,6 +72,7 @@ class Generation:
                 # Off the event loop, as the gRPC servicer tokenizes: a long prompt or
                 # conversation takes milliseconds, and every other stream waits on this loop.
                 parsed, valid = await asyncio.to_thread(self._prepare, kind, raw, request_id)
+            valid = for_tenant(valid, request.get(TENANT_KEY))
         except APIError as e:
             logger.info("rejected request %s: %s", request_id, e.message)
             self._relay.count_invalid()

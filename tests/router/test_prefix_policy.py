@@ -58,6 +58,23 @@ def test_longest_prefix_owner_first_when_loads_are_equal():
     assert router.num_cached_tokens(c, [5] + PROMPT) == 0  # a prefix, not any substring
 
 
+def test_a_salted_prefix_is_found_only_under_its_salt():
+    """The index hashes as the worker's block manager does from the request's cache_salt: a
+    prefix routed under one salt is no hit for the same tokens unsalted or under another."""
+    router = Router("prefix_aware")
+    a, b = worker("a"), worker("b")
+    router.record(b, PROMPT, cache_salt="tenant-1")
+    assert router.num_cached_tokens(b, PROMPT + [1], "tenant-1") == 96
+    assert router.num_cached_tokens(b, PROMPT + [1]) == router.num_cached_tokens(b, PROMPT + [1], "tenant-2") == 0
+    assert names(router.order([a, b], PROMPT + [1], "tenant-1")) == ["b", "a"]
+    bm = BlockManager(num_blocks=64, block_size=16)
+    seq = Sequence("r", PROMPT, SamplingParams(cache_salt="tenant-1"), 0)
+    bm.allocate(seq, len(PROMPT))
+    seq.num_computed_tokens = len(PROMPT)
+    bm.cache_full_blocks(seq)
+    assert prefix_hashes(PROMPT, 16, cache_salt="tenant-1") == seq.block_hashes
+
+
 def test_a_crowded_owner_is_passed_over():
     """Owner first while its queued tokens minus the 96 tokens it holds is below the others'."""
     router = Router("prefix_aware")
