@@ -66,10 +66,11 @@ def auth_token_from_env() -> str | None:
     return os.environ.get(AUTH_TOKEN_ENV) or None
 
 
-def api_keys_from_env() -> ApiKeys | None:
-    """The server's keys: $TANDEM_AUTH_TOKEN (the default tenant's) and $TANDEM_API_KEYS."""
+def api_keys_from_env(api_key: str | None = None) -> ApiKeys | None:
+    """The server's keys: ``api_key`` (``--api-key``) or else $TANDEM_AUTH_TOKEN, the default
+    tenant's, and $TANDEM_API_KEYS."""
     tenants = ApiKeys.parse(os.environ.get(API_KEYS_ENV, ""))
-    if token := auth_token_from_env():
+    if token := api_key or auth_token_from_env():
         tenants[token] = DEFAULT_TENANT
     return ApiKeys(tenants) if tenants else None
 

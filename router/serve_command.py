@@ -11,8 +11,9 @@ import signal
 import sys
 from typing import Any
 
-from tandem.engine_options import ENGINE_DEFAULTS, MODEL_HELP, add_engine_options, engine_options_from_args
+from tandem.engine_options import ENGINE_DEFAULTS, add_engine_options, engine_options_from_args
 from tandem.kvtransfer.protocol import KV_TRANSPORTS
+from tandem.model_args import add_model_args, model_of
 from tandem.router.auth import API_KEYS_ENV, AUTH_TOKEN_ENV, api_keys_from_env
 from tandem.router.limits import add_limit_args, limits_from_args
 from tandem.router.metrics_endpoint import DEFAULT_METRICS_PORT, METRICS_TOKEN_ENV
@@ -22,20 +23,23 @@ from tandem.router.tls import TLSFiles
 
 logger = logging.getLogger(__name__)
 
+REQUEST_LOGGERS = ("tandem.router.servicer", "tandem.router.openai.generation", "tandem.router.relay")
+"""Whose per-request lines --disable-log-requests quiets."""
 DEFAULT_HTTP_PORT = 8000
 """vLLM's and SGLang's habit: OpenAI clients pointed at a local server often try :8000 first."""
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help=MODEL_HELP)
+    add_model_args(parser, served_names=True)
     parser.add_argument("--prefill", type=int, default=1, help="prefill workers (default 1)")
     parser.add_argument("--decode", type=int, default=1, help="decode workers (default 1)")
     parser.add_argument("--colocated", type=int, nargs="?", const=1, default=0, metavar="N",
                         help="N workers that both prefill and decode, instead of the two pools (the baseline)")
-    parser.add_argument("--prefill-tp", type=int, default=1, metavar="N",
-                        help="tensor-parallel ranks per prefill worker, one device each (default 1)")
-    parser.add_argument("--decode-tp", type=int, default=1, metavar="N",
-                        help="tensor-parallel ranks per decode or colocated worker (default 1)")
+    parser.add_argument("--prefill-tp", type=int, default=None, metavar="N",
+                        help="tensor-parallel ranks per prefill worker, one device each (default: "
+                             "--tensor-parallel-size)")
+    parser.add_argument("--decode-tp", type=int, default=None, metavar="N",
+                        help="tensor-parallel ranks per decode or colocated worker (default: --tensor-parallel-size)")
     parser.add_argument("--policy", default="least_loaded", choices=POLICIES, help="how workers are picked")
     parser.add_argument("--host", default="127.0.0.1", help="the router's address (default: loopback only)")
     parser.add_argument("--port", type=int, default=50051)
@@ -47,6 +51,16 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-certfile", default=None, help="serve gRPC and HTTP over TLS with this PEM certificate "
                                                              "(and --tls-keyfile)")
     parser.add_argument("--tls-keyfile", default=None, help="the PEM private key of --tls-certfile")
+    parser.add_argument("--api-key", default=None,
+                        help=f"calls must carry `authorization: Bearer <key>` with this key (as ${AUTH_TOKEN_ENV}; "
+                             f"${API_KEYS_ENV} adds keys naming tenants)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                        help="the chat template to render messages with: a Jinja file, or the template itself "
+                             "(default: the model's)")
+    parser.add_argument("--disable-log-requests", action="store_true",
+                        help="no log line per request (refusals, aborts), as vLLM's flag")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="accepted for vLLM's command lines; tandem always runs eagerly (no CUDA graphs)")
     parser.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
     parser.add_argument("--pool-resources", action="store_true",
                         help="each worker asks Ray for the custom resource tandem_prefill/tandem_decode/tandem_colocated, "
@@ -66,6 +80,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     add_limit_args(parser)
 
 
+def read_chat_template(given: str | None) -> str | None:
+    """--chat-template: a file's text, or the template itself (what has Jinja's braces)."""
+    if given is None or "{" in given:
+        return given
+    try:
+        with open(given, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"--chat-template: cannot read {given!r}: {e.strerror}") from None
+
+
 def worker_args(args: argparse.Namespace) -> dict[str, Any]:
     """Each worker's engine options from the flags; a bad one refused before any worker starts.
 
@@ -74,8 +99,11 @@ def worker_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.num_speculative_tokens < 0:
         raise ValueError(f"--num-speculative-tokens must be >= 0, got {args.num_speculative_tokens}")
     options = engine_options_from_args(args)
-    worker: dict[str, Any] = {"model": args.model,
+    options.pop("tensor_parallel_size")  # per pool: see pool_tp
+    worker: dict[str, Any] = {"model": model_of(args),
                               **{k: v for k, v in options.items() if v != ENGINE_DEFAULTS[k]}}
+    if args.revision is not None:
+        worker["revision"] = args.revision
     if args.num_threads is not None:
         worker["num_threads"] = args.num_threads
     if args.kv_transfer_host is not None:
@@ -83,6 +111,12 @@ def worker_args(args: argparse.Namespace) -> dict[str, Any]:
     if args.kv_checksum:
         worker["kv_checksum"] = True
     return worker
+
+
+def pool_tp(args: argparse.Namespace) -> tuple[int, int]:
+    """(prefill, decode) tensor-parallel sizes: each pool's own flag, else --tensor-parallel-size."""
+    both = args.tensor_parallel_size
+    return (both if args.prefill_tp is None else args.prefill_tp, both if args.decode_tp is None else args.decode_tp)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -97,18 +131,24 @@ async def _serve(args: argparse.Namespace) -> int:
 
     limits = limits_from_args(args)  # refuse bad limits (and TLS files) before any worker starts
     tls = TLSFiles.of(args.tls_certfile, args.tls_keyfile)
+    chat_template = read_chat_template(args.chat_template)
+    prefill_tp, decode_tp = pool_tp(args)
+    if args.disable_log_requests:
+        for name in REQUEST_LOGGERS:
+            logging.getLogger(name).setLevel(logging.WARNING)
     cfg = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, colocated=args.colocated,
                         policy=args.policy, address=args.address, worker_args=worker_args(args),
-                        pool_resources=args.pool_resources, prefill_tp=args.prefill_tp, decode_tp=args.decode_tp,
+                        pool_resources=args.pool_resources, prefill_tp=prefill_tp, decode_tp=decode_tp,
                         **placement_options(args))
     mode = f"{cfg.colocated} colocated" if cfg.colocated else f"{cfg.num_prefill} prefill + {cfg.num_decode} decode"
     print(f"tandem: starting {mode} worker(s); each loads the model...", file=sys.stderr, flush=True)
     backend = await start_cluster(cfg)
     backend.start_polling()
-    keys = api_keys_from_env()
+    keys = api_keys_from_env(args.api_key)
     server = await serve(backend, args.host, args.port, metrics_port=args.metrics_port, auth_token=keys,
                         limits=limits, http_port=None if args.http_port < 0 else args.http_port, tls=tls,
-                        metrics_token=os.environ.get(METRICS_TOKEN_ENV) or None)
+                        metrics_token=os.environ.get(METRICS_TOKEN_ENV) or None,
+                        served_model_names=args.served_model_name, chat_template=chat_template)
     scheme = "http" if tls is None else "https"
     where = f"{args.host}:{bound_port(server)}"
     print(f"tandem: serving {backend.tokenizer_spec.model_name} on {where} (gRPC tandem.v1.Generation)"

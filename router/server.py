@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -62,7 +64,8 @@ async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
                 tokenizer: RouterTokenizer | None = None, metrics_port: int | None = None,
                 auth_token: str | ApiKeys | None = None, health_poll_s: float = HEALTH_POLL_S,
                 limits: RequestLimits | None = None, http_port: int | None = None,
-                tls: TLSFiles | None = None, metrics_token: str | None = None) -> grpc.aio.Server:
+                tls: TLSFiles | None = None, metrics_token: str | None = None,
+                served_model_names: Sequence[str] | None = None, chat_template: str | None = None) -> grpc.aio.Server:
     """Start the router on ``host:port`` (loopback unless told otherwise; port 0 picks a free
     one, see ``bound_port``) -> the started server. Health says NOT_SERVING until
     ``backend.is_ready()``, then follows it; ``drain(server)`` is the way to stop.
@@ -77,8 +80,16 @@ async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
     limits, token and metrics; see ``http_port(server)``; None: not at all).
     tls: serve gRPC and HTTP over TLS with this certificate (None: plaintext).
     metrics_token: scrapes of ``/metrics`` must carry ``Authorization: Bearer <metrics_token>``.
+    served_model_names: the names the OpenAI API answers to (the first is the one it reports,
+    and the metrics' model_name; default: the model's). chat_template: render chat messages
+    with this template instead of the model's.
     """
-    tokenizer = tokenizer or RouterTokenizer.from_spec(backend.tokenizer_spec)
+    if tokenizer is None:
+        spec = backend.tokenizer_spec
+        spec = dataclasses.replace(spec, model_name=served_model_names[0] if served_model_names else spec.model_name,
+                                   chat_template=spec.chat_template if chat_template is None else chat_template)
+        tokenizer = RouterTokenizer.from_spec(spec)
+    model_names = tuple(served_model_names or (tokenizer.spec.model_name,))
     limits = limits or RequestLimits()
     metrics = _router_metrics(backend, tokenizer)
     keys = ApiKeys.of(auth_token)
@@ -110,7 +121,8 @@ async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
     try:
         if http_port is not None:
             openai_endpoint = await start_openai_endpoint(backend, tokenizer, metrics, limits, host, http_port, keys,
-                                                          ssl_context=None if tls is None else tls.ssl_context())
+                                                          ssl_context=None if tls is None else tls.ssl_context(),
+                                                          model_names=model_names)
         await server.start()
         await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     except BaseException:

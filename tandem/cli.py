@@ -7,24 +7,28 @@ import argparse
 import functools
 import importlib
 import logging
+import os
 import sys
 from typing import Any
 
 from tandem.engine_options import MODEL_HELP, add_engine_options, engine_options_from_args
+from tandem.model_args import add_model_args, model_of
+from tandem.option_sources import add_config_arg, option_defaults
 from tandem.sampling_params import SamplingParams
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """``tandem chat``'s flags for its one engine: the model, torch threads and every engine
     option (the same definitions as ``tandem serve``'s, see tandem.engine_options)."""
-    parser.add_argument("--model", default=None, help=MODEL_HELP)
+    add_model_args(parser)
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
     add_engine_options(parser)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     """LLM(...)'s keywords from add_engine_args' flags."""
-    return dict(model=args.model, num_threads=args.num_threads, **engine_options_from_args(args))
+    return dict(model=model_of(args), revision=args.revision, num_threads=args.num_threads,
+                **engine_options_from_args(args))
 
 
 def chat(args: argparse.Namespace) -> int:
@@ -179,6 +183,14 @@ def heartbeat_check(args: argparse.Namespace) -> int:
     return 1 if stale else 0
 
 
+OPTION_SOURCES = ("serve", "chat")
+"""The commands whose flags may also come from --config and the environment."""
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> argparse._SubParsersAction:
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Every `tandem` command and its flags."""
     parser = argparse.ArgumentParser(prog="tandem", description=__doc__)
@@ -190,15 +202,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("serve", help="start the cluster (Ray workers + gRPC router) on the model",
                             description=serve_command.__doc__)
     serve_command.add_args(p)
+    add_config_arg(p)
     p.set_defaults(func=serve_command.run)
 
     p = commands.add_parser("chat", help="one engine in this process: answer --prompt, or chat on stdin")
     add_engine_args(p)
+    add_config_arg(p)
     p.add_argument("--prompt", default=None, help="answer this one message and exit")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.set_defaults(func=chat)
+    p.set_defaults(func=chat)  # (--seed, an engine option, seeds its requests too)
 
     p = commands.add_parser("generate", help="stream a completion from a running router (gRPC)")
     p.add_argument("prompt", help="the prompt (with --chat: one user message)")
@@ -253,13 +266,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with --config's and the environment's flags beneath it (serve, chat)."""
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
+    if args.command in OPTION_SOURCES:
+        command = _subcommands(parser).choices[args.command]
+        try:
+            defaults = option_defaults(command, args.config, os.environ)
+        except ValueError as e:
+            parser.error(str(e))
+        if defaults:
+            command.set_defaults(**defaults)
+            args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         args.bench_args = rest  # the bench's own parser reads them
     elif rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

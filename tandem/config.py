@@ -197,6 +197,8 @@ class EngineConfig:
     file (None: the weights as loaded; int8, int4). Resolved: never auto or none."""
     tensor_parallel_size: int
     """Ranks the model is split over (each holds its heads' KV: the pool sizes are per rank)."""
+    seed: int | None = None
+    """The engine's random numbers start from it (unseeded requests repeat across restarts); None: unseeded."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -231,7 +233,7 @@ class EngineConfig:
         max_model_len: int | None = DEFAULTS["max_model_len"],
         max_num_seqs: int = DEFAULTS["max_num_seqs"],
         max_num_batched_tokens: int = DEFAULTS["max_num_batched_tokens"],
-        enable_prefix_caching: bool = True,
+        enable_prefix_caching: bool = DEFAULTS["enable_prefix_caching"],
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int | None = None,
         swap_space_gib: float = DEFAULTS["swap_space_gib"],
@@ -241,7 +243,8 @@ class EngineConfig:
         prompt_lookup_max: int = 4,
         prompt_lookup_min: int = 2,
         quantization: str | None = DEFAULTS["quantization"],
-        tensor_parallel_size: int = 1,
+        tensor_parallel_size: int = DEFAULTS["tensor_parallel_size"],
+        seed: int | None = DEFAULTS["seed"],
     ) -> EngineConfig:
         """The defaults of the engine options are tandem.engine_options' (the CLI flags' too).
         device and dtype may be ``auto`` (resolved here: see tandem/device.py)."""
@@ -309,6 +312,7 @@ class EngineConfig:
             prompt_lookup_min=prompt_lookup_min,
             quantization=quantization,
             tensor_parallel_size=tp,
+            seed=seed,
         )
 
 

@@ -10,6 +10,7 @@ parser without loading torch.
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -17,7 +18,10 @@ from typing import Any
 
 from tandem.config_names import DTYPE_CHOICES, PREEMPTION_MODES, QUANTIZATION_CHOICES, check_device_name
 
-MODEL_HELP = "local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)"
+logger = logging.getLogger(__name__)
+
+MODEL_HELP = ("local HF directory, .gguf file or Hugging Face hub id (org/name; the local hub cache first) "
+              "(default: embedded SmolLM2-135M-Instruct)")
 """``--model``'s help, the same in every command that loads (or plans) a model."""
 
 
@@ -33,13 +37,19 @@ class EngineOption:
     """argparse help; %(default)s expands to the default."""
     choices: tuple[str, ...] | None = None
     metavar: str | None = None
+    aliases: tuple[str, ...] = ()
+    """More flags for it: vLLM's names where they differ (--swap-space, -tp)."""
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
 
     def add_to(self, parser: argparse.ArgumentParser) -> None:
-        parser.add_argument(self.flag, type=self.type, default=self.default, help=self.help,
+        if self.type is bool:  # --flag / --no-flag, as vLLM spells them
+            parser.add_argument(self.flag, *self.aliases, action=argparse.BooleanOptionalAction, default=self.default,
+                                help=self.help)
+            return
+        parser.add_argument(self.flag, *self.aliases, type=self.type, default=self.default, help=self.help,
                             choices=self.choices, metavar=self.metavar)
 
 
@@ -67,7 +77,7 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "the next step (default: half the token budget)", metavar="TOKENS"),
     EngineOption("swap_space_gib", float, 0.5,
                  "host memory that preempted sequences swap their KV into, in GiB (default %(default)s; "
-                 "0: always recompute)"),
+                 "0: always recompute)", aliases=("--swap-space",)),
     EngineOption("preemption_mode", str, "auto",
                  "when blocks run out: swap (when the host pool has room), recompute, or auto (swap long "
                  "sequences, recompute short ones) (default %(default)s)", choices=PREEMPTION_MODES),
@@ -78,10 +88,40 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  choices=QUANTIZATION_CHOICES),
     EngineOption("num_speculative_tokens", int, 0,
                  "draft tokens per decode step by prompt lookup (default 0: off)", metavar="K"),
+    EngineOption("enable_prefix_caching", bool, True,
+                 "reuse the KV blocks of prompt prefixes already computed (default: on)"),
+    EngineOption("tensor_parallel_size", int, 1,
+                 "tensor-parallel ranks of each engine, one device each (under tandem serve: every worker of "
+                 "both pools, unless --prefill-tp / --decode-tp say otherwise) (default %(default)s)",
+                 aliases=("-tp",), metavar="N"),
+    EngineOption("seed", int, None,
+                 "seed of the engine's random numbers, so that unseeded sampling repeats across restarts "
+                 "(a request's own seed still wins) (default: none)"),
 )
+
+VLLM_KEYWORDS: Mapping[str, str] = MappingProxyType({"swap_space": "swap_space_gib"})
+"""vLLM's keyword -> the engine option's, where they differ (LLM(...) takes either)."""
+NO_EFFECT_KEYWORDS = frozenset({"enforce_eager", "disable_log_stats", "trust_remote_code"})
+"""vLLM keywords accepted without effect: tandem always runs eagerly (no CUDA graphs), logs
+no per-step stats, and loads only architectures it implements (no remote code runs)."""
 
 ENGINE_DEFAULTS: Mapping[str, Any] = MappingProxyType({o.name: o.default for o in ENGINE_OPTIONS})
 """Each option's default by keyword: EngineConfig.build's and LLM's defaults."""
+
+
+def from_vllm_keywords(kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """LLM(...)'s keywords with vLLM's names taken as the engine options' (swap_space ->
+    swap_space_gib) and its no-effect ones dropped; both names of one option are refused."""
+    out = {}
+    for name, value in kwargs.items():
+        if name in NO_EFFECT_KEYWORDS:
+            logger.debug("%s=%r has no effect in tandem", name, value)
+            continue
+        ours = VLLM_KEYWORDS.get(name, name)
+        if ours in out:
+            raise ValueError(f"{name} and {ours} name the same option: give one")
+        out[ours] = value
+    return out
 
 
 def add_engine_options(parser: argparse.ArgumentParser, names: Iterable[str] | None = None) -> None:

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from tandem.config import EngineConfig
 from tandem.device import resolve_device, resolve_dtype
 from tandem.engine.engine import LLMEngine
-from tandem.engine_options import ENGINE_DEFAULTS
+from tandem.engine_options import ENGINE_DEFAULTS, from_vllm_keywords
 from tandem.model.dtypes import torch_dtype
 from tandem.engine.setup import engine_config_and_weights
 from tandem.model.loader import LoadedModel, load_model
@@ -31,28 +31,32 @@ Prompt = Union[str, Sequence[int], dict[str, Any]]
 
 
 class LLM:
-    """A model on one engine. ``model=None`` is the embedded default (SmolLM2-135M-Instruct).
+    """A model on one engine. ``model=None`` is the embedded default (SmolLM2-135M-Instruct);
+    otherwise a local directory, a .gguf file or a Hugging Face hub id (at ``revision``).
 
     Other keyword arguments go to :meth:`EngineConfig.build` (block_size,
     kv_cache_memory_gib, num_kv_blocks, max_model_len, max_num_seqs,
     max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill,
     swap_space_gib, num_swap_blocks, preemption_mode, num_speculative_tokens, quantization,
-    tensor_parallel_size), whose defaults are the engine options' (tandem.engine_options),
-    the same as ``tandem chat``'s and ``tandem serve``'s flags.
+    tensor_parallel_size, seed), whose defaults are the engine options' (tandem.engine_options),
+    the same as ``tandem chat``'s and ``tandem serve``'s flags; vLLM's names are taken too
+    (``swap_space``; ``enforce_eager`` and the like without effect: see engine_options).
     With tensor_parallel_size > 1 the other ranks are Ray actors (call :meth:`shutdown` to
     stop them).
     """
 
     def __init__(self, model: str | None = None, *, device: str = ENGINE_DEFAULTS["device"],
-                 dtype: str = ENGINE_DEFAULTS["dtype"], num_threads: int | None = None, **engine_args: Any) -> None:
+                 dtype: str = ENGINE_DEFAULTS["dtype"], num_threads: int | None = None, revision: str | None = None,
+                 **engine_args: Any) -> None:
+        engine_args = from_vllm_keywords(engine_args)
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         # A bad device or dtype is refused before anything loads.
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
-        source = resolve_model_source(model)
+        source = resolve_model_source(model, revision)
         self._start(load_model(source, torch_dtype(dtype)), dict(engine_args, device=device, dtype=dtype), source,
-                    model, num_threads)
+                    model, num_threads, revision)
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, **engine_args: Any) -> LLM:
@@ -62,13 +66,13 @@ class LLM:
         return llm
 
     def _start(self, loaded: LoadedModel, engine_args: dict[str, Any], source: ModelSource | None = None,
-               model: str | None = None, num_threads: int | None = None) -> None:
+               model: str | None = None, num_threads: int | None = None, revision: str | None = None) -> None:
         """source: the files ``loaded`` came from (see loader.quantized). model: where the
         other ranks load the weights from, with tensor_parallel_size > 1 (Ray actors, on a
         local Ray unless one is running; see parallel.ranks)."""
         self.tokenizer = loaded.tokenizer
         config, loaded = engine_config_and_weights(loaded, engine_args, source)
-        started = start_engine_model(loaded, config, model, num_threads)
+        started = start_engine_model(loaded, config, model, num_threads, revision=revision)
         self._ranks = started.ranks
         self.engine = LLMEngine(config, started.model, self.tokenizer, runner=started.runner)
         self._request_ids = itertools.count()

@@ -69,6 +69,18 @@ def test_seeded_sampling_repeats_whatever_else_is_in_the_batch(llm):
     assert different_seed[0].token_ids != alone  # the seed matters
 
 
+def test_the_engine_seed_repeats_unseeded_sampling_across_engines(make_llm):
+    """--seed / LLM(seed=...) (vLLM's): two engines started with one seed sample the same
+    unseeded tokens; another seed samples others."""
+    params = SamplingParams(temperature=1.0, max_tokens=20)
+
+    def sampled(seed: int) -> list[int]:
+        return make_llm(seed=seed).generate("Once upon a time", params)[0].token_ids
+
+    first = sampled(5)
+    assert sampled(5) == first and sampled(6) != first
+
+
 def test_stop_string_ends_the_text_before_it(llm):
     prompt = "The alphabet begins: A, B, C,"
     full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))[0].text

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
 
@@ -54,18 +54,20 @@ class OpenAIEndpoint:
 async def start_openai_endpoint(backend: Backend, tokenizer: RouterTokenizer, metrics: RouterMetrics,
                                 limits: RequestLimits, host: str, port: int,
                                 auth_token: str | ApiKeys | None = None, *, grace_s: float = STOP_GRACE_S,
-                                ssl_context: ssl.SSLContext | None = None) -> OpenAIEndpoint:
+                                ssl_context: ssl.SSLContext | None = None,
+                                model_names: Sequence[str] | None = None) -> OpenAIEndpoint:
     """Serve the OpenAI-compatible API on host:port (0: a free port) on the running loop.
 
     Requests share the gRPC API's admission bound (``metrics.num_running`` against
     ``limits.max_concurrent_requests``), validation and request metrics. auth_token: the
     ``Authorization: Bearer`` key (or one of the keys) every route but /health needs (None: open). grace_s:
-    how long stop() waits for running requests. ssl_context: HTTPS (None: HTTP). A busy port
-    raises OSError.
+    how long stop() waits for running requests. ssl_context: HTTPS (None: HTTP). model_names:
+    the names requests may give as ``model`` (the first is reported; default: the tokenizer's
+    model name). A busy port raises OSError.
     """
     if auth_token is not None and not auth_token:
         raise ValueError("the auth token must not be empty")
-    generation = Generation(backend, tokenizer, metrics, limits)
+    generation = Generation(backend, tokenizer, metrics, limits, model_names)
     app = _application(generation, backend, ApiKeys.of(auth_token), limits.max_body_bytes)
     # handler_cancellation: a client that disconnects cancels its handler at once, wherever
     # it waits (the admission queue, the workers), and the cancel aborts its request.
@@ -87,7 +89,7 @@ def _application(generation: Generation, backend: Backend, keys: ApiKeys | None,
     middlewares = [_errors] + ([_auth(keys)] if keys else [])
     app = web.Application(middlewares=middlewares, client_max_size=client_max_size)
     created = int(time.time())
-    model = generation.model
+    names = generation.model_names
 
     async def completions(request: web.Request) -> web.StreamResponse:
         return await generation.handle(COMPLETION, request)
@@ -96,13 +98,13 @@ def _application(generation: Generation, backend: Backend, keys: ApiKeys | None,
         return await generation.handle(CHAT, request)
 
     async def list_models(request: web.Request) -> web.Response:
-        return web.json_response(models_list(model, created))
+        return web.json_response(models_list(names, created))
 
     async def get_model(request: web.Request) -> web.Response:
-        if request.match_info["model"] != model:
+        if request.match_info["model"] not in names:
             raise APIError(404, f"The model {request.match_info['model'][:100]!r} does not exist: this server "
-                                f"serves {model!r}", param="model", code="model_not_found")
-        return web.json_response(model_card(model, created))
+                                f"serves {names[0]!r}", param="model", code="model_not_found")
+        return web.json_response(model_card(request.match_info["model"], created))
 
     async def health(request: web.Request) -> web.Response:
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Sequence
 import logging
 
 import grpc
@@ -50,12 +51,15 @@ class Generation:
     """Serves both generation endpoints over a Backend."""
 
     def __init__(self, backend: Backend, tokenizer: RouterTokenizer, metrics: RouterMetrics,
-                 limits: RequestLimits) -> None:
+                 limits: RequestLimits, model_names: Sequence[str] | None = None) -> None:
+        """model_names: what requests may give as ``model``; the first is the one reported
+        (default: the tokenizer's model name)."""
         self._tokenizer = tokenizer
         self._limits = limits
         self._relay = RequestRelay(backend, metrics, limits)
         self._bodies = BodyBudget(limits)
-        self.model = tokenizer.spec.model_name
+        self.model_names = tuple(model_names or (tokenizer.spec.model_name,))
+        self.model = self.model_names[0]
 
     async def handle(self, kind: str, request: web.Request) -> web.StreamResponse:
         """One request of ``kind`` (COMPLETION or CHAT); refusals raise APIError."""
@@ -88,7 +92,7 @@ class Generation:
             body = json.loads(raw)
         except (ValueError, RecursionError) as e:  # RecursionError: absurdly nested JSON
             raise invalid(None, "the request body is not valid JSON") from e
-        parsed = parse_request(kind, body, self.model, request_id)
+        parsed = parse_request(kind, body, self.model_names, request_id)
         return parsed, validated(parsed, self._tokenizer, self._limits)
 
     async def _complete(self, valid: ValidRequest, responses: Responses, timer: RequestTimer) -> web.Response:

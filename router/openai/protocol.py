@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,27 +97,28 @@ _NEUTRAL = {
 }
 
 
-def parse_request(kind: str, body: object, model_name: str, request_id: str) -> ParsedRequest:
+def parse_request(kind: str, body: object, model_names: str | Sequence[str], request_id: str) -> ParsedRequest:
     """A decoded JSON body of the ``kind`` endpoint -> the request (APIError when refused).
 
-    A ``model`` other than ``model_name`` is a 404 ``model_not_found`` (as OpenAI answers);
-    an absent one means the served model.
+    A ``model`` not among ``model_names`` (one name, or the served names) is a 404
+    ``model_not_found`` (as OpenAI answers); an absent one means the served model.
     """
+    names = (model_names,) if isinstance(model_names, str) else tuple(model_names)
     try:
-        return _parse(kind, body, model_name, request_id)
+        return _parse(kind, body, names, request_id)
     except UnicodeEncodeError as e:  # protobuf strings must be UTF-8; JSON can spell "\ud800"
         raise invalid(None, "the request holds a lone surrogate (\\ud800-\\udfff), which is not text") from e
 
 
-def _parse(kind: str, body: object, model_name: str, request_id: str) -> ParsedRequest:
+def _parse(kind: str, body: object, model_names: tuple[str, ...], request_id: str) -> ParsedRequest:
     if not isinstance(body, dict):
         raise invalid(None, f"the request body must be a JSON object, got {json_kind(body)}")
     _check_parameter_names(kind, body)
     given = {name: value for name, value in body.items() if value is not None}
-    model = given.get("model", model_name)
-    if model != model_name:
+    model = given.get("model", model_names[0])
+    if model not in model_names:
         shown_model = shown(model) if isinstance(model, str) else json_kind(model)
-        raise APIError(404, f"The model {shown_model} does not exist: this server serves {model_name!r}",
+        raise APIError(404, f"The model {shown_model} does not exist: this server serves {model_names[0]!r}",
                        param="model", code="model_not_found")
     request = pb.GenerateRequest(request_id=request_id)
     sampling = request.sampling

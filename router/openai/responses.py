@@ -40,9 +40,9 @@ def model_card(model: str, created: int) -> dict[str, Any]:
     return {"id": model, "object": "model", "created": created, "owned_by": OWNED_BY}
 
 
-def models_list(model: str, created: int) -> dict[str, Any]:
-    """``GET /v1/models``: the one model this server serves."""
-    return {"object": "list", "data": [model_card(model, created)]}
+def models_list(names: Sequence[str], created: int) -> dict[str, Any]:
+    """``GET /v1/models``: the model this server serves, under each of its names."""
+    return {"object": "list", "data": [model_card(name, created) for name in names]}
 
 
 class Responses:

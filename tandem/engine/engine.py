@@ -6,6 +6,8 @@ import functools
 import itertools
 import logging
 
+import torch
+
 from tandem.config import EngineConfig
 from tandem.decoding import beam_search
 from tandem.engine.detokenizer import IncrementalDetokenizer
@@ -38,6 +40,8 @@ class LLMEngine:
         """runner: runs ``model`` (default: a ModelRunner over it; a tensor-parallel one is given).
         hooks: what runs inside every step (a prefill worker's KV sends)."""
         self.config = config
+        if config.seed is not None:  # NOTE: the process's generator: unseeded sampling draws from it
+            torch.manual_seed(config.seed)
         self.tokenizer = tokenizer
         self.observer = observer
         self.hooks = hooks

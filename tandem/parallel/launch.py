@@ -27,9 +27,10 @@ class EngineModel:
 
 
 def start_engine_model(loaded: LoadedModel, config: EngineConfig, model: str | None, num_threads: int | None,
-                       placement_group: Any = None, allocate_kv: KVAllocator = private_pool) -> EngineModel:
+                       placement_group: Any = None, allocate_kv: KVAllocator = private_pool,
+                       revision: str | None = None) -> EngineModel:
     """``loaded`` (quantized as config says) as this process's model, and with
-    config.tensor_parallel_size > 1 the ranks beside it, which load ``model`` themselves
+    config.tensor_parallel_size > 1 the ranks beside it, which load ``model`` (at ``revision``) themselves
     (placed in ``placement_group``'s bundles 1.., see RankGroup). allocate_kv: where the
     KV pool lives at tp=1 (each rank of a tensor-parallel engine holds a private share).
     Weights go onto config.device here (none move where they are already); at tp > 1 give
@@ -42,7 +43,7 @@ def start_engine_model(loaded: LoadedModel, config: EngineConfig, model: str | N
     rank_args = dict(device=config.device_name, dtype=config.dtype_name, block_size=config.block_size,
                      num_kv_blocks=config.num_kv_blocks, num_swap_blocks=config.num_swap_blocks,
                      max_model_len=config.max_model_len, quantization=config.quantization, tensor_parallel_size=tp)
-    ranks = RankGroup(tp, model, rank_args, num_threads, placement_group)
+    ranks = RankGroup(tp, model, rank_args, num_threads, placement_group, revision)
     part = rank_model(loaded, tp, 0, config.max_model_len, ranks.groups.collectives, ranks.device)
     runner = TensorParallelRunner(config, part, ranks.groups.collectives, ranks.groups.step_group)
     return EngineModel(part, runner, ranks)

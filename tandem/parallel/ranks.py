@@ -80,14 +80,14 @@ class RankProcess:
     """Rank ``rank`` (>= 1) of a tensor-parallel worker, in its own process."""
 
     def __init__(self, rank: int, tp: int, init_method: str, model: str | None, engine_args: dict[str, Any],
-                 num_threads: int | None) -> None:
+                 num_threads: int | None, revision: str | None = None) -> None:
         """engine_args: the first rank's EngineConfig.build arguments, pool sizes and device
         name included, so that every rank holds the same blocks (on its own device)."""
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         device = rank_device(engine_args.get("device", "cpu"), rank)
         engine_args = {**engine_args, "device": str(device)}
-        source = resolve_model_source(model)
+        source = resolve_model_source(model, revision)
         loaded = load_model(source, DTYPES[engine_args["dtype"]])
         config = EngineConfig.build(loaded.config, **engine_args)
         self.groups = join_groups(init_method, rank, tp, device)
@@ -118,7 +118,8 @@ class RankGroup:
     """Starts ranks 1 .. tp-1 and joins them as rank 0 (the calling process)."""
 
     def __init__(self, tp: int, model: str | None, engine_args: dict[str, Any], num_threads: int | None,
-                 placement_group_: PlacementGroup | None = None, num_cpus: float = 1.0) -> None:
+                 placement_group_: PlacementGroup | None = None, revision: str | None = None,
+                 num_cpus: float = 1.0) -> None:
         """placement_group_: the worker's, with one bundle per rank, bundle 0 its own; None:
         a group of tp - 1 bundles is made here for ranks 1 .. tp-1 (removed by stop)."""
         if not ray.is_initialized():  # the LLM API on its own: a local Ray
@@ -144,7 +145,7 @@ class RankGroup:
             self.actors.append(actor.options(
                 num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group_, placement_group_bundle_index=index),
-            ).remote(rank, tp, init_method, model, engine_args, num_threads))
+            ).remote(rank, tp, init_method, model, engine_args, num_threads, revision))
         logger.info("joining %d more tensor-parallel ranks at %s (each loads the model)", tp - 1, init_method)
         self.device = device
         """Rank 0's device (config.device, with its index)."""

@@ -47,8 +47,9 @@ class Worker:
     def __init__(self, instance: str, model: str | None = None, device: str = ENGINE_DEFAULTS["device"],
                  dtype: str = ENGINE_DEFAULTS["dtype"], num_threads: int | None = None, loaded: LoadedModel | None = None,
                  placement_group: Any = None, allocate_kv: KVAllocator = private_pool, fault_injection: bool = False,
-                 **engine_args: Any) -> None:
-        """loaded: weights already in this process (tests); otherwise `model` is loaded here
+                 revision: str | None = None, **engine_args: Any) -> None:
+        """loaded: weights already in this process (tests); otherwise `model` (at `revision`,
+        a hub id's branch, tag or commit) is loaded here
         (and by the other ranks with tensor_parallel_size > 1, which `placement_group`, a Ray
         placement group with a bundle per rank, places; see parallel.ranks.RankGroup).
         allocate_kv: where the KV pool lives (at tensor_parallel_size 1).
@@ -59,13 +60,13 @@ class Worker:
         self.instance = instance
         device = resolve_device(device)  # here, in the worker's process: the GPUs Ray gave it
         dtype = resolve_dtype(dtype, device)
-        source = resolve_model_source(model)
+        source = resolve_model_source(model, revision)
         if loaded is None:
             loaded = load_model(source, DTYPES[dtype])
         config, loaded = engine_config_and_weights(loaded, dict(engine_args, device=device, dtype=dtype), source)
         self.fingerprint = model_fingerprint(loaded)
         """The weights' identity, which KV transfer peers must share (the whole model's, on any tp)."""
-        started = start_engine_model(loaded, config, model, num_threads, placement_group, allocate_kv)
+        started = start_engine_model(loaded, config, model, num_threads, placement_group, allocate_kv, revision)
         self.ranks = started.ranks
         if started.ranks is not None:  # keep rank 0's part only: the whole model's weights go
             loaded = LoadedModel(loaded.config, started.model.weights, loaded.tokenizer)

@@ -45,12 +45,12 @@ class Served:
 
 @contextlib.asynccontextmanager
 async def openai_serving(backend, *, limits: RequestLimits | None = None,
-                         auth_token: str | None = None) -> AsyncIterator[Served]:
+                         auth_token: str | None = None, model_names: list[str] | None = None) -> AsyncIterator[Served]:
     """start_openai_endpoint on 127.0.0.1, port 0, on the running loop; stopped after."""
     tokenizer = backend.tokenizer
     metrics = RouterMetrics(tokenizer.spec.model_name, tokenizer.max_model_len)
     endpoint = await start_openai_endpoint(backend, tokenizer, metrics, limits or RequestLimits(), "127.0.0.1", 0,
-                                           auth_token, grace_s=0.5)
+                                           auth_token, grace_s=0.5, model_names=model_names)
     try:
         yield Served(endpoint, metrics, auth_token or "unused")
     finally:
