@@ -36,6 +36,8 @@ class RequestLimits:
     """Most characters in one stop string."""
     max_stop_token_ids: int = 64
     """Most entries of ``sampling.stop_token_ids``."""
+    max_logit_bias_tokens: int = 300
+    """Most entries of ``sampling.logit_bias`` (OpenAI's bound)."""
     max_completions: int = 16
     """Most completions per request: ``sampling.n``, and with beam search ``sampling.beam_width``
     (each completion or beam is a sequence that takes a batch slot and KV blocks of its own)."""
@@ -72,7 +74,7 @@ class RequestLimits:
 
 def _least(name: str) -> int:
     """The smallest value a limit takes (0 for the counts of optional lists: none allowed)."""
-    return 0 if name in ("max_stop_strings", "max_stop_token_ids") else 1
+    return 0 if name in ("max_stop_strings", "max_stop_token_ids", "max_logit_bias_tokens") else 1
 
 
 def _int_at_least(least: int):
@@ -96,6 +98,7 @@ _FLAGS = (
     ("--max-stop-strings", "max_stop_strings", "most stop strings per request (default 16)"),
     ("--max-stop-string-length", "max_stop_string_length", "most characters per stop string (default 256)"),
     ("--max-stop-token-ids", "max_stop_token_ids", "most stop token ids per request (default 64)"),
+    ("--max-logit-bias-tokens", "max_logit_bias_tokens", "most logit_bias entries per request (default 300)"),
     ("--max-completions", "max_completions",
      "most completions per request: sampling.n, and beam_width with beam search (default 16)"),
     ("--max-concurrent-requests", "max_concurrent_requests",

@@ -29,7 +29,8 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 _SAMPLING_ERROR_RE = re.compile(r"^SamplingParams\.(\w+) (.*)$", re.DOTALL)
 # The proto's optional scalars, by SamplingParams field name.
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "logprobs",
-                             "n", "use_beam_search", "beam_width", "length_penalty", "cache_salt")
+                             "n", "use_beam_search", "beam_width", "length_penalty", "cache_salt",
+                             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
 
 
 class ValidRequest(NamedTuple):
@@ -109,6 +110,10 @@ def sampling_params_from(sampling: pb.SamplingParams, vocab_size: int,
     }
     kwargs["stop"] = tuple(sampling.stop)
     kwargs["stop_token_ids"] = tuple(sampling.stop_token_ids)
+    if len(sampling.logit_bias) > limits.max_logit_bias_tokens:
+        raise invalid("sampling.logit_bias", f"{len(sampling.logit_bias)} tokens, more than the limit "
+                                             f"max_logit_bias_tokens={limits.max_logit_bias_tokens}")
+    kwargs["logit_bias"] = dict(sampling.logit_bias)
     try:
         params = SamplingParams(**kwargs)
     except ValueError as e:
@@ -120,6 +125,9 @@ def sampling_params_from(sampling: pb.SamplingParams, vocab_size: int,
         # SamplingParams knows no vocabulary; an id past it could never match.
         if token_id >= vocab_size:
             raise invalid(f"sampling.stop_token_ids[{i}]", f"{token_id} is outside the vocabulary [0, {vocab_size})")
+    for token_id, _ in params.logit_bias:
+        if token_id >= vocab_size:
+            raise invalid("sampling.logit_bias", f"token {token_id} is outside the vocabulary [0, {vocab_size})")
     return params
 
 

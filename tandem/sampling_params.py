@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 
 MAX_CACHE_SALT_CHARS = 256
+MAX_LOGIT_BIAS = 100.0
+"""OpenAI's bound on a logit_bias value (either sign)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,18 @@ class SamplingParams:
     """Isolates the request's prefix cache (vLLM's field): its blocks are shared only with
     requests of the same salt, so one tenant cannot tell from timing or hit counts whether
     another sent a prefix. At most MAX_CACHE_SALT_CHARS characters."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the output holds already, in [-2, 2] (OpenAI's)."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a token's logit once per time the output holds it, in [-2, 2] (OpenAI's)."""
+    repetition_penalty: float = 1.0
+    """Tokens of the prompt or the output have a positive logit divided by it and a negative one
+    multiplied by it (> 0; 1 is off: transformers' and vLLM's)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to those tokens' logits, each in [-100, 100] (a dict is
+    accepted and frozen, sorted by id)."""
+    min_tokens: int = 0
+    """No EOS or stop token id before this many output tokens (they are masked until then)."""
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -59,6 +73,8 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
                "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         _check(_is_real(self.temperature) and self.temperature >= 0,
@@ -83,12 +99,26 @@ class SamplingParams:
         _check(self.cache_salt is None or (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt)
                                            <= MAX_CACHE_SALT_CHARS),
                "cache_salt", f"must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _check(_is_real(value) and -2 <= value <= 2, name, f"must be in [-2, 2], got {value!r}")
+        _check(_is_real(self.repetition_penalty) and self.repetition_penalty > 0,
+               "repetition_penalty", f"must be a number > 0, got {self.repetition_penalty!r}")
+        _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and _is_real(b)
+                   and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for t, b in self.logit_bias)
+               and len({t for t, _ in self.logit_bias}) == len(self.logit_bias),
+               "logit_bias", f"must map distinct token ids >= 0 to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        _check(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)
+               and 0 <= self.min_tokens <= self.max_tokens,
+               "min_tokens", f"must be an integer in [0, max_tokens ({self.max_tokens})], got {self.min_tokens!r}")
         if self.use_beam_search:
             _check(self.n <= self.beam_width, "n", f"must be <= beam_width ({self.beam_width}) with beam search, "
                    f"got {self.n}")
             _check(self.temperature == 0 and self.top_p == 1 and self.top_k in (-1, 0) and self.min_p == 0,
                    "temperature", "must be 0, with top_p, top_k and min_p off, for beam search (it is deterministic)")
             _check(not self.stop, "stop", "is not supported with beam search (use stop_token_ids)")
+            _check(not self.processes_logits, "repetition_penalty",
+                   "and the other penalties, logit_bias and min_tokens are not supported with beam search")
 
     @property
     def num_completions(self) -> int:
@@ -102,6 +132,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether penalties, a logit bias or min_tokens change the logits before the choice."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or bool(self.logit_bias) or self.min_tokens > 0)
 
 
 def _is_real(value: object) -> bool:

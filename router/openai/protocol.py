@@ -6,14 +6,16 @@ protobuf request plus the options that only shape the response (stream, usage, l
 refuse exactly the same requests. Every refusal is an ``APIError`` in OpenAI's shape whose
 ``param`` names the OpenAI parameter (``sampling.temperature`` -> ``temperature``).
 
-Parameters OpenAI knows but tandem does not implement are refused unless they hold their
-neutral value (``presence_penalty: 0``, ``logit_bias: {}``, ``tools: []``, ...): a client
-that asks for a penalty must not silently get none. ``null`` means "not given", as in OpenAI.
+Parameters OpenAI or vLLM know but tandem does not implement are refused unless they hold
+their neutral value (``tools: []``, ``response_format: {"type": "text"}``, ...): a client that
+asks for JSON output must not silently get text. Parameters nobody here knows are ignored
+with a debug log, as vLLM ignores them. ``null`` means "not given", as in OpenAI.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -25,6 +27,8 @@ from tandem.router.openai.errors import APIError, invalid
 from tandem.router.openai.fields import boolean, int64, integer, json_kind, number, string
 from tandem.router.tokenizer import RouterTokenizer
 from tandem.router.validation import ValidRequest, shown, validate_request
+
+logger = logging.getLogger(__name__)
 
 COMPLETION = "completion"
 CHAT = "chat"
@@ -63,8 +67,13 @@ _SAMPLING: dict[str, tuple[str, Callable[[str, object], Any]]] = {
     "beam_width": ("beam_width", integer),
     "length_penalty": ("length_penalty", number),
     "cache_salt": ("cache_salt", string),
+    "presence_penalty": ("presence_penalty", number),
+    "frequency_penalty": ("frequency_penalty", number),
+    "repetition_penalty": ("repetition_penalty", number),
+    "min_tokens": ("min_tokens", integer),
 }
-_COMMON = {"model", "stream", "stream_options", "max_tokens", "stop", "stop_token_ids", "logprobs", *_SAMPLING}
+_COMMON = {"model", "stream", "stream_options", "max_tokens", "stop", "stop_token_ids", "logprobs", "logit_bias",
+           *_SAMPLING}
 # Identifiers for the caller's own bookkeeping: accepted, and without effect on the output.
 _IGNORED = {"user", "safety_identifier", "prompt_cache_key"}
 _ALLOWED = {COMPLETION: _COMMON | _IGNORED | {"prompt"},
@@ -74,9 +83,16 @@ _ALLOWED = {COMPLETION: _COMMON | _IGNORED | {"prompt"},
 # Known parameters that tandem does not implement: accepted only with a value that changes
 # nothing (what a client library may send by default); any other value is refused.
 _NEUTRAL_BOTH: dict[str, Callable[[object, dict[str, Any]], bool]] = {
-    "presence_penalty": lambda v, b: v == 0 and not isinstance(v, bool),
-    "frequency_penalty": lambda v, b: v == 0 and not isinstance(v, bool),
-    "logit_bias": lambda v, b: v == {},
+    # vLLM's extensions, at their defaults.
+    "skip_special_tokens": lambda v, b: v is True,
+    "spaces_between_special_tokens": lambda v, b: v is True,
+    "include_stop_str_in_output": lambda v, b: v is False,
+    "guided_json": lambda v, b: False,
+    "guided_regex": lambda v, b: False,
+    "guided_choice": lambda v, b: False,
+    "guided_grammar": lambda v, b: False,
+    "structured_outputs": lambda v, b: False,
+    "prompt_logprobs": lambda v, b: v == 0,
 }
 _NEUTRAL = {
     COMPLETION: {**_NEUTRAL_BOTH,
@@ -93,7 +109,10 @@ _NEUTRAL = {
            "modalities": lambda v, b: v == ["text"],
            "store": lambda v, b: v is False,
            "metadata": lambda v, b: isinstance(v, dict),  # only kept with store, which is off
-           "service_tier": lambda v, b: v in ("auto", "default")},
+           "service_tier": lambda v, b: v in ("auto", "default"),
+           "add_generation_prompt": lambda v, b: v is True,
+           "continue_final_message": lambda v, b: v is False,
+           "chat_template_kwargs": lambda v, b: v == {}},
 }
 
 
@@ -133,6 +152,7 @@ def _parse(kind: str, body: object, model_names: tuple[str, ...], request_id: st
         sampling.max_tokens = integer(max_tokens_param, given[max_tokens_param])
     sampling.stop.extend(_stop(given.get("stop")))
     sampling.stop_token_ids.extend(_token_ids("stop_token_ids", given.get("stop_token_ids", [])))
+    sampling.logit_bias.update(_logit_bias(given.get("logit_bias", {})))
     stream = boolean("stream", given.get("stream", False))
     include_usage = _stream_options(given.get("stream_options"), stream)
     logprobs = _logprobs(kind, given)
@@ -152,7 +172,8 @@ def _check_parameter_names(kind: str, body: dict[str, Any]) -> None:
         neutral = _NEUTRAL[kind].get(name)
         param = name[:100]
         if neutral is None:
-            raise APIError(400, f"Unrecognized request argument supplied: {shown(name)}", param=param)
+            logger.debug("ignored an unknown request field %s", shown(name))
+            continue
         if not neutral(value, body):
             raise invalid(param, "is not supported by this server (only its neutral value is accepted)")
 
@@ -175,6 +196,18 @@ def _token_ids(name: str, value: object) -> list[int]:
     return value
 
 
+def _logit_bias(value: object) -> dict[int, float]:
+    """OpenAI's logit_bias: {"token id": bias} (JSON keys are strings)."""
+    if not isinstance(value, dict):
+        raise invalid("logit_bias", f"must be an object mapping token ids to biases, got {json_kind(value)}")
+    bias = {}
+    for key, b in value.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 9):
+            raise invalid("logit_bias", f"keys must be token ids, got {shown(str(key), 40)}")
+        bias[int(key)] = number(f"logit_bias[{key}]", b)
+    return bias
+
+
 def _stream_options(value: object, stream: bool) -> bool:
     """-> include_usage."""
     if value is None:
@@ -184,8 +217,10 @@ def _stream_options(value: object, stream: bool) -> bool:
     if not isinstance(value, dict):
         raise invalid("stream_options", f"must be an object, got {json_kind(value)}")
     for key in value:
-        if key not in ("include_usage", "include_obfuscation"):  # no obfuscation here: nothing to turn off
+        if key not in ("include_usage", "include_obfuscation", "continuous_usage_stats"):
             raise invalid("stream_options", f"unknown option {shown(str(key))}")
+    if value.get("continuous_usage_stats") not in (None, False):  # (no obfuscation here: nothing to turn off)
+        raise invalid("stream_options", "continuous_usage_stats is not supported")
     include_usage = value.get("include_usage")
     return False if include_usage is None else boolean("stream_options.include_usage", include_usage)
 

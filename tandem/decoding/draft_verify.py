@@ -25,11 +25,14 @@ def sample_step(
     generators: Sequence[torch.Generator | None],
     draft_token_ids: Sequence[list[int]],
     num_eos_tokens: int = 1,
+    raw_logits: torch.Tensor | None = None,
 ) -> StepOutput:
     """One entry per sample target, in batch order. A beam search entry gets its top
     candidates by log-probability instead of a token (see beam_search.num_candidates).
 
     logits: ``[sum(1 + len(drafts)), vocab_size]``, each entry's rows in a run.
+    raw_logits: the same before logits processing (logits_processors.py), which the reported
+    log-probabilities come from (default: ``logits``).
     """
     beams = [i for i, p in enumerate(params) if p.use_beam_search]
     plain = [i for i, drafts in enumerate(draft_token_ids) if not drafts and not params[i].use_beam_search]
@@ -42,7 +45,8 @@ def sample_step(
     logprobs: list[list[float]] = [[] for _ in draft_token_ids]
     # Entries without drafts share one sampler call, as without speculation.
     rows = torch.tensor([row_starts[i] for i in plain], dtype=torch.long, device=logits.device)
-    sampled = sampler.sample(logits[rows], [params[i] for i in plain], [generators[i] for i in plain])
+    sampled = sampler.sample(logits[rows], [params[i] for i in plain], [generators[i] for i in plain],
+                             raw_logits=None if raw_logits is None else raw_logits[rows])
     for i, t, lp in zip(plain, sampled.token_ids, sampled.logprobs):
         token_ids[i], logprobs[i] = [t], [lp]
     for i in beams:

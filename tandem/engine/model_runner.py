@@ -10,8 +10,10 @@ import torch
 from tandem.config import EngineConfig
 from tandem.decoding.draft_verify import sample_step
 from tandem.engine import step_inputs
+from tandem.engine.logits_processors import apply_logits_processors
 from tandem.engine.sampler import Sampler, StepOutput
 from tandem.engine.scheduler import ScheduledBatch
+from tandem.engine.sequence import Sequence
 from tandem.engine.step_threads import StepThreads
 from tandem.kernels import ops
 from tandem.kernels.attention_metadata import AttentionMetadata, DecodeGroup
@@ -19,7 +21,6 @@ from tandem.kernels.paged_decode_attention import decode_group_plan
 from tandem.kvcache.swap_copier import KVSwapper
 from tandem.model.llama import LlamaModel
 from tandem.model.quantization import pack_for_cpu_kernels
-from tandem.sampling_params import SamplingParams
 
 
 KVAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
@@ -91,7 +92,7 @@ class ModelRunner:
         """Draw every sample target's tokens from the forward's logits."""
         # Each sample target draws from its entry's rows: a root's forks share the root's.
         rows: list[int] = []
-        params: list[SamplingParams] = []
+        targets: list[Sequence] = []
         generators: list[torch.Generator | None] = []
         drafts: list[list[int]] = []
         offset = 0
@@ -101,12 +102,16 @@ class ModelRunner:
             num_rows = 1 + batch.num_drafts(i)
             for target in batch.sample_targets(i):
                 rows.extend(range(offset, offset + num_rows))
-                params.append(target.params)
+                targets.append(target)
                 generators.append(target.generator)
                 drafts.append(batch.draft_token_ids[i] if batch.draft_token_ids else [])
             offset += num_rows
         rows_t = step_inputs.to_device(torch.tensor(rows, dtype=torch.long), logits.device)
-        return sample_step(self.sampler, logits[rows_t], params, generators, drafts, len(self.config.model.eos_token_ids))
+        raw = logits[rows_t]
+        # NOTE: a target whose logits are processed has no drafts (Speculation.propose).
+        processed = apply_logits_processors(raw, targets, self.config.model.eos_token_ids)
+        return sample_step(self.sampler, processed, [t.params for t in targets], generators, drafts,
+                           len(self.config.model.eos_token_ids), raw_logits=raw)
 
     def prepare(self, batch: ScheduledBatch, device: torch.device | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:

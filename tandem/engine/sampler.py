@@ -48,6 +48,7 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        raw_logits: torch.Tensor | None = None,
     ) -> SamplerOutput:
         """Choose one token per row.
 
@@ -57,6 +58,8 @@ class Sampler:
             generators: one generator per row (a request's own, on the host; see
                 exponential_race); ``None`` uses torch's default generator on ``logits``'
                 device (then the row is not reproducible on its own).
+            raw_logits: ``logits`` before penalties and biases (logits_processors.py): the
+                reported log-probabilities are the model's own (default: ``logits``).
         """
         if logits.dim() != 2:
             raise ValueError(f"logits must be [num_seqs, vocab_size], got shape {tuple(logits.shape)}")
@@ -68,7 +71,7 @@ class Sampler:
             )
         if num_seqs == 0:
             return SamplerOutput(token_ids=[], logprobs=[])
-        chosen, logprobs = self.sample_on_device(logits, params, generators)
+        chosen, logprobs = self.sample_on_device(logits, params, generators, raw_logits)
         # NOTE: the step's one read of device values, after its forward.
         return SamplerOutput(token_ids=chosen.tolist(), logprobs=logprobs.tolist())
 
@@ -77,9 +80,10 @@ class Sampler:
         logits: torch.Tensor,
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
+        raw_logits: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """sample's work, left on ``logits``' device: -> (chosen [num_seqs] int64, their
-        logprobs [num_seqs] float32)."""
+        logprobs [num_seqs] float32, under raw_logits when given)."""
         num_seqs = logits.shape[0]
         logits = logits.float()  # logits: [num_seqs, vocab_size]
         device = logits.device
@@ -98,8 +102,9 @@ class Sampler:
             chosen[idx] = exponential_race(probs, [generators[i] for i in random_rows])
 
         # logprob = logit - logsumexp(logits): avoids materialising a full log_softmax.
-        chosen_logits = logits.gather(1, chosen.unsqueeze(1)).squeeze(1)  # [num_seqs]
-        logprobs = chosen_logits - torch.logsumexp(logits, dim=-1)  # [num_seqs]
+        raw = logits if raw_logits is None else raw_logits.float()
+        chosen_logits = raw.gather(1, chosen.unsqueeze(1)).squeeze(1)  # [num_seqs]
+        logprobs = chosen_logits - torch.logsumexp(raw, dim=-1)  # [num_seqs]
         return chosen, logprobs
 
 

@@ -4,10 +4,13 @@ and the whole greedy answers are the same, and the same as the gRPC API's."""
 from __future__ import annotations
 
 import asyncio
+import json
+import urllib.request
 
 import openai
 import pytest
 
+from tandem import SamplingParams
 from tandem.proto import generation_pb2 as pb
 from worker_checks import assert_workers_empty
 
@@ -78,4 +81,39 @@ def test_n_choices_and_bad_input_on_a_cluster(clusters, mode):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], temperature=-1)
     assert caught.value.body["param"] == "temperature"
+    assert_workers_empty(cluster)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_vllm_bench_serves_request_shape_and_penalties(clusters, mode, make_llm):
+    """What `vllm bench serve` sends (streamed completions with repetition_penalty 1.0,
+    ignore_eos, stream_options) is served unmodified, by raw HTTP; and penalties, a logit bias
+    and min_tokens give what one engine gives (the prefill worker samples the first token with
+    them, the decode worker the rest)."""
+    cluster = clusters[mode]
+    client = openai.OpenAI(base_url=cluster.openai_url(), api_key="unused", max_retries=0)
+    model = client.models.list().data[0].id
+    bench = {"model": model, "prompt": "The capital of France is", "temperature": 0.0, "repetition_penalty": 1.0,
+             "max_tokens": 12, "logprobs": None, "best_of": 1, "stream": True,
+             "stream_options": {"include_usage": True}, "ignore_eos": True}
+    request = urllib.request.Request(f"{cluster.openai_url()}/completions", data=json.dumps(bench).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        events = [line.removeprefix(b"data: ") for line in response.read().splitlines() if line.startswith(b"data: ")]
+    assert events[-1] == b"[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 12  # ignore_eos: all of them
+    same = pb.GenerateRequest(prompt="The capital of France is",
+                              sampling=pb.SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "".join(
+        r.text for r in cluster.stub().Generate(same, timeout=120))
+
+    prompt = "one two three one two three one two three one two"
+    asked = dict(temperature=0, max_tokens=12, frequency_penalty=0.8, logit_bias={"11": 5.0},
+                 extra_body={"repetition_penalty": 1.2, "min_tokens": 10})
+    got = client.completions.create(model=model, prompt=prompt, **asked).choices[0].text
+    expected = make_llm().generate(prompt, SamplingParams(temperature=0, max_tokens=12, frequency_penalty=0.8,
+                                                          logit_bias={11: 5.0}, repetition_penalty=1.2,
+                                                          min_tokens=10))[0].text
+    assert got == expected
     assert_workers_empty(cluster)

@@ -54,7 +54,8 @@ _PARAMETERS = st.sampled_from([
     "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "seed", "stop", "stream",
     "stream_options", "logprobs", "top_logprobs", "user", "top_k", "min_p", "ignore_eos", "use_beam_search",
     "beam_width", "length_penalty", "presence_penalty", "logit_bias", "best_of", "echo", "suffix", "tools",
-    "tool_choice", "response_format", "stop_token_ids", "unknown"])
+    "tool_choice", "response_format", "stop_token_ids", "unknown", "repetition_penalty", "frequency_penalty",
+    "min_tokens", "skip_special_tokens", "chat_template_kwargs"])
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))

@@ -1,0 +1,109 @@
+"""Penalties, logit_bias and min_tokens (tandem/engine/logits_processors.py), against independent
+references: transformers' own repetition penalty and min_new_tokens in its generate(), and a
+float64 greedy loop over transformers' logits for OpenAI's frequency and presence penalties and
+logit_bias. The log-probabilities reported stay the model's own (before any of it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reference import english_token_ids
+from tandem import SamplingParams
+from tandem.engine.logits_processors import apply_logits_processors
+
+STEPS = 12
+
+
+def hf_generate(hf_model, prompt: list[int], **kwargs) -> list[int]:
+    input_ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        out = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                max_new_tokens=STEPS, **kwargs)
+    return out[0, len(prompt):].tolist()
+
+
+def float64_greedy(hf_model, prompt: list[int], frequency: float, presence: float, bias: dict[int, float]) -> list[int]:
+    """OpenAI's rule, step by step: logit - frequency * count - presence * (count > 0) + bias."""
+    ids = list(prompt)
+    for _ in range(STEPS):
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([ids])).logits[0, -1].double()
+        counts = torch.bincount(torch.tensor(ids[len(prompt):], dtype=torch.long), minlength=logits.numel()).double()
+        logits = logits - frequency * counts - presence * (counts > 0).double()
+        for token, b in bias.items():
+            logits[token] += b
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def prompts(tokenizer):
+    # Repetitive text, where the penalties change the greedy choice.
+    return [english_token_ids(tokenizer, 24), tokenizer.encode("one two three one two three one two three one two")]
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.8])
+def test_repetition_penalty_is_transformers(make_llm, hf_model, prompts, penalty):
+    llm = make_llm()
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, repetition_penalty=penalty)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    expected = [hf_generate(hf_model, p, repetition_penalty=penalty, eos_token_id=None) for p in prompts]
+    assert got == expected
+    assert got != [o.token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=STEPS,
+                                                                              ignore_eos=True))]
+
+
+@pytest.mark.parametrize(("frequency", "presence", "bias"), [(1.5, 0.0, {}), (0.0, 2.0, {}), (0.5, 0.5, {}),
+                                                             (0.0, 0.0, {11: 30.0}), (-1.0, 0.0, {})])
+def test_frequency_presence_and_bias_are_openais_rule(make_llm, hf_model, prompts, frequency, presence, bias):
+    llm = make_llm()
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, frequency_penalty=frequency,
+                            presence_penalty=presence, logit_bias=bias)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == [float64_greedy(hf_model, p, frequency, presence, bias) for p in prompts]
+
+
+def test_min_tokens_is_transformers_min_new_tokens(make_llm, hf_model):
+    """A prompt whose greedy answer ends early (8 tokens, "2 + 2 = 4"): with min_tokens the EOS waits."""
+    llm = make_llm()
+    prompt = llm.apply_chat_template([{"role": "user", "content": "What is 2+2? Answer with a number only."}])
+    eos = list(llm.config.model.eos_token_ids)
+    short = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=STEPS))[0]
+    assert short.finish_reason == "stop" and len(short.token_ids) < 10
+    got = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=STEPS, min_tokens=10))[0].token_ids
+    expected = hf_generate(hf_model, prompt, min_new_tokens=10, eos_token_id=eos, pad_token_id=eos[0])
+    assert got == expected and len(got) >= 10
+    assert not set(got[:10]) & set(eos)
+
+
+def test_logprobs_stay_the_models_own(make_llm, hf_model, prompts):
+    """A bias that forces a token: the token comes, its logprob is the raw model's."""
+    llm = make_llm()
+    out = llm.generate(prompts[0], SamplingParams(temperature=0, max_tokens=1, logit_bias={11: 100.0},
+                                                  logprobs=True))[0]
+    assert out.token_ids == [11]
+    with torch.inference_mode():
+        raw = torch.log_softmax(hf_model(torch.tensor([prompts[0]])).logits[0, -1].double(), dim=-1)[11]
+    assert out.logprobs[0] == pytest.approx(float(raw), abs=1e-3)
+
+
+class Target:
+    """What apply_logits_processors reads of a sequence."""
+
+    def __init__(self, prompt: list[int], output: list[int], params: SamplingParams) -> None:
+        self.token_ids, self.output_token_ids, self.params = prompt + output, output, params
+        self.num_output_tokens = len(output)
+
+
+def test_rows_without_processing_are_untouched_and_the_input_is_not_changed():
+    logits = torch.randn(2, 50)
+    before = logits.clone()
+    targets = [Target([1, 2], [3, 3], SamplingParams()), Target([1, 2], [3, 3], SamplingParams(repetition_penalty=2.0))]
+    out = apply_logits_processors(logits, targets, eos_token_ids=[0])
+    assert torch.equal(logits, before) and torch.equal(out[0], before[0])
+    expected = before[1].double()
+    for t in (1, 2, 3):
+        expected[t] = expected[t] / 2 if expected[t] > 0 else expected[t] * 2
+    assert torch.allclose(out[1].double(), expected)
+    assert apply_logits_processors(logits, targets[:1], eos_token_ids=[0]) is logits  # nothing to do: no copy
