@@ -122,7 +122,7 @@ async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
         if http_port is not None:
             openai_endpoint = await start_openai_endpoint(backend, tokenizer, metrics, limits, host, http_port, keys,
                                                           ssl_context=None if tls is None else tls.ssl_context(),
-                                                          model_names=model_names)
+                                                          model_names=model_names, metrics_token=metrics_token)
         await server.start()
         await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     except BaseException:

@@ -52,8 +52,11 @@ class RouterTokenizer:
     def has_chat_template(self) -> bool:
         return self._template is not None
 
-    def encode(self, text: str) -> list[int]:
-        """``text`` -> ids with the model's special tokens, as transformers' ``tokenizer.encode(text)``."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``text`` -> ids with the model's special tokens, as transformers' ``tokenizer.encode(text)``
+        (without them: the text's own tokens alone)."""
+        if not add_special_tokens:
+            return self._tokenizer.encode(text, add_special_tokens=False).ids
         # The JSON's post-processor already adds BOS when the model wants it (transformers
         # keeps it in step with add_bos_token); only a tokenizer.json without that
         # post-processor needs the BOS prepended here.

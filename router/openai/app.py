@@ -24,12 +24,14 @@ from tandem.router.openai.errors import APIError
 from tandem.router.openai.generation import TENANT_KEY, Generation
 from tandem.router.openai.protocol import CHAT, COMPLETION
 from tandem.router.openai.responses import model_card, models_list
+from tandem.router.openai.utility_routes import METRICS_PATH, add_utility_routes
 from tandem.router.tokenizer import RouterTokenizer
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = ("/health",)
-"""What needs no token (load balancers and Kubernetes probes carry none)."""
+OPEN_PATHS = ("/health", METRICS_PATH)
+"""What needs no API key: load balancers and Kubernetes probes carry none, and /metrics has
+its own token (as on the metrics port)."""
 STOP_GRACE_S = 5.0
 """How long stop() lets running requests finish before cancelling them."""
 
@@ -55,7 +57,8 @@ async def start_openai_endpoint(backend: Backend, tokenizer: RouterTokenizer, me
                                 limits: RequestLimits, host: str, port: int,
                                 auth_token: str | ApiKeys | None = None, *, grace_s: float = STOP_GRACE_S,
                                 ssl_context: ssl.SSLContext | None = None,
-                                model_names: Sequence[str] | None = None) -> OpenAIEndpoint:
+                                model_names: Sequence[str] | None = None,
+                                metrics_token: str | None = None) -> OpenAIEndpoint:
     """Serve the OpenAI-compatible API on host:port (0: a free port) on the running loop.
 
     Requests share the gRPC API's admission bound (``metrics.num_running`` against
@@ -63,12 +66,14 @@ async def start_openai_endpoint(backend: Backend, tokenizer: RouterTokenizer, me
     ``Authorization: Bearer`` key (or one of the keys) every route but /health needs (None: open). grace_s:
     how long stop() waits for running requests. ssl_context: HTTPS (None: HTTP). model_names:
     the names requests may give as ``model`` (the first is reported; default: the tokenizer's
-    model name). A busy port raises OSError.
+    model name). metrics_token: what /metrics scrapes must carry (None: open). A busy port
+    raises OSError.
     """
     if auth_token is not None and not auth_token:
         raise ValueError("the auth token must not be empty")
     generation = Generation(backend, tokenizer, metrics, limits, model_names)
     app = _application(generation, backend, ApiKeys.of(auth_token), limits.max_body_bytes)
+    add_utility_routes(app, tokenizer, limits, generation.model_names, metrics.registry, metrics_token)
     # handler_cancellation: a client that disconnects cancels its handler at once, wherever
     # it waits (the admission queue, the workers), and the cancel aborts its request.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=grace_s)

@@ -28,7 +28,7 @@ from tandem.router.openai.responses import DONE, Responses, new_id, sse, usage
 from tandem.router.relay import ClientGone, RequestFailed, RequestRelay
 from tandem.router.tenant_cache import for_tenant
 from tandem.router.tokenizer import RouterTokenizer
-from tandem.router.validation import ValidRequest
+from tandem.router.validation import ValidRequest, check_request_id
 from tandem.worker.api import StreamDelta
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,12 @@ class Generation:
             self._relay.count_invalid()
             raise
         logger.debug("request %s: %d prompt tokens, %s", request_id, len(valid.prompt_token_ids), valid.params)
-        responses = Responses(kind, request_id, self.model, self._tokenizer, include_usage=parsed.include_usage)
+        # The client's X-Request-Id names the response (for its tracing); the workers keep a
+        # unique id of the router's, so that two clients' ids never meet there.
+        response_id = _client_request_id(request) or request_id
+        if response_id != request_id:
+            logger.debug("request %s is the client's %s", request_id, response_id)
+        responses = Responses(kind, response_id, self.model, self._tokenizer, include_usage=parsed.include_usage)
         if parsed.stream:
             return await self._stream(request, parsed, valid, responses, timer)
         return await self._complete(valid, responses, timer)
@@ -163,6 +168,16 @@ class Generation:
         except ClientGone:
             pass  # counted as cancelled; aiohttp finishes the response quietly
         return response
+
+
+def _client_request_id(request: web.Request) -> str | None:
+    given = request.headers.get("X-Request-Id")
+    if given is None:
+        return None
+    try:
+        return check_request_id(given, "X-Request-Id")
+    except ValueError as e:
+        raise invalid(None, str(e)) from None
 
 
 def _chunks(responses: Responses, delta: StreamDelta) -> list[dict]:
