@@ -30,7 +30,8 @@ _SAMPLING_ERROR_RE = re.compile(r"^SamplingParams\.(\w+) (.*)$", re.DOTALL)
 # The proto's optional scalars, by SamplingParams field name.
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "logprobs",
                              "n", "use_beam_search", "beam_width", "length_penalty", "cache_salt",
-                             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens")
+                             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens",
+                             "skip_special_tokens", "include_stop_str_in_output")
 
 
 class ValidRequest(NamedTuple):

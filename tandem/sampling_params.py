@@ -66,6 +66,10 @@ class SamplingParams:
     accepted and frozen, sorted by id)."""
     min_tokens: int = 0
     """No EOS or stop token id before this many output tokens (they are masked until then)."""
+    skip_special_tokens: bool = True
+    """Special tokens (other than an ending EOS, never shown) are left out of the text."""
+    include_stop_str_in_output: bool = False
+    """The text ends after the stop string (or ending EOS) found, rather than before it."""
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.

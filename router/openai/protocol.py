@@ -71,6 +71,8 @@ _SAMPLING: dict[str, tuple[str, Callable[[str, object], Any]]] = {
     "frequency_penalty": ("frequency_penalty", number),
     "repetition_penalty": ("repetition_penalty", number),
     "min_tokens": ("min_tokens", integer),
+    "skip_special_tokens": ("skip_special_tokens", boolean),
+    "include_stop_str_in_output": ("include_stop_str_in_output", boolean),
 }
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "stop", "stop_token_ids", "logprobs", "logit_bias",
            *_SAMPLING}
@@ -84,9 +86,7 @@ _ALLOWED = {COMPLETION: _COMMON | _IGNORED | {"prompt"},
 # nothing (what a client library may send by default); any other value is refused.
 _NEUTRAL_BOTH: dict[str, Callable[[object, dict[str, Any]], bool]] = {
     # vLLM's extensions, at their defaults.
-    "skip_special_tokens": lambda v, b: v is True,
     "spaces_between_special_tokens": lambda v, b: v is True,
-    "include_stop_str_in_output": lambda v, b: v is False,
     "guided_json": lambda v, b: False,
     "guided_regex": lambda v, b: False,
     "guided_choice": lambda v, b: False,

@@ -32,12 +32,15 @@ class IncrementalDetokenizer:
     ``tokenizer.decode(all_ids, skip_special_tokens=...)`` unless a stop string cut it.
     """
 
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), skip_special_tokens: bool = True) -> None:
-        """``tokenizer`` is a transformers tokenizer; ``stop`` are non-empty stop strings."""
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), skip_special_tokens: bool = True,
+                 include_stop_str: bool = False) -> None:
+        """``tokenizer`` is a transformers tokenizer; ``stop`` are non-empty stop strings;
+        include_stop_str: the text ends after the stop string found, not before it."""
         if any(not s for s in stop):
             raise ValueError("stop strings must be non-empty")
         self._tokenizer = tokenizer
         self._stop = tuple(stop)
+        self._include_stop_str = include_stop_str
         self._skip_special_tokens = skip_special_tokens
         self._token_ids: list[int] = []
         # Tokens [prefix_offset, read_offset) decode to text already taken from the decoder;
@@ -120,11 +123,12 @@ class IncrementalDetokenizer:
         pending = self._pending
         # Held-back text is always a proper prefix of a stop string, so any stop string that
         # completes now lies entirely inside pending: searching pending alone is enough.
-        cut = min((i for i in (pending.find(s) for s in self._stop) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i, -len(s)) for s in self._stop if (i := pending.find(s)) >= 0]
+        if found:
+            cut, minus_length = min(found)  # the earliest; of those starting there, the longest
             self._stopped = True
             self._pending = ""
-            return self._emit(pending[:cut], stopped=True)
+            return self._emit(pending[:cut - minus_length if self._include_stop_str else cut], stopped=True)
         hold = 0 if final else self._stop_prefix_len(pending)
         self._pending = pending[len(pending) - hold:] if hold else ""
         return self._emit(pending[: len(pending) - hold], stopped=False)

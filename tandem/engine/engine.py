@@ -168,7 +168,8 @@ class LLMEngine:
         return seq
 
     def _new_detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
-        return None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, params.stop)
+        return None if self.tokenizer is None else IncrementalDetokenizer(
+            self.tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output)
 
     def check_request(self, request_id: str, prompt_token_ids: list[int]) -> None:
         """Raise ValueError if :meth:`add_request` would refuse this request (so that a caller

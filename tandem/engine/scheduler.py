@@ -230,10 +230,14 @@ class Scheduler:
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         new_text = ""
+        # As vLLM: an ending EOS never shows in the text (even with skip_special_tokens off),
+        # unless include_stop_str_in_output.
+        ending_eos = (status is SequenceStatus.FINISHED_STOPPED and token_id in self.config.model.eos_token_ids
+                      and not seq.params.ignore_eos and not seq.params.include_stop_str_in_output)
         if seq.detokenizer is not None:
-            delta = seq.detokenizer.append(token_id)
-            new_text = delta.text
-            if delta.stopped:
+            delta = seq.detokenizer.append(token_id) if not ending_eos else None
+            new_text = "" if delta is None else delta.text
+            if delta is not None and delta.stopped:
                 status = SequenceStatus.FINISHED_STOPPED
             elif status is not None:
                 new_text += seq.detokenizer.flush()

@@ -33,7 +33,7 @@ def bad_requests() -> list[tuple[str, dict, str | None]]:
         ("chat", dict(logit_bias={"11": 101}), "logit_bias"),
         ("completions", dict(logit_bias={str(10**8): 1}), "logit_bias"),
         ("completions", dict(max_tokens=4, extra_body={"min_tokens": 5}), "min_tokens"),
-        ("completions", dict(extra_body={"include_stop_str_in_output": True}), "include_stop_str_in_output"),
+        ("completions", dict(extra_body={"include_stop_str_in_output": "yes"}), "include_stop_str_in_output"),
         ("chat", dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
         ("chat", dict(response_format={"type": "json_object"}), "response_format"),
         ("completions", dict(echo=True), "echo"),
