@@ -88,9 +88,17 @@ class Generation:
         if response_id != request_id:
             logger.debug("request %s is the client's %s", request_id, response_id)
         responses = Responses(kind, response_id, self.model, self._tokenizer, include_usage=parsed.include_usage)
+        echo = self._echo_text(parsed, valid)
         if parsed.stream:
-            return await self._stream(request, parsed, valid, responses, timer)
-        return await self._complete(valid, responses, timer)
+            return await self._stream(request, parsed, valid, responses, timer, echo)
+        return await self._complete(valid, responses, timer, echo)
+
+    def _echo_text(self, parsed: ParsedRequest, valid: ValidRequest) -> str:
+        """echo: the prompt as text (as given, or its token ids decoded); "" without echo."""
+        if not parsed.echo:
+            return ""
+        given = parsed.request.prompt
+        return given if given else self._tokenizer.decode(valid.prompt_token_ids)
 
     def _prepare(self, kind: str, raw: bytes, request_id: str) -> tuple[ParsedRequest, ValidRequest]:
         try:
@@ -100,7 +108,8 @@ class Generation:
         parsed = parse_request(kind, body, self.model_names, request_id)
         return parsed, validated(parsed, self._tokenizer, self._limits)
 
-    async def _complete(self, valid: ValidRequest, responses: Responses, timer: RequestTimer) -> web.Response:
+    async def _complete(self, valid: ValidRequest, responses: Responses, timer: RequestTimer,
+                        echo: str = "") -> web.Response:
         """The whole answer at once: one choice per completion index."""
         by_index: dict[int, list[StreamDelta]] = {}
         async with self._relay.relay(valid, timer, buffered=True) as deltas:
@@ -113,14 +122,15 @@ class Generation:
             if whole.finish_reason not in ("stop", "length"):
                 raise _aborted(valid.request_id)
             logprobs = responses.logprobs(index, whole.token_ids, whole.logprobs)
-            choices.append(responses.choice(index, whole.text, whole.finish_reason, logprobs))
+            choices.append(responses.choice(index, echo + whole.text, whole.finish_reason, logprobs))
         body = responses.response(choices, usage(finished.num_prompt_tokens, finished.num_output_tokens))
         return web.json_response(body, dumps=_dumps, headers={"X-Request-Id": responses.id})
 
     async def _stream(self, request: web.Request, parsed: ParsedRequest, valid: ValidRequest,
-                      responses: Responses, timer: RequestTimer) -> web.StreamResponse:
+                      responses: Responses, timer: RequestTimer, echo: str = "") -> web.StreamResponse:
         """Server-sent events, each delta as it comes. The response starts with the first
-        delta, so a refusal before it (overloaded, no worker) still gets its HTTP status."""
+        delta, so a refusal before it (overloaded, no worker) still gets its HTTP status.
+        echo: sent as each completion's first text."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                                "X-Accel-Buffering": "no", "X-Request-Id": responses.id})
         aborted = False
@@ -138,6 +148,8 @@ class Generation:
             nonlocal aborted
             if not response.prepared and parsed.kind == CHAT:
                 await write(*(sse(responses.role_chunk(index)) for index in range(valid.params.n)))
+            if not response.prepared and echo:
+                await write(*(sse(responses.text_chunk(index, echo, None)) for index in range(valid.params.n)))
             if aborted:
                 return
             if delta.finish_reason == "abort":  # a success never ends "abort": the client gets an error

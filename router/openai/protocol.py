@@ -47,6 +47,8 @@ class ParsedRequest:
     logprobs: bool
     max_tokens_param: str | None
     """The parameter that set sampling.max_tokens (max_tokens or max_completion_tokens); None: unset."""
+    echo: bool = False
+    """Completions: each choice's text starts with the prompt's."""
 
     @property
     def input_param(self) -> str:
@@ -78,7 +80,7 @@ _COMMON = {"model", "stream", "stream_options", "max_tokens", "stop", "stop_toke
            *_SAMPLING}
 # Identifiers for the caller's own bookkeeping: accepted, and without effect on the output.
 _IGNORED = {"user", "safety_identifier", "prompt_cache_key"}
-_ALLOWED = {COMPLETION: _COMMON | _IGNORED | {"prompt"},
+_ALLOWED = {COMPLETION: _COMMON | _IGNORED | {"prompt", "echo"},
             CHAT: _COMMON | _IGNORED | {"messages", "max_completion_tokens", "top_logprobs"}}
 
 
@@ -96,7 +98,6 @@ _NEUTRAL_BOTH: dict[str, Callable[[object, dict[str, Any]], bool]] = {
 }
 _NEUTRAL = {
     COMPLETION: {**_NEUTRAL_BOTH,
-                 "echo": lambda v, b: v is False,
                  "suffix": lambda v, b: v == "",
                  "best_of": lambda v, b: type(v) is int and v == (b.get("n") or 1)},
     CHAT: {**_NEUTRAL_BOTH,
@@ -158,11 +159,14 @@ def _parse(kind: str, body: object, model_names: tuple[str, ...], request_id: st
     logprobs = _logprobs(kind, given)
     if logprobs:
         sampling.logprobs = True
+    echo = kind == COMPLETION and boolean("echo", given.get("echo", False))
+    if echo and logprobs:
+        raise invalid("echo", "with logprobs is not supported (it would need the prompt's log-probabilities)")
     if kind == COMPLETION:
         _set_prompt(request, given.get("prompt"))
     else:
         request.messages.messages.extend(_messages(given.get("messages")))
-    return ParsedRequest(kind, request, stream, include_usage, logprobs, max_tokens_param)
+    return ParsedRequest(kind, request, stream, include_usage, logprobs, max_tokens_param, echo)
 
 
 def _check_parameter_names(kind: str, body: dict[str, Any]) -> None:

@@ -36,7 +36,7 @@ def bad_requests() -> list[tuple[str, dict, str | None]]:
         ("completions", dict(extra_body={"include_stop_str_in_output": "yes"}), "include_stop_str_in_output"),
         ("chat", dict(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
         ("chat", dict(response_format={"type": "json_object"}), "response_format"),
-        ("completions", dict(echo=True), "echo"),
+        ("completions", dict(echo=True, logprobs=0), "echo"),
         ("completions", dict(prompt=["one", "two"]), "prompt"),
         ("completions", dict(prompt=[1, 2, 10**6]), "prompt"),
         ("completions", dict(max_tokens=MAX_MODEL_LEN), "max_tokens"),
