@@ -121,8 +121,10 @@ class PrefillWorker(Worker):
             self.sender.adopt(destination.address, peer)
         self._check(engine, request, destination)
         # One token: the first (of each completion, or the beams' candidates); the decode
-        # worker samples the rest with the request's own params.
-        params = dataclasses.replace(request.params, max_tokens=1, stop=())
+        # worker samples the rest with the request's own params. (min_tokens >= 1 still keeps
+        # EOS from the first.)
+        params = dataclasses.replace(request.params, max_tokens=1, stop=(),
+                                     min_tokens=min(request.params.min_tokens, 1))
         path = self.sender.begin(destination)  # first: a refused handshake must leave no sequence behind
         self.metrics.transfer_began(path)
         # Its blocks are freed once the decode worker has the KV (see _tick).

@@ -53,6 +53,9 @@ class ClusterConfig:
     """How long Ray may take to find room for every worker before the start is refused."""
     start_timeout_s: float = 600.0
     """How long the placed workers may take to load the model before the start is refused."""
+    log_level: str = "WARNING"
+    """The workers' log level (Ray's logging config carries it to every actor of this job;
+    their lines reach the driver's console)."""
 
     @property
     def num_workers(self) -> int:
@@ -100,7 +103,8 @@ async def start_cluster(cfg: ClusterConfig) -> RayBackend:
         cores = len(os.sched_getaffinity(0))
         # Workers are pinned to their share of cores; declare at least one CPU per worker.
         ray.init(address=cfg.address, num_cpus=None if cfg.address else max(cores, cfg.num_ranks),
-                 include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
+                 include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
+                 logging_config=ray.LoggingConfig(encoding="TEXT", log_level=cfg.log_level.upper()))
     cores = len(os.sched_getaffinity(0))
     placement = cfg.check_fits(ray.cluster_resources(), "the cluster")
     if placement.needs_beyond(ray.available_resources()):

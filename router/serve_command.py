@@ -19,6 +19,7 @@ from tandem.router.limits import add_limit_args, limits_from_args
 from tandem.router.metrics_endpoint import DEFAULT_METRICS_PORT, METRICS_TOKEN_ENV
 from tandem.router.placement import add_placement_args, placement_options
 from tandem.router.policy import POLICIES
+from tandem.router.pool_stats import log_pool_stats
 from tandem.router.tls import TLSFiles
 
 logger = logging.getLogger(__name__)
@@ -139,11 +140,13 @@ async def _serve(args: argparse.Namespace) -> int:
     cfg = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, colocated=args.colocated,
                         policy=args.policy, address=args.address, worker_args=worker_args(args),
                         pool_resources=args.pool_resources, prefill_tp=prefill_tp, decode_tp=decode_tp,
+                        log_level=args.log_level,
                         **placement_options(args))
     mode = f"{cfg.colocated} colocated" if cfg.colocated else f"{cfg.num_prefill} prefill + {cfg.num_decode} decode"
     print(f"tandem: starting {mode} worker(s); each loads the model...", file=sys.stderr, flush=True)
     backend = await start_cluster(cfg)
     backend.start_polling()
+    stats = asyncio.create_task(log_pool_stats(lambda: [w.load for w in backend.workers if w.load is not None]))
     keys = api_keys_from_env(args.api_key)
     server = await serve(backend, args.host, args.port, metrics_port=args.metrics_port, auth_token=keys,
                         limits=limits, http_port=None if args.http_port < 0 else args.http_port, tls=tls,
@@ -166,6 +169,7 @@ async def _serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     print("tandem: draining...", file=sys.stderr, flush=True)
+    stats.cancel()
     await drain(server, grace=5.0)
     stop_cluster(backend)
     ray.shutdown()

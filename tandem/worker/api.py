@@ -100,6 +100,14 @@ class WorkerLoad:
     block_size: int = 16
     """Tokens per KV block: the router hashes prompts in blocks this long to guess which
     prefixes the worker holds (see router/prefix_index.py)."""
+    num_prompt_tokens: int = 0
+    """Prompt tokens computed since the worker started (prefix cache hits excluded)."""
+    num_generated_tokens: int = 0
+    """Tokens sampled since the worker started (a prefill worker's: first tokens)."""
+    num_prefix_queries: int = 0
+    """Prompt tokens looked up in the prefix cache since the worker started."""
+    num_prefix_hits: int = 0
+    """Of those, the ones found."""
 
 
 @dataclass(frozen=True)

@@ -145,11 +145,13 @@ class Worker:
         return {}
 
     def _load(self, engine: LLMEngine) -> WorkerLoad:
-        load = engine.load()
+        load, m = engine.load(), self.metrics
         return WorkerLoad(
             role=self.role, instance=self.instance, num_blocks=load.num_blocks, num_free_blocks=load.num_free_blocks,
             num_running=load.num_running, num_waiting=load.num_waiting, num_queued_tokens=load.num_queued_tokens,
-            block_size=engine.config.block_size,
+            block_size=engine.config.block_size, num_prompt_tokens=m.num_prefix_queries - m.num_prefix_hits,
+            num_generated_tokens=m.num_generated_tokens, num_prefix_queries=m.num_prefix_queries,
+            num_prefix_hits=m.num_prefix_hits,
         )
 
     def shutdown(self) -> None:

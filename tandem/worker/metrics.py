@@ -67,6 +67,8 @@ class WorkerMetrics:
                 self._transfer_paths.labels(*self.label_values, path)
         self.num_prefix_queries = 0
         self.num_prefix_hits = 0
+        self.num_generated_tokens = 0
+        """Tokens sampled since start (one per sampling target and step; accepted drafts aside)."""
         self.last_batch_size = 0
         self.last_batch_tokens = 0
         self.num_transferring: Callable[[], int] = lambda: 0
@@ -85,6 +87,7 @@ class WorkerMetrics:
     def on_step(self, batch: ScheduledBatch) -> None:
         self.last_batch_size = len(batch.seqs)
         self.last_batch_tokens = batch.num_tokens
+        self.num_generated_tokens += sum(len(batch.sample_targets(i)) for i in range(len(batch.seqs)))
 
     def on_first_token(self, seq: Sequence) -> None:
         assert seq.first_token_time is not None

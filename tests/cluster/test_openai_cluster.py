@@ -117,3 +117,10 @@ def test_vllm_bench_serves_request_shape_and_penalties(clusters, mode, make_llm)
                                                           min_tokens=10))[0].text
     assert got == expected
     assert_workers_empty(cluster)
+
+    # The loads the router polls count the work (router/pool_stats.py logs them every 10 s).
+    loads = cluster.run(cluster.backend.loads())
+    for role in {w.role for w in loads}:
+        pool = [w for w in loads if w.role is role]
+        assert sum(w.num_generated_tokens for w in pool) > 0 and sum(w.num_prefix_queries for w in pool) > 0, pool
+    assert sum(w.num_prompt_tokens for w in loads if w.role.value != "decode") > 0

@@ -62,6 +62,10 @@ def test_pools_on_two_ray_nodes(make_llm, tokenizer):
         phase("reference computed")
         wait_for_line(serve, "tandem: serving", timeout=600)
         phase("tandem serve ready")
+        # Ray's logging config carries the log level to the workers, on either node, and their
+        # lines reach tandem serve's console (its KV pool, its readiness).
+        for instance in (PREFILL, DECODE):
+            wait_for_line(serve, f"worker {instance} ready on", timeout=60)
 
         # Each worker on the node that offers its pool's resource: two different nodes.
         actors = live_actors(ray_nodes.address)
