@@ -13,6 +13,7 @@ from typing import Any
 
 from tandem.engine_options import ENGINE_DEFAULTS, add_engine_options, engine_options_from_args
 from tandem.kvtransfer.protocol import KV_TRANSPORTS
+from tandem.model.generation_defaults import GENERATION_CONFIG_CHOICES_HELP
 from tandem.model_args import add_model_args, model_of
 from tandem.router.auth import API_KEYS_ENV, AUTH_TOKEN_ENV, api_keys_from_env
 from tandem.router.limits import add_limit_args, limits_from_args
@@ -60,6 +61,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                              "(default: the model's)")
     parser.add_argument("--disable-log-requests", action="store_true",
                         help="no log line per request (refusals, aborts), as vLLM's flag")
+    parser.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                        help="requests' sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty, "
+                             f"max_tokens): {GENERATION_CONFIG_CHOICES_HELP} (default auto)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="accepted for vLLM's command lines; tandem always runs eagerly (no CUDA graphs)")
     parser.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
@@ -105,6 +109,8 @@ def worker_args(args: argparse.Namespace) -> dict[str, Any]:
                               **{k: v for k, v in options.items() if v != ENGINE_DEFAULTS[k]}}
     if args.revision is not None:
         worker["revision"] = args.revision
+    if args.generation_config != "auto":
+        worker["generation_config"] = args.generation_config
     if args.num_threads is not None:
         worker["num_threads"] = args.num_threads
     if args.kv_transfer_host is not None:

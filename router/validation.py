@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import uuid
+from collections.abc import Mapping
 from typing import NamedTuple
 
 from tandem.proto import generation_pb2 as pb
@@ -58,12 +59,14 @@ def validate_request(request: pb.GenerateRequest, tokenizer: RouterTokenizer,
                      limits: RequestLimits = RequestLimits()) -> ValidRequest:
     """-> (request_id, prompt_token_ids, params); a ValueError naming the field otherwise.
 
-    An empty request_id gets a random one (uuid4). Unset sampling fields take
-    SamplingParams' defaults, except that an unset max_tokens is clamped to the room the
-    prompt leaves in the context; a max_tokens that was set and does not fit is refused.
+    An empty request_id gets a random one (uuid4). Unset sampling fields take the model's
+    defaults (TokenizerSpec.sampling_defaults, from its generation_config.json), else
+    SamplingParams', except that an unset max_tokens is clamped to the room the prompt leaves
+    in the context; a max_tokens that was set and does not fit is refused.
     """
     request_id = check_request_id(request.request_id) if request.request_id else uuid.uuid4().hex
-    params = sampling_params_from(request.sampling, tokenizer.vocab_size, limits)
+    params = sampling_params_from(request.sampling, tokenizer.vocab_size, limits,
+                                  dict(tokenizer.spec.sampling_defaults))
     max_model_len = tokenizer.max_model_len
     prompt_limit = limits.prompt_token_limit(max_model_len)
     field, prompt_token_ids = _prompt_token_ids(request, tokenizer, limits, prompt_limit)
@@ -92,9 +95,10 @@ def _prompt_limit_text(limits: RequestLimits, max_model_len: int) -> str:
     return f"max_prompt_tokens={limit} (max_model_len {max_model_len} minus one for the output)"
 
 
-def sampling_params_from(sampling: pb.SamplingParams, vocab_size: int,
-                         limits: RequestLimits = RequestLimits()) -> SamplingParams:
-    """The proto's sampling fields -> SamplingParams, whose own checks name the field."""
+def sampling_params_from(sampling: pb.SamplingParams, vocab_size: int, limits: RequestLimits = RequestLimits(),
+                         defaults: Mapping[str, object] | None = None) -> SamplingParams:
+    """The proto's sampling fields -> SamplingParams, whose own checks name the field; an
+    unset field takes its value from `defaults` (the model's) when they have it."""
     if len(sampling.stop) > limits.max_stop_strings:
         raise invalid("sampling.stop", f"{len(sampling.stop)} stop strings, more than the limit "
                                        f"max_stop_strings={limits.max_stop_strings}")
@@ -107,7 +111,8 @@ def sampling_params_from(sampling: pb.SamplingParams, vocab_size: int,
                                                  f"max_stop_token_ids={limits.max_stop_token_ids}")
     _check_completions(sampling, limits)
     kwargs: dict[str, object] = {
-        name: getattr(sampling, name) for name in _OPTIONAL_SAMPLING_FIELDS if sampling.HasField(name)
+        name: getattr(sampling, name) if sampling.HasField(name) else defaults[name]
+        for name in _OPTIONAL_SAMPLING_FIELDS if sampling.HasField(name) or name in (defaults or {})
     }
     kwargs["stop"] = tuple(sampling.stop)
     kwargs["stop_token_ids"] = tuple(sampling.stop_token_ids)

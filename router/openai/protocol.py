@@ -306,13 +306,15 @@ def validated(parsed: ParsedRequest, tokenizer: RouterTokenizer, limits: Request
     """``validate_request`` on the parsed request (tokenizes: run it off the event loop).
 
     Its ValueError becomes a 400 naming the OpenAI parameter. A chat request with no
-    max_tokens may use all the room the context leaves (OpenAI's "no limit").
+    max_tokens may use all the room the context leaves (OpenAI's "no limit"), unless the model gives
+    a default (its generation_config.json's max_new_tokens, within that room).
     """
     try:
         valid = validate_request(parsed.request, tokenizer, limits)
     except ValueError as e:
         raise _from_validation(str(e), parsed) from e
-    if parsed.kind == CHAT and parsed.max_tokens_param is None:
+    model_default = dict(tokenizer.spec.sampling_defaults).get("max_tokens")
+    if parsed.kind == CHAT and parsed.max_tokens_param is None and model_default is None:
         room = tokenizer.max_model_len - len(valid.prompt_token_ids)
         valid = valid._replace(params=dataclasses.replace(valid.params, max_tokens=room))
     return valid

@@ -123,6 +123,9 @@ class TokenizerSpec:
     model_name: str
     vocab_size: int
     max_model_len: int
+    sampling_defaults: tuple[tuple[str, float | int], ...] = ()
+    """(SamplingParams field, default) from the model's generation_config.json: what a request
+    that leaves the field unset gets (vLLM's --generation-config auto)."""
 
 
 class PoolFull(RuntimeError):

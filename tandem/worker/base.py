@@ -20,6 +20,7 @@ from tandem.model.dtypes import DTYPES
 from tandem.model.fingerprint import model_fingerprint
 from tandem.engine.setup import engine_config_and_weights
 from tandem.model.loader import LoadedModel, load_model
+from tandem.model.generation_defaults import sampling_defaults
 from tandem.model.source import resolve_model_source
 from tandem.parallel.launch import start_engine_model
 from tandem.worker import faults
@@ -47,13 +48,15 @@ class Worker:
     def __init__(self, instance: str, model: str | None = None, device: str = ENGINE_DEFAULTS["device"],
                  dtype: str = ENGINE_DEFAULTS["dtype"], num_threads: int | None = None, loaded: LoadedModel | None = None,
                  placement_group: Any = None, allocate_kv: KVAllocator = private_pool, fault_injection: bool = False,
-                 revision: str | None = None, **engine_args: Any) -> None:
+                 revision: str | None = None, generation_config: str = "auto", **engine_args: Any) -> None:
         """loaded: weights already in this process (tests); otherwise `model` (at `revision`,
         a hub id's branch, tag or commit) is loaded here
         (and by the other ranks with tensor_parallel_size > 1, which `placement_group`, a Ray
         placement group with a bundle per rank, places; see parallel.ranks.RankGroup).
         allocate_kv: where the KV pool lives (at tensor_parallel_size 1).
-        fault_injection: `inject_fault` may break the engine (fault tests only)."""
+        fault_injection: `inject_fault` may break the engine (fault tests only).
+        generation_config: where requests' sampling defaults come from (see
+        model.generation_defaults: auto, vllm, or a directory)."""
         self._fault_injection = fault_injection
         if num_threads is not None:
             torch.set_num_threads(num_threads)  # pinned: workers sharing a host do not fight
@@ -61,6 +64,7 @@ class Worker:
         device = resolve_device(device)  # here, in the worker's process: the GPUs Ray gave it
         dtype = resolve_dtype(dtype, device)
         source = resolve_model_source(model, revision)
+        self.sampling_defaults = sampling_defaults(source.path, generation_config)
         if loaded is None:
             loaded = load_model(source, DTYPES[dtype])
         config, loaded = engine_config_and_weights(loaded, dict(engine_args, device=device, dtype=dtype), source)
@@ -113,7 +117,7 @@ class Worker:
 
     def tokenizer_spec(self) -> TokenizerSpec:
         return tokenizer_spec_from(self.loaded.tokenizer, self.loaded.config.name, self.loaded.config.vocab_size,
-                                   self.engine.config.max_model_len)
+                                   self.engine.config.max_model_len, self.sampling_defaults)
 
     async def load(self) -> WorkerLoad:
         return await self.loop.call(self._load)

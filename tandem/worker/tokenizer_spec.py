@@ -3,12 +3,14 @@ TokenizerSpec, which the router rebuilds with the torch-free ``tokenizers`` libr
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from tandem.worker.api import TokenizerSpec
 
 
-def tokenizer_spec_from(tokenizer: Any, model_name: str, vocab_size: int, max_model_len: int) -> TokenizerSpec:
+def tokenizer_spec_from(tokenizer: Any, model_name: str, vocab_size: int, max_model_len: int,
+                        sampling_defaults: Mapping[str, float | int] | None = None) -> TokenizerSpec:
     """Describe a transformers fast tokenizer for the router (reads attributes only: no heavy imports)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
@@ -25,4 +27,5 @@ def tokenizer_spec_from(tokenizer: Any, model_name: str, vocab_size: int, max_mo
         model_name=model_name,
         vocab_size=vocab_size,
         max_model_len=max_model_len,
+        sampling_defaults=tuple(sorted((sampling_defaults or {}).items())),
     )
