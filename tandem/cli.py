@@ -174,6 +174,20 @@ def run_bench(name: str, args: argparse.Namespace) -> int:
     return module.run(parser.parse_args(args.bench_args))
 
 
+def download(args: argparse.Namespace) -> int:
+    """Resolve a hub model as a worker would (the cache first, then the hub); print its directory."""
+    from tandem.model.source import HUB_ID, resolve_model_source
+
+    if not HUB_ID.match(args.model):
+        raise ValueError(f"{args.model!r} is not a hub id (org/name)")
+    try:
+        print(resolve_model_source(args.model, args.revision).path)
+    except FileNotFoundError as e:
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def heartbeat_check(args: argparse.Namespace) -> int:
     from tandem.worker.heartbeat_file import stale_heartbeats
 
@@ -235,6 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", default=None, help="connect over TLS, trusting this PEM CA file")
     p.add_argument("--tls-server-name", default=None, help="the name the router's certificate carries")
     p.set_defaults(func=health)
+
+    p = commands.add_parser("download", help="fetch a hub model into the local Hugging Face cache (what workers load)")
+    p.add_argument("model", help="a Hugging Face hub id (org/name)")
+    p.add_argument("--revision", default=None, help="a branch, tag or commit (default: main)")
+    p.set_defaults(func=download)
 
     p = commands.add_parser("heartbeat-check", help="exit 1 when a worker's engine loop on this host is stuck (for probes)")
     p.add_argument("directory", help="the workers' TANDEM_HEARTBEAT_DIR")

@@ -73,6 +73,10 @@ SCENARIOS = {
     "service-monitor": {"metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "kps"}}}},
     "model-volume": {"model": "/models/qwen2", "modelVolume": {"existingClaim": "models"}},
     "kv-encryption": {"kvTransfer": {"encryption": {"enabled": True}}},
+    "hub-model": {"model": "Qwen/Qwen2.5-0.5B-Instruct", "modelRevision": "v1", "hf": {"tokenSecret": "hf"},
+                  "router": {"extraArgs": ["--served-model-name", "qwen"], "env": [{"name": "A", "value": "1"}]},
+                  "pools": {"decode": {"env": [{"name": "B", "value": "2"}]},
+                            "prefill": {"extraArgs": ["--object-store-memory=100000000"]}}},
 }
 """Values every chart-wide check runs on (the `rendered` fixture of conftest.py)."""
 

@@ -276,3 +276,31 @@ def test_helm_lint_is_clean():
         report = helm_python.lint(CHART, values, strict=True, kube_version=f"v{KUBE_VERSION}.0")
         assert not report["errors"], report
         assert all(m["severity"] < 2 for m in report["messages"]), report["messages"]
+
+
+def test_a_hub_model_is_downloaded_by_each_worker_pod_first():
+    """model: org/name: each worker pod's init container runs `tandem download` (with HF_TOKEN
+    from hf.tokenSecret) into a cache the worker then reads; extraArgs and env reach their
+    containers; a path model has no download step."""
+    docs = render(SCENARIOS["hub-model"])
+    hf_token = {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}}
+    for role in ("prefill", "decode"):
+        dep = find(docs, "Deployment", role)
+        spec = dep["spec"]["template"]["spec"]
+        init = {c["name"]: c for c in spec["initContainers"]}["download-model"]
+        assert init["command"] == ["tandem", "download", "Qwen/Qwen2.5-0.5B-Instruct", "--revision", "v1"]
+        assert {"name": "HF_HOME", "value": "/var/cache/huggingface"} in init["env"] and hf_token in init["env"]
+        worker = container(dep)
+        assert {"name": "HF_HOME", "value": "/var/cache/huggingface"} in worker["env"] and hf_token in worker["env"]
+        for c in (init, worker):
+            assert {"name": "hf-cache", "mountPath": "/var/cache/huggingface"} in c["volumeMounts"]
+        assert {"name": "hf-cache", "emptyDir": {}} in spec["volumes"]
+    assert {"name": "B", "value": "2"} in container(find(docs, "Deployment", "decode"))["env"]
+    assert container(find(docs, "Deployment", "prefill"))["args"][-1] == "--object-store-memory=100000000"
+    args = router_args(docs)
+    assert flag(args, "--model") == "Qwen/Qwen2.5-0.5B-Instruct" and flag(args, "--revision") == "v1"
+    assert args[-2:] == ["--served-model-name", "qwen"]
+    assert {"name": "A", "value": "1"} in container(find(docs, "Deployment", "router"))["env"]
+    local = render(SCENARIOS["model-volume"])
+    assert not any(c["name"] == "download-model" for c in
+                   find(local, "Deployment", "decode")["spec"]["template"]["spec"]["initContainers"])

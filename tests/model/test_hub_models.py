@@ -70,3 +70,20 @@ def test_llm_by_hub_id_and_revision_matches_transformers_on_that_snapshot(offlin
         hf_model, _ = load_hf_model(resolve_model_source(REPO, revision))
         assert got[revision] == [hf_greedy(hf_model, p, 8, eos_token_ids=(10**6,)) for p in prompts]
     assert got[None] != got["v2"]  # two snapshots, two models
+
+
+def test_tandem_download_prints_the_snapshot(offline, capsys):
+    """`tandem download` (the Helm chart's init step for a hub id) resolves as the workers do."""
+    from tandem.cli import main
+
+    assert main(["download", REPO, "--revision", "v2"]) == 0
+    assert capsys.readouterr().out.strip().endswith(f"/snapshots/{COMMIT_B}")
+    assert main(["download", "acme/absent"]) == 1
+    assert "HF_HUB_OFFLINE" in capsys.readouterr().err
+
+
+def test_tandem_download_refuses_what_is_not_a_hub_id(capsys):
+    from tandem.cli import main
+
+    assert main(["download", "/not/a/hub/id"]) == 2
+    assert "is not a hub id" in capsys.readouterr().err

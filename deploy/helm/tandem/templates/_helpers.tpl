@@ -142,6 +142,26 @@ affinity:
 {{- end }}
 {{- end }}
 
+{{/* Whether `model` is a Hugging Face hub id (org/name) rather than a path. */}}
+{{- define "tandem.hubModel" -}}
+{{- if regexMatch "^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$" (.Values.model | default "") }}true{{ end }}
+{{- end }}
+
+{{/* The Hugging Face cache and token of the download step and the workers. */}}
+{{- define "tandem.hfEnv" -}}
+{{- if include "tandem.hubModel" . }}
+- name: HF_HOME
+  value: /var/cache/huggingface
+{{- end }}
+{{- if .Values.hf.tokenSecret }}
+- name: HF_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.hf.tokenSecret }}
+      key: {{ .Values.hf.tokenSecretKey | default "token" }}
+{{- end }}
+{{- end }}
+
 {{- define "tandem.kvSecretName" -}}
 {{- .Values.kvTransfer.encryption.existingSecret | default (include "tandem.componentName" (dict "root" . "component" "kv-secret")) }}
 {{- end }}
