@@ -19,9 +19,12 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from tandem.router.auth import AUTH_TOKEN_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +104,12 @@ def add_args(parser: argparse.ArgumentParser) -> None:
       "CPU during them, at most this many in all (default: 2)")
     a("--overhead-requests", type=int, default=None, help="1-token pairs for the router overhead (default: 20)")
     a("--out-dir", default="bench-results/serve", help="where results.json and the PNGs go")
+    a("--save-result", action="store_true", help="also write each run under vLLM's flat keys (mean_ttft_ms, "
+      "p99_tpot_ms, request_goodput, ...), one JSON file per run in --out-dir")
+    a("--dataset-name", choices=("random", "sharegpt"), default="random",
+      help="random token ids (default), or ShareGPT conversations from --dataset-path (vLLM's sampling)")
+    a("--dataset-path", default=None, help="a ShareGPT JSON file, for --dataset-name sharegpt")
+    a("--api-key", default=None, help="the router's API key (default: $TANDEM_AUTH_TOKEN)")
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -121,6 +130,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if min(s.budgets) < 1 or s.slo_probes < 0 or args.retries < 0 or not 0 < args.slo_attainment <= 1:
         raise ValueError("--colocated-budgets must be >= 1, --slo-probes and --retries >= 0, --slo-attainment in "
                          "(0, 1]")
+    if (args.dataset_name == "sharegpt") != (args.dataset_path is not None):
+        raise ValueError("--dataset-name sharegpt and --dataset-path FILE go together")
     if args.api == "openai" and not args.server:
         raise ValueError("--api openai needs --server HOST:PORT (a running `tandem serve`'s HTTP port): the "
                          "clusters this bench starts itself serve the gRPC API only")
@@ -174,6 +185,8 @@ class Bench:
         """Runs repeated because other processes took the CPU during them (local.measured_run)."""
         self.model: str | None = None
         """With --api openai, the model every body names (the server's, from GET /v1/models)."""
+        self.dataset: list | None = None
+        """--dataset-name sharegpt: the requests of every rate."""
 
     def build_workload(self, pool) -> None:
         from tandem.bench.serving.load import make_requests
@@ -182,11 +195,22 @@ class Bench:
             self.pool = pool
             self.shapes = make_requests(self.settings.num_prompts, pool, self.mix, [self.args.seed, SEED_WORKLOAD])
 
+    def use_dataset(self, tokenizer) -> None:
+        """--dataset-name sharegpt: its requests at every rate (real text: a rate repeats the
+        prompts of the one before, as vLLM's bench does, so its prefix cache may help)."""
+        from tandem.bench.serving.vllm_format import sharegpt_requests
+
+        if self.args.dataset_name == "sharegpt" and self.dataset is None:
+            self.dataset = sharegpt_requests(self.args.dataset_path, tokenizer, self.settings.num_prompts,
+                                             self.args.seed)
+
     def workload(self, rate: float) -> list:
         """The shared shapes with prompt tokens of this rate's own: against one --server, a
         prompt seen at an earlier rate would hit its prefix cache."""
         from tandem.bench.serving.load import with_fresh_tokens
 
+        if self.dataset is not None:
+            return self.dataset
         key = self.rate_keys.setdefault(rate, len(self.rate_keys))
         return with_fresh_tokens(self.shapes, self.pool, [self.args.seed, SEED_WORKLOAD, key])
 
@@ -237,6 +261,20 @@ class Bench:
                     metrics["goodput"])
         return {"metrics": metrics, "requests": result_dicts(results), **await scrapes.finish()}
 
+    def save_flat(self, runs: list[dict]) -> list[Path]:
+        """--save-result: each kept run under vLLM's flat keys, a file of its own."""
+        from tandem.bench.serving.vllm_format import flat_result
+
+        paths = []
+        for run in runs:
+            flat = flat_result(run["metrics"], model=self.model or self.args.model, label=run["label"],
+                               num_prompts=self.settings.num_prompts, rate=run["rate"],
+                               burstiness=self.args.burstiness, max_concurrency=self.args.max_concurrency)
+            name = f"tandem-{run['label'].replace('/', '-')}-{run['phase'].replace(' ', '-')}-{run['rate']:g}qps.json"
+            paths.append(Path(self.args.out_dir) / name)
+            paths[-1].write_text(json.dumps(flat, indent=2))
+        return paths
+
     def results(self, config: dict) -> dict:
         from tandem.bench.serving.slo_search import max_rate_ratio
         from tandem.bench.serving.sweep import BEST_RULE, compare
@@ -272,6 +310,7 @@ async def run_server(bench: Bench) -> None:
 
     tok = load_tokenizer(resolve_model_source(bench.args.model))
     bench.build_workload(token_pool(tok.backend_tokenizer, len(tok), tok.eos_token))
+    bench.use_dataset(tok.backend_tokenizer)
     if bench.args.api == "openai":
         from tandem.bench.serving.openai_api import served_model
 
@@ -286,6 +325,8 @@ def run(args: argparse.Namespace) -> int:
     from tandem.bench.serving import plots as serve_plots, report as serve_report, sweep_plots
 
     settings = settings_from_args(args)
+    if args.api_key:  # what both clients send (router.auth.auth_token_from_env)
+        os.environ[AUTH_TOKEN_ENV] = args.api_key
     bench = Bench(args, settings)
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -304,6 +345,8 @@ def run(args: argparse.Namespace) -> int:
     plots = [serve_report.write_distributions(results, out_dir), *serve_plots.write_plots(results, out_dir),
              *sweep_plots.write_sweep_plots(results, out_dir)]
     paths = [json_path, *plots, serve_report.write_html(results, out_dir, plots)]
+    if args.save_result:
+        paths += bench.save_flat(results["runs"])
     serve_plots.print_report(results)
     print("\nwrote " + ", ".join(str(p) for p in paths))
     return 0 if all(r["metrics"]["failed"] == 0 for r in results["runs"]) else 1

@@ -99,7 +99,7 @@ def test_quick_run_end_to_end(tmp_path: Path):
     """Five fresh clusters (7 model loads): disaggregated and colocated at budgets 128 and 512,
     6 requests each at 2 req/s, then one max-SLO-rate probe per mode: about 1.5-2 min quiet."""
     out_dir = tmp_path / "serve"
-    cmd = [sys.executable, "-m", "tandem", "bench", "serve", "--quick", "--out-dir", str(out_dir)]
+    cmd = [sys.executable, "-m", "tandem", "bench", "serve", "--quick", "--out-dir", str(out_dir), "--save-result"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for text in ("Successful requests:", "P99 TPOT (ms):", "disaggregated / best colocated",
@@ -149,6 +149,13 @@ def test_quick_run_end_to_end(tmp_path: Path):
         assert b["prefill_ms"] > 0 and b["decode_ms"] > 0 and b["delivery_ms"] > 0
         assert (b["transfer_tail_ms"] is None) == (run["mode"] == "colocated")
         assert 0 <= run["others_cpu"] <= 1
+    # --save-result: each sweep run under vLLM's flat keys too.
+    for run in runs:
+        label = run["label"].replace("/", "-")
+        flat = json.loads((out_dir / f"tandem-{label}-{run['phase']}-{run['rate']:g}qps.json").read_text())
+        assert flat["mean_ttft_ms"] == pytest.approx(run["metrics"]["ttft_ms"]["mean"])
+        assert flat["p99_tpot_ms"] == pytest.approx(run["metrics"]["tpot_ms"]["p99"])
+        assert flat["request_goodput"] == pytest.approx(run["metrics"]["goodput"]) and flat["completed"] == 6
     for mode in ("disaggregated", "colocated"):
         o = results["router_overhead"][mode]
         assert o["num_pairs"] == 4 and len(o["added_ms_values"]) == 4

@@ -34,9 +34,11 @@ class FakeGeneration(pb_grpc.GenerationServicer):
 
     def __init__(self) -> None:
         self.requests: list[pb.GenerateRequest] = []
+        self.authorizations: list[str | None] = []
 
     async def Generate(self, request, context):  # noqa: N802 (the rpc's name)
         self.requests.append(request)
+        self.authorizations.append(dict(context.invocation_metadata()).get("authorization"))
         for i, (delay, text, ids) in enumerate(SCRIPT):
             await asyncio.sleep(delay)
             last = i == len(SCRIPT) - 1
@@ -61,7 +63,7 @@ class FakeOpenAI:
     chunk, "no-usage" no usage chunk; GET /v1/models lists "fake-model"."""
 
     def __init__(self, mode: str = "ok") -> None:
-        self.mode, self.bodies, self.paths, self.request_ids = mode, [], [], []
+        self.mode, self.bodies, self.paths, self.request_ids, self.authorizations = mode, [], [], [], []
         self.in_flight = self.most_in_flight = 0
 
     def app(self) -> web.Application:
@@ -72,12 +74,14 @@ class FakeOpenAI:
         return app
 
     async def models(self, request: web.Request) -> web.Response:
+        self.authorizations.append(request.headers.get("Authorization"))
         return web.json_response({"object": "list", "data": [{"id": "fake-model", "object": "model"}]})
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(await request.json())
         self.paths.append(request.path)
         self.request_ids.append(request.headers.get("X-Request-Id"))
+        self.authorizations.append(request.headers.get("Authorization"))
         if self.mode == "429":
             return web.json_response({"error": {"message": "every worker's queue is full", "type": "rate_limit",
                                                 "param": None, "code": 429}}, status=429)
@@ -129,9 +133,10 @@ async def grpc_server(servicer: FakeGeneration) -> AsyncIterator[str]:
         await server.stop(None)
 
 
-def _run(api: str, fake: FakeOpenAI | None = None, n: int = 1, **kw) -> list[RequestResult]:
+def _run(api: str, fake: FakeOpenAI | None = None, n: int = 1, servicer: FakeGeneration | None = None,
+         **kw) -> list[RequestResult]:
     async def body() -> list[RequestResult]:
-        server = grpc_server(FakeGeneration()) if api == "grpc" else http_server(fake or FakeOpenAI())
+        server = grpc_server(servicer or FakeGeneration()) if api == "grpc" else http_server(fake or FakeOpenAI())
         async with server as target:
             results, _ = await run_load(target, [REQUEST] * n, [0.0] * n, tag="t", desc="t", timeout=30,
                                         progress=False, api=api, **kw)
@@ -235,3 +240,12 @@ def test_openai_api_needs_a_server():
     bench_serve.settings_from_args(parser.parse_args(["--api", "openai", "--server", "127.0.0.1:8000"]))
     with pytest.raises(SystemExit):
         parser.parse_args(["--api", "rest"])
+
+
+def test_both_drivers_send_the_api_key(monkeypatch: pytest.MonkeyPatch):
+    """`tandem bench serve --api-key` (or $TANDEM_AUTH_TOKEN): every call carries it."""
+    monkeypatch.setenv("TANDEM_AUTH_TOKEN", "k3y")
+    fake, servicer = FakeOpenAI(), FakeGeneration()
+    assert all(r.success for r in _run("openai", fake, n=2) + _run("grpc", servicer=servicer, n=2))
+    assert fake.authorizations == ["Bearer k3y"] * 3  # GET /v1/models, then each call
+    assert servicer.authorizations == ["Bearer k3y"] * 2

@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc
+from tandem.router.auth import auth_token_from_env
 
 PERCENTILES = (50, 90, 99)
 APIS = ("grpc", "openai")
@@ -139,12 +140,12 @@ _FINISH = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length", pb.
 
 
 async def send_one(stub: pb_grpc.GenerationStub, request: Request, index: int, request_id: str,
-                   timeout: float | None) -> RequestResult:
+                   timeout: float | None, metadata: tuple[tuple[str, str], ...] | None = None) -> RequestResult:
     result = RequestResult(index, request.kind, len(request.prompt_token_ids), request.output_len)
     start = last = time.perf_counter()
     try:
         async for response in stub.Generate(greedy_request(request_id, request.prompt_token_ids, request.output_len),
-                                            timeout=timeout):
+                                            timeout=timeout, metadata=metadata):
             now = time.perf_counter()
             if response.token_ids or response.text:
                 if result.ttft_ms is None:
@@ -185,9 +186,11 @@ Send = Callable[[Request, int, str], Awaitable[RequestResult]]
 @asynccontextmanager
 async def grpc_client(target: str, timeout: float | None) -> AsyncIterator[Send]:
     """A channel to the router at ``target`` (HOST:PORT) for the run, ``send_one`` per call."""
+    token = auth_token_from_env()  # the router's API key, when it wants one
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
     async with grpc.aio.insecure_channel(target) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        yield lambda request, index, request_id: send_one(stub, request, index, request_id, timeout)
+        yield lambda request, index, request_id: send_one(stub, request, index, request_id, timeout, metadata)
 
 
 def open_client(api: str, target: str, *, timeout: float | None, connections: int,

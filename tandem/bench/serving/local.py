@@ -123,7 +123,9 @@ async def fresh_run(bench: Bench, setup: Setup, rate: float, phase: str, progres
         started_s = time.perf_counter() - t0
         logger.info("%s serving on %s after %.1f s", setup.label, target, started_s)
         spec = backend.tokenizer_spec
-        bench.build_workload(token_pool(Tokenizer.from_str(spec.tokenizer_json), spec.vocab_size, spec.eos_token))
+        tokenizer = Tokenizer.from_str(spec.tokenizer_json)
+        bench.build_workload(token_pool(tokenizer, spec.vocab_size, spec.eos_token))
+        bench.use_dataset(tokenizer)
         await bench.warm_up(target, setup.label, setup.config.num_workers)
         if setup.mode not in bench.overhead:
             bench.overhead[setup.mode] = await router_overhead(target, backend, bench.overhead_prompts(),

@@ -22,6 +22,7 @@ import grpc
 
 from tandem.bench.serving.load import Request, RequestResult, Send, conclude, greedy_request
 from tandem.proto import generation_pb2 as pb
+from tandem.router.auth import auth_token_from_env
 
 HTTP_TO_GRPC = {
     400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
@@ -176,7 +177,8 @@ async def send_one_http(session: aiohttp.ClientSession, url: str, model: str, re
 
 async def served_model(target: str) -> str:
     """The id of the first model ``GET /v1/models`` lists at ``target`` (what bodies name)."""
-    async with aiohttp.ClientSession() as session:
+    token = auth_token_from_env()
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"} if token else None) as session:
         return await _served_model(session, base_url(target))
 
 
@@ -198,7 +200,10 @@ async def openai_client(target: str, *, timeout: float | None, connections: int,
     by default the first the server lists."""
     url = base_url(target)
     connector = aiohttp.TCPConnector(limit=max(1, connections))
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout)) as session:
+    token = auth_token_from_env()  # the router's API key, when it wants one
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout),
+                                     headers=headers) as session:
         name = model or await _served_model(session, url)
         yield lambda request, index, request_id: send_one_http(session, url, name, request, index, request_id,
                                                                timeout)
