@@ -29,9 +29,9 @@ from tandem.router.tokenizer import RouterTokenizer
 
 logger = logging.getLogger(__name__)
 
-OPEN_PATHS = ("/health", METRICS_PATH)
-"""What needs no API key: load balancers and Kubernetes probes carry none, and /metrics has
-its own token (as on the metrics port)."""
+OPEN_PATHS = ("/health",)
+"""What needs no API key (load balancers and Kubernetes probes carry none); so does /metrics
+when a metrics token guards it instead."""
 STOP_GRACE_S = 5.0
 """How long stop() lets running requests finish before cancelling them."""
 
@@ -72,7 +72,8 @@ async def start_openai_endpoint(backend: Backend, tokenizer: RouterTokenizer, me
     if auth_token is not None and not auth_token:
         raise ValueError("the auth token must not be empty")
     generation = Generation(backend, tokenizer, metrics, limits, model_names)
-    app = _application(generation, backend, ApiKeys.of(auth_token), limits.max_body_bytes)
+    open_paths = OPEN_PATHS + ((METRICS_PATH,) if metrics_token else ())
+    app = _application(generation, backend, ApiKeys.of(auth_token), limits.max_body_bytes, open_paths)
     add_utility_routes(app, tokenizer, limits, generation.model_names, metrics.registry, metrics_token)
     # handler_cancellation: a client that disconnects cancels its handler at once, wherever
     # it waits (the admission queue, the workers), and the cancel aborts its request.
@@ -89,9 +90,9 @@ async def start_openai_endpoint(backend: Backend, tokenizer: RouterTokenizer, me
     return OpenAIEndpoint(runner, bound)
 
 
-def _application(generation: Generation, backend: Backend, keys: ApiKeys | None,
-                 client_max_size: int) -> web.Application:
-    middlewares = [_errors] + ([_auth(keys)] if keys else [])
+def _application(generation: Generation, backend: Backend, keys: ApiKeys | None, client_max_size: int,
+                 open_paths: tuple[str, ...]) -> web.Application:
+    middlewares = [_errors] + ([_auth(keys, open_paths)] if keys else [])
     app = web.Application(middlewares=middlewares, client_max_size=client_max_size)
     created = int(time.time())
     names = generation.model_names
@@ -147,10 +148,10 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
                                         headers=headers))
 
 
-def _auth(keys: ApiKeys) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def _auth(keys: ApiKeys, open_paths: tuple[str, ...]) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in OPEN_PATHS:
+        if request.path in open_paths:
             return await handler(request)
         given = request.headers.get("Authorization", "")
         tenant = keys.tenant_of(given)

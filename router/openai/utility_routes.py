@@ -1,6 +1,6 @@
 """vLLM's routes beside the OpenAI ones: /tokenize, /detokenize (vLLM's request and response
 shapes), /version, and /metrics on the API port (the router's and every worker's, as on the
-metrics port: at most MAX_SCRAPES at once, the metrics token when one is set)."""
+metrics port: at most MAX_SCRAPES at once; the metrics token when one is set, else the API key)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from tandem.router.tokenizer import ChatTemplateError, RouterTokenizer
 from tandem.router.validation import ValidRequest, validate_request
 
 METRICS_PATH = "/metrics"
-"""Open to API keys (as vLLM's): guarded by the metrics token instead, when one is set."""
+"""Guarded by the metrics token when one is set (then no API key is asked), else by the API key."""
 
 
 def add_utility_routes(app: web.Application, tokenizer: RouterTokenizer, limits: RequestLimits,

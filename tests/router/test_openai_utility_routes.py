@@ -77,11 +77,29 @@ def test_version_and_metrics_on_the_api_port(router_tokenizer):
             await endpoint.stop()
 
     statuses = asyncio.run(body())
+    without_token = asyncio.run(metrics_status(router_tokenizer, backend))
     assert statuses["version"][0] == 200
     assert statuses["version"][1] == '{"version": "%s"}' % importlib.metadata.version("tandem")
     assert statuses["version without key"][0] == 401
     assert statuses["metrics"][0] == 200 and "tandem_request_success_total" in statuses["metrics"][1]
     assert statuses["metrics without token"][0] == 401
+    # No metrics token: the API key guards /metrics like the other routes.
+    assert without_token == {"no key": 401, "key": 200}
+
+
+async def metrics_status(router_tokenizer, backend) -> dict[str, int]:
+    metrics = RouterMetrics(MODEL, router_tokenizer.max_model_len)
+    endpoint = await start_openai_endpoint(backend, router_tokenizer, metrics, RequestLimits(), "127.0.0.1", 0,
+                                           ApiKeys({"key": "acme"}), grace_s=0.5)
+    try:
+        async with aiohttp.ClientSession() as session:
+            found = {}
+            for name, headers in (("no key", {}), ("key", {"Authorization": "Bearer key"})):
+                async with session.get(f"http://127.0.0.1:{endpoint.port}/metrics", headers=headers) as r:
+                    found[name] = r.status
+            return found
+    finally:
+        await endpoint.stop()
 
 
 def test_x_request_id_names_the_response(router_tokenizer):
