@@ -65,25 +65,29 @@ class RouterTokenizer:
             ids.insert(0, self.bos_token_id)
         return ids
 
-    def render_chat(self, messages: Sequence[Mapping[str, str]]) -> str:
-        """The conversation as the chat template writes it, ending with the assistant's header."""
+    def render_chat(self, messages: Sequence[Mapping[str, str]],
+                    template_kwargs: Mapping[str, Any] | None = None) -> str:
+        """The conversation as the chat template writes it, ending with the assistant's header;
+        template_kwargs: more variables for the template (vLLM's chat_template_kwargs), which
+        never replace the ones set here."""
         if self._template is None:
             raise ChatTemplateError(f"model {self.spec.model_name} has no chat template: send prompt or token_ids")
         plain = [{str(k): str(v) for k, v in m.items()} for m in messages]
         try:
-            return self._template.render(
-                messages=plain, add_generation_prompt=True, tools=None, documents=None,
-                bos_token=self.spec.bos_token, eos_token=self.spec.eos_token,
-            )
+            return self._template.render(**{
+                **(template_kwargs or {}), "messages": plain, "add_generation_prompt": True, "tools": None,
+                "documents": None, "bos_token": self.spec.bos_token, "eos_token": self.spec.eos_token,
+            })
         except jinja2.TemplateError as e:
             # Templates call raise_exception for conversations they do not accept
             # (e.g. roles that do not alternate): the caller's input, not a server fault.
             raise ChatTemplateError(f"the chat template refused the conversation: {e}") from e
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]],
+                            template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Conversation -> prompt ids, as transformers' ``apply_chat_template(messages,
         add_generation_prompt=True, tokenize=True)`` (the template writes any BOS itself)."""
-        return self._tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids
+        return self._tokenizer.encode(self.render_chat(messages, template_kwargs), add_special_tokens=False).ids
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)

@@ -56,20 +56,22 @@ def check_request_id(request_id: str, field: str = "request_id") -> str:
 
 
 def validate_request(request: pb.GenerateRequest, tokenizer: RouterTokenizer,
-                     limits: RequestLimits = RequestLimits()) -> ValidRequest:
+                     limits: RequestLimits = RequestLimits(),
+                     template_kwargs: Mapping[str, object] | None = None) -> ValidRequest:
     """-> (request_id, prompt_token_ids, params); a ValueError naming the field otherwise.
 
     An empty request_id gets a random one (uuid4). Unset sampling fields take the model's
     defaults (TokenizerSpec.sampling_defaults, from its generation_config.json), else
     SamplingParams', except that an unset max_tokens is clamped to the room the prompt leaves
-    in the context; a max_tokens that was set and does not fit is refused.
+    in the context; a max_tokens that was set and does not fit is refused. template_kwargs:
+    more variables for the chat template (the OpenAI API's chat_template_kwargs).
     """
     request_id = check_request_id(request.request_id) if request.request_id else uuid.uuid4().hex
     params = sampling_params_from(request.sampling, tokenizer.vocab_size, limits,
                                   dict(tokenizer.spec.sampling_defaults))
     max_model_len = tokenizer.max_model_len
     prompt_limit = limits.prompt_token_limit(max_model_len)
-    field, prompt_token_ids = _prompt_token_ids(request, tokenizer, limits, prompt_limit)
+    field, prompt_token_ids = _prompt_token_ids(request, tokenizer, limits, prompt_limit, template_kwargs)
     num_prompt = len(prompt_token_ids)
     if num_prompt > prompt_limit:
         # One position must stay free for the first output token (the engine refuses
@@ -155,7 +157,7 @@ def shown(text: str, most: int = 40) -> str:
 
 
 def _prompt_token_ids(request: pb.GenerateRequest, tokenizer: RouterTokenizer, limits: RequestLimits,
-                      prompt_limit: int) -> tuple[str, list[int]]:
+                      prompt_limit: int, template_kwargs: Mapping[str, object] | None) -> tuple[str, list[int]]:
     """-> (the input field's name, prompt ids); sizes are checked before tokenizing."""
     kind = request.WhichOneof("input")
     if kind is None:
@@ -196,7 +198,8 @@ def _prompt_token_ids(request: pb.GenerateRequest, tokenizer: RouterTokenizer, l
     if not tokenizer.has_chat_template:
         raise invalid("messages", f"model {tokenizer.spec.model_name} has no chat template: send prompt or token_ids")
     try:
-        ids = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages])
+        ids = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
+                                            template_kwargs)
     except ChatTemplateError as e:
         raise invalid("messages", str(e)) from e
     return kind, ids

@@ -144,8 +144,11 @@ class Generation:
             except ConnectionResetError as e:  # aiohttp's word for a client gone away
                 raise ClientGone() from e
 
+        num_output_tokens: dict[int, int] = {}  # by completion index, for continuous usage
+
         async def send(delta: StreamDelta) -> None:
             nonlocal aborted
+            num_output_tokens[delta.index] = delta.num_output_tokens
             if not response.prepared and parsed.kind == CHAT:
                 await write(*(sse(responses.role_chunk(index)) for index in range(valid.params.n)))
             if not response.prepared and echo:
@@ -156,7 +159,12 @@ class Generation:
                 aborted = True
                 await write(sse(_aborted(valid.request_id).body()))
                 return
-            await write(*(sse(chunk) for chunk in _chunks(responses, delta)))
+            chunks = _chunks(responses, delta)
+            if parsed.continuous_usage:
+                so_far = usage(delta.num_prompt_tokens, sum(num_output_tokens.values()))
+                for chunk in chunks:
+                    chunk["usage"] = so_far
+            await write(*(sse(chunk) for chunk in chunks))
 
         # A client gone away surfaces as CancelledError (aiohttp cancels the handler) or
         # ClientGone (a write failed): the relay counts both as cancelled.

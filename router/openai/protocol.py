@@ -32,6 +32,7 @@ from tandem.router.validation import ValidRequest, shown, validate_request
 logger = logging.getLogger(__name__)
 
 COMPLETION = "completion"
+MAX_TEMPLATE_KWARGS = 32
 CHAT = "chat"
 
 
@@ -50,6 +51,10 @@ class ParsedRequest:
     """The parameter that set sampling.max_tokens (max_tokens or max_completion_tokens); None: unset."""
     echo: bool = False
     """Completions: each choice's text starts with the prompt's."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Chat: more variables for the chat template (vLLM's field, e.g. {"enable_thinking": false})."""
+    continuous_usage: bool = False
+    """stream_options.continuous_usage_stats (with include_usage): every chunk carries the usage so far."""
 
     @property
     def input_param(self) -> str:
@@ -82,7 +87,7 @@ _COMMON = {"model", "stream", "stream_options", "max_tokens", "stop", "stop_toke
 # Identifiers for the caller's own bookkeeping: accepted, and without effect on the output.
 _IGNORED = {"user", "safety_identifier", "prompt_cache_key"}
 _ALLOWED = {COMPLETION: _COMMON | _IGNORED | {"prompt", "echo"},
-            CHAT: _COMMON | _IGNORED | {"messages", "max_completion_tokens", "top_logprobs"}}
+            CHAT: _COMMON | _IGNORED | {"messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs"}}
 
 
 # Known parameters that tandem does not implement: accepted only with a value that changes
@@ -113,8 +118,7 @@ _NEUTRAL = {
            "metadata": lambda v, b: isinstance(v, dict),  # only kept with store, which is off
            "service_tier": lambda v, b: v in ("auto", "default"),
            "add_generation_prompt": lambda v, b: v is True,
-           "continue_final_message": lambda v, b: v is False,
-           "chat_template_kwargs": lambda v, b: v == {}},
+           "continue_final_message": lambda v, b: v is False},
 }
 
 
@@ -156,7 +160,7 @@ def _parse(kind: str, body: object, model_names: tuple[str, ...], request_id: st
     sampling.stop_token_ids.extend(_token_ids("stop_token_ids", given.get("stop_token_ids", [])))
     sampling.logit_bias.update(_logit_bias(given.get("logit_bias", {})))
     stream = boolean("stream", given.get("stream", False))
-    include_usage = _stream_options(given.get("stream_options"), stream)
+    include_usage, continuous_usage = _stream_options(given.get("stream_options"), stream)
     logprobs = _logprobs(kind, given)
     if logprobs:
         sampling.logprobs = True
@@ -167,7 +171,9 @@ def _parse(kind: str, body: object, model_names: tuple[str, ...], request_id: st
         _set_prompt(request, given.get("prompt"))
     else:
         request.messages.messages.extend(chat_messages(given.get("messages")))
-    return ParsedRequest(kind, request, stream, include_usage, logprobs, max_tokens_param, echo)
+    template_kwargs = _template_kwargs(given.get("chat_template_kwargs")) if kind == CHAT else None
+    return ParsedRequest(kind, request, stream, include_usage, logprobs, max_tokens_param, echo, template_kwargs,
+                         continuous_usage)
 
 
 def _check_parameter_names(kind: str, body: dict[str, Any]) -> None:
@@ -201,6 +207,17 @@ def _token_ids(name: str, value: object) -> list[int]:
     return value
 
 
+def _template_kwargs(value: object) -> dict[str, Any] | None:
+    """chat_template_kwargs: an object of at most MAX_TEMPLATE_KWARGS variables named as Jinja names."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise invalid("chat_template_kwargs", f"must be an object, got {json_kind(value)}")
+    if len(value) > MAX_TEMPLATE_KWARGS or not all(isinstance(k, str) and k.isidentifier() for k in value):
+        raise invalid("chat_template_kwargs", f"must name at most {MAX_TEMPLATE_KWARGS} variables, each an identifier")
+    return value
+
+
 def _logit_bias(value: object) -> dict[int, float]:
     """OpenAI's logit_bias: {"token id": bias} (JSON keys are strings)."""
     if not isinstance(value, dict):
@@ -213,10 +230,11 @@ def _logit_bias(value: object) -> dict[int, float]:
     return bias
 
 
-def _stream_options(value: object, stream: bool) -> bool:
-    """-> include_usage."""
+def _stream_options(value: object, stream: bool) -> tuple[bool, bool]:
+    """-> (include_usage, continuous usage: every chunk with the usage so far, as vLLM's
+    continuous_usage_stats with include_usage)."""
     if value is None:
-        return False
+        return False, False
     if not stream:
         raise invalid("stream_options", "is only allowed when stream is true")
     if not isinstance(value, dict):
@@ -224,10 +242,10 @@ def _stream_options(value: object, stream: bool) -> bool:
     for key in value:
         if key not in ("include_usage", "include_obfuscation", "continuous_usage_stats"):
             raise invalid("stream_options", f"unknown option {shown(str(key))}")
-    if value.get("continuous_usage_stats") not in (None, False):  # (no obfuscation here: nothing to turn off)
-        raise invalid("stream_options", "continuous_usage_stats is not supported")
-    include_usage = value.get("include_usage")
-    return False if include_usage is None else boolean("stream_options.include_usage", include_usage)
+    # (No obfuscation here: nothing to turn off.)
+    include_usage, continuous = (False if value.get(key) is None else boolean(f"stream_options.{key}", value[key])
+                                 for key in ("include_usage", "continuous_usage_stats"))
+    return include_usage, include_usage and continuous
 
 
 def _logprobs(kind: str, given: dict[str, Any]) -> bool:
@@ -272,7 +290,7 @@ def validated(parsed: ParsedRequest, tokenizer: RouterTokenizer, limits: Request
     a default (its generation_config.json's max_new_tokens, within that room).
     """
     try:
-        valid = validate_request(parsed.request, tokenizer, limits)
+        valid = validate_request(parsed.request, tokenizer, limits, parsed.chat_template_kwargs)
     except ValueError as e:
         raise _from_validation(str(e), parsed) from e
     model_default = dict(tokenizer.spec.sampling_defaults).get("max_tokens")

@@ -85,9 +85,10 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
 def _chat_tokens(body: dict[str, Any], tokenizer: RouterTokenizer, limits: RequestLimits,
                  model_names: tuple[str, ...]) -> list[int]:
     """The prompt ids a chat request with these messages would have (the chat route's own checks)."""
-    parsed = parse_request(CHAT, {"model": body.get("model"), "messages": body.get("messages")}, model_names, "t")
+    parsed = parse_request(CHAT, {key: body.get(key) for key in ("model", "messages", "chat_template_kwargs")},
+                           model_names, "t")
     try:
-        valid: ValidRequest = validate_request(parsed.request, tokenizer, limits)
+        valid: ValidRequest = validate_request(parsed.request, tokenizer, limits, parsed.chat_template_kwargs)
     except (ValueError, ChatTemplateError) as e:
         raise invalid("messages", str(e).partition(": ")[2] or str(e)) from e
     return valid.prompt_token_ids
