@@ -5,10 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from tandem.structured_outputs import StructuredOutputsParams
 
 MAX_CACHE_SALT_CHARS = 256
 MAX_LOGIT_BIAS = 100.0
 """OpenAI's bound on a logit_bias value (either sign)."""
+MAX_LOGPROBS = 20
+"""The most top log-probabilities per token (OpenAI's bound, vLLM's default max_logprobs)."""
 
 
 @dataclass(frozen=True)
@@ -37,8 +40,10 @@ class SamplingParams:
     """Token ids that end generation (besides EOS); the token is kept in token_ids."""
     ignore_eos: bool = False
     """Keep generating past the EOS token."""
-    logprobs: bool = False
-    """Return the log-probability of each chosen token under the model's distribution."""
+    logprobs: int | None = None
+    """Log-probabilities under the model's distribution (vLLM's count): None returns none, 0 each
+    chosen token's, N in [1, MAX_LOGPROBS] also the N most likely tokens at each position.
+    (True is taken as 0 and False as None, what the flag this was meant.)"""
     n: int = 1
     """Completions to return. Sampled completions share the prompt's KV blocks (copy-on-write);
     completion i draws from the generator seeded ``seed + i``, so it equals a request with that
@@ -70,6 +75,8 @@ class SamplingParams:
     """Special tokens (other than an ending EOS, never shown) are left out of the text."""
     include_stop_str_in_output: bool = False
     """The text ends after the stop string (or ending EOS) found, rather than before it."""
+    structured_outputs: StructuredOutputsParams | None = None
+    """What the output must match (a grammar's token mask applied where each token is sampled)."""
 
     def __post_init__(self) -> None:
         # Lists are accepted for convenience and frozen into tuples.
@@ -79,6 +86,8 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         object.__setattr__(self, "logit_bias", tuple(sorted((t, b) for t, b in bias)))
+        if isinstance(self.logprobs, bool):
+            object.__setattr__(self, "logprobs", 0 if self.logprobs else None)
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1,
                "max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         _check(_is_real(self.temperature) and self.temperature >= 0,
@@ -115,6 +124,10 @@ class SamplingParams:
         _check(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)
                and 0 <= self.min_tokens <= self.max_tokens,
                "min_tokens", f"must be an integer in [0, max_tokens ({self.max_tokens})], got {self.min_tokens!r}")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+               "logprobs", f"must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", "must be a StructuredOutputsParams")
         if self.use_beam_search:
             _check(self.n <= self.beam_width, "n", f"must be <= beam_width ({self.beam_width}) with beam search, "
                    f"got {self.n}")
@@ -123,6 +136,8 @@ class SamplingParams:
             _check(not self.stop, "stop", "is not supported with beam search (use stop_token_ids)")
             _check(not self.processes_logits, "repetition_penalty",
                    "and the other penalties, logit_bias and min_tokens are not supported with beam search")
+            _check(not self.top_logprobs, "logprobs", "above 0 is not supported with beam search")
+            _check(self.structured_outputs is None, "structured_outputs", "is not supported with beam search")
 
     @property
     def num_completions(self) -> int:
@@ -136,6 +151,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def top_logprobs(self) -> int:
+        """How many most likely tokens to report at each position (0: none)."""
+        return self.logprobs or 0
 
     @property
     def processes_logits(self) -> bool:

@@ -7,6 +7,7 @@ import enum
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from tandem.logprobs import TopLogprobs
 from tandem.sampling_params import SamplingParams
 
 T = TypeVar("T")
@@ -51,6 +52,9 @@ class PrefillResult:
     the prompt's top candidates, best first."""
     logprobs: list[float]
     """The log-probability of each of token_ids."""
+    top_logprobs: list[TopLogprobs] | None
+    """With SamplingParams.logprobs = N >= 1: the N most likely tokens at the first position,
+    one entry per completion (the same prompt, so the same entry n times); else None."""
     generator_states: list[bytes | None]
     """Each completion's seeded generator after its first draw (None when unseeded), so that
     the decode worker continues the same random streams; empty with beam search."""
@@ -70,6 +74,10 @@ class StreamDelta:
     num_prompt_tokens: int
     num_output_tokens: int
     logprobs: list[float] | None = None
+    """The log-probability of each of token_ids (SamplingParams.logprobs set), else None."""
+    top_logprobs: list[TopLogprobs] | None = None
+    """With SamplingParams.logprobs = N >= 1: the N most likely tokens at each of token_ids'
+    positions, else None."""
     error: str | None = None
     """Set (on the last delta) when the request failed on the workers, e.g. its KV never came."""
     index: int = 0
