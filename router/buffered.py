@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
+from typing import TypeVar
 
 from tandem.router.backend import Backend, WorkerFailed
 from tandem.sampling_params import SamplingParams
@@ -14,16 +15,26 @@ from tandem.worker.api import StreamDelta
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 MAX_RERUNS = 2
 """Runs after the first, each on the workers healthy at that moment."""
 
 
 def merged(deltas: list[StreamDelta]) -> StreamDelta:
-    """One delta holding one completion's whole output (its last delta carries the finish)."""
+    """One delta holding one completion's whole output (its last delta carries the finish);
+    logprobs and top_logprobs joined in token order (None when no delta had them)."""
     last = deltas[-1]
-    logprobs = [p for d in deltas for p in d.logprobs or ()] if any(d.logprobs is not None for d in deltas) else None
     return dataclasses.replace(last, token_ids=[t for d in deltas for t in d.token_ids],
-                               text="".join(d.text for d in deltas), logprobs=logprobs)
+                               text="".join(d.text for d in deltas), logprobs=_joined(d.logprobs for d in deltas),
+                               top_logprobs=_joined(d.top_logprobs for d in deltas))
+
+
+def _joined(lists: Iterable[list[T] | None]) -> list[T] | None:
+    lists = list(lists)
+    if all(entries is None for entries in lists):
+        return None
+    return [entry for entries in lists for entry in entries or ()]
 
 
 def merged_by_index(deltas: list[StreamDelta]) -> list[StreamDelta]:

@@ -16,19 +16,20 @@ DEFAULT_SERVER = "127.0.0.1:50051"
 
 def build_request(prompt: str, *, chat: bool = False, request_id: str = "", max_tokens: int | None = None,
                   temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                  seed: int | None = None, stop: list[str] | None = None, logprobs: bool = False,
+                  seed: int | None = None, stop: list[str] | None = None, logprobs: int | None = None,
                   n: int | None = None, use_beam_search: bool | None = None, beam_width: int | None = None,
                   length_penalty: float | None = None) -> pb.GenerateRequest:
     """A GenerateRequest for one prompt: plain text, or (``chat``) one user message rendered
-    with the model's chat template. None leaves a sampling field unset (the server's default)."""
+    with the model's chat template. None leaves a sampling field unset (the server's default).
+    logprobs: 0 returns each chosen token's log-probability, N in [1, 20] also the N most
+    likely tokens at each position (GenerateResponse.top_logprobs)."""
     sampling = pb.SamplingParams(stop=stop or [])
     for name, value in (("max_tokens", max_tokens), ("temperature", temperature), ("top_p", top_p),
-                        ("top_k", top_k), ("seed", seed), ("n", n), ("use_beam_search", use_beam_search),
+                        ("top_k", top_k), ("seed", seed), ("n", n), ("logprobs", logprobs),
+                        ("use_beam_search", use_beam_search),
                         ("beam_width", beam_width), ("length_penalty", length_penalty)):
         if value is not None:
             setattr(sampling, name, value)
-    if logprobs:
-        sampling.logprobs = True
     request = pb.GenerateRequest(request_id=request_id, sampling=sampling)
     if chat:
         request.messages.messages.add(role="user", content=prompt)

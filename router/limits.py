@@ -41,6 +41,13 @@ class RequestLimits:
     max_completions: int = 16
     """Most completions per request: ``sampling.n``, and with beam search ``sampling.beam_width``
     (each completion or beam is a sequence that takes a batch slot and KV blocks of its own)."""
+    max_prompts: int = 128
+    """Most prompts in one OpenAI completions request (a list of prompts): each runs as a
+    request of its own, holding one of the max_concurrent_requests places; their characters
+    together stay within max_prompt_chars."""
+    max_structured_output_chars: int = 2**16
+    """Most characters of an output constraint (``sampling.structured_outputs``: a JSON Schema's
+    text, a regular expression, or all choices together): what a worker compiles into a grammar."""
     max_concurrent_requests: int = 4096
     """Most Generate calls in progress at once, waiting ones included; past it a new call gets
     RESOURCE_EXHAUSTED at once (what bounds the router's and the workers' queues under overload)."""
@@ -101,6 +108,10 @@ _FLAGS = (
     ("--max-logit-bias-tokens", "max_logit_bias_tokens", "most logit_bias entries per request (default 300)"),
     ("--max-completions", "max_completions",
      "most completions per request: sampling.n, and beam_width with beam search (default 16)"),
+    ("--max-prompts", "max_prompts",
+     "most prompts in one OpenAI completions request, each a request of its own (default 128)"),
+    ("--max-structured-output-chars", "max_structured_output_chars",
+     "most characters of an output constraint (JSON Schema, regex, choices) per request (default 65536)"),
     ("--max-concurrent-requests", "max_concurrent_requests",
      "most Generate calls in progress at once; past it RESOURCE_EXHAUSTED (default 4096)"),
     ("--max-body-bytes-in-flight", "max_body_bytes_in_flight",

@@ -130,6 +130,8 @@ def _response(request_id: str, delta: StreamDelta) -> pb.GenerateResponse:
                                    index=delta.index)
     if delta.logprobs is not None:
         response.logprobs.extend(delta.logprobs)
+    for top in delta.top_logprobs or ():  # sampling.logprobs >= 1: one entry per token
+        response.top_logprobs.add(token_ids=top.token_ids, logprobs=top.logprobs)
     if delta.finish_reason is not None:
         response.finish_reason = _FINISH_REASONS[delta.finish_reason]
     if delta.request_finished:

@@ -12,6 +12,7 @@ never echoes more than a few characters of what the client sent.
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import uuid
 from collections.abc import Mapping
@@ -20,14 +21,16 @@ from typing import NamedTuple
 from tandem.proto import generation_pb2 as pb
 from tandem.router.limits import RequestLimits
 from tandem.router.tokenizer import ChatTemplateError, RouterTokenizer
-from tandem.sampling_params import SamplingParams
+from tandem.sampling_params import MAX_LOGPROBS, SamplingParams
+from tandem.structured_outputs import MAX_CHOICES, StructuredOutputsParams
 
 MAX_REQUEST_ID_LENGTH = 128
 # Ids travel into logs, metrics labels and worker messages: keep them to plain characters.
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]+")
 CHAT_ROLES = ("system", "user", "assistant", "tool")
-# "SamplingParams.top_p must be in (0, 1], got 2.0" -> field "top_p".
+# "SamplingParams.top_p must be in (0, 1], got 2.0" -> field "top_p" (StructuredOutputsParams' alike).
 _SAMPLING_ERROR_RE = re.compile(r"^SamplingParams\.(\w+) (.*)$", re.DOTALL)
+_CONSTRAINT_ERROR_RE = re.compile(r"^StructuredOutputsParams\.\w+ (.*)$", re.DOTALL)
 # The proto's optional scalars, by SamplingParams field name.
 _OPTIONAL_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "ignore_eos", "logprobs",
                              "n", "use_beam_search", "beam_width", "length_penalty", "cache_salt",
@@ -112,6 +115,9 @@ def sampling_params_from(sampling: pb.SamplingParams, vocab_size: int, limits: R
         raise invalid("sampling.stop_token_ids", f"{len(sampling.stop_token_ids)} ids, more than the limit "
                                                  f"max_stop_token_ids={limits.max_stop_token_ids}")
     _check_completions(sampling, limits)
+    if sampling.HasField("logprobs") and not 0 <= sampling.logprobs <= MAX_LOGPROBS:
+        raise invalid("sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}] (0: each chosen token's log-probability, "
+                                           f"N: also the N most likely tokens), got {sampling.logprobs}")
     kwargs: dict[str, object] = {
         name: getattr(sampling, name) if sampling.HasField(name) else defaults[name]
         for name in _OPTIONAL_SAMPLING_FIELDS if sampling.HasField(name) or name in (defaults or {})
@@ -122,6 +128,8 @@ def sampling_params_from(sampling: pb.SamplingParams, vocab_size: int, limits: R
         raise invalid("sampling.logit_bias", f"{len(sampling.logit_bias)} tokens, more than the limit "
                                              f"max_logit_bias_tokens={limits.max_logit_bias_tokens}")
     kwargs["logit_bias"] = dict(sampling.logit_bias)
+    if sampling.HasField("structured_outputs"):
+        kwargs["structured_outputs"] = structured_outputs_from(sampling.structured_outputs, limits)
     try:
         params = SamplingParams(**kwargs)
     except ValueError as e:
@@ -137,6 +145,52 @@ def sampling_params_from(sampling: pb.SamplingParams, vocab_size: int, limits: R
         if token_id >= vocab_size:
             raise invalid("sampling.logit_bias", f"token {token_id} is outside the vocabulary [0, {vocab_size})")
     return params
+
+
+def structured_outputs_from(constraint: pb.StructuredOutputs,
+                            limits: RequestLimits = RequestLimits()) -> StructuredOutputsParams:
+    """``sampling.structured_outputs`` -> StructuredOutputsParams; errors name the constraint's
+    field (``sampling.structured_outputs.json_schema: is not valid JSON ...``). The size is
+    checked before the text is parsed; the grammar itself is compiled on the workers."""
+    kind = constraint.WhichOneof("constraint")
+    field = "sampling.structured_outputs"
+    if kind is None:
+        raise invalid(field, "one of json_schema, json_object, regex or choice must be set")
+    field = f"{field}.{kind}"
+    if kind == "json_object":
+        if not constraint.json_object:
+            raise invalid(field, "must be true when set (the output is any JSON object)")
+        return StructuredOutputsParams(json_object=True)
+    if kind == "choice":
+        choices = list(constraint.choice.choices)
+        if not 0 < len(choices) <= MAX_CHOICES:
+            raise invalid(field, f"must hold 1 to {MAX_CHOICES} strings, got {len(choices)}")
+        for i, choice in enumerate(choices):
+            if not choice:
+                raise invalid(f"{field}[{i}]", "must not be empty")
+        text, size = "", sum(len(c) for c in choices)
+    else:
+        choices, text = [], getattr(constraint, kind)
+        if not text:
+            raise invalid(field, "must not be empty")
+        size = len(text)
+    if size > limits.max_structured_output_chars:
+        raise invalid(field, f"{size} characters, more than the limit "
+                             f"max_structured_output_chars={limits.max_structured_output_chars}")
+    if kind == "json_schema":
+        try:
+            schema = json.loads(text)
+        except (ValueError, RecursionError) as e:
+            raise invalid(field, f"is not valid JSON ({type(e).__name__}: {str(e)[:80]})") from None
+        if not isinstance(schema, (dict, bool)):
+            raise invalid(field, "must be a JSON Schema: an object (or true or false)")
+    try:
+        return StructuredOutputsParams(json=text if kind == "json_schema" else None,
+                                       regex=text if kind == "regex" else None,
+                                       choice=tuple(choices) if kind == "choice" else ())
+    except ValueError as e:  # what the checks above missed, still naming the field
+        match = _CONSTRAINT_ERROR_RE.match(str(e))
+        raise invalid(field, match.group(1) if match else str(e)) from None
 
 
 def _check_completions(sampling: pb.SamplingParams, limits: RequestLimits) -> None:

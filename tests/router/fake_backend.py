@@ -7,6 +7,10 @@ records every stream that was closed before it finished and every abort. With
 SamplingParams.n > 1 it interleaves n completions a token each in turn, as an engine's
 steps do: completion i is the reply less its last i tokens (see `completion_ids`), so
 they finish at different steps.
+
+Log-probabilities are known values: each chosen token's is CHOSEN_LOGPROB; with
+SamplingParams.logprobs = N >= 1 each position's top N are `top_logprobs_at` (the chosen token
+first, unless `chosen_in_top` is off: then N other tokens, each likelier than it).
 """
 
 from __future__ import annotations
@@ -18,11 +22,26 @@ from dataclasses import dataclass, field
 from tandem.router.backend import WorkerFailed
 from tandem.router.metrics import RouterMetrics
 from tandem.router.tokenizer import RouterTokenizer
+from tandem.logprobs import TopLogprobs
 from tandem.router.worker_metrics import WorkerMetricsReport
 from tandem.sampling_params import SamplingParams
 from tandem.worker.api import StreamDelta, TokenizerSpec, WorkerLoad
 
 REPLY = "The capital of France is Paris. It is known for the Eiffel Tower."
+CHOSEN_LOGPROB = -0.5
+ALTERNATIVES = tuple(range(100, 130))
+"""The tokens the fake ranks beside each chosen one (ids of ordinary tokens, each its own text)."""
+
+
+def top_logprobs_at(token_id: int, num_top: int, chosen_in_top: bool = True) -> TopLogprobs:
+    """The fake's top `num_top` at a position where `token_id` was chosen: the chosen token
+    first at CHOSEN_LOGPROB, then ALTERNATIVES at -1.0, -1.5, ... (chosen_in_top off: only
+    ALTERNATIVES, at -0.1, -0.2, ..., all likelier than the chosen token)."""
+    others = [t for t in ALTERNATIVES if t != token_id]
+    if not chosen_in_top:
+        return TopLogprobs(others[:num_top], [-0.1 * (i + 1) for i in range(num_top)])
+    ids = [token_id, *others[: num_top - 1]]
+    return TopLogprobs(ids, [CHOSEN_LOGPROB - 0.5 * i for i in range(num_top)])
 
 
 def client_id(request_id: str) -> str:
@@ -64,6 +83,8 @@ class FakeBackend:
     num_admitting: int = 0
     worker_reports: list[WorkerMetricsReport] = field(default_factory=list)
     """What worker_metrics() answers."""
+    chosen_in_top: bool = True
+    """Whether each chosen token is among its position's top log-probabilities (see top_logprobs_at)."""
 
     @property
     def tokenizer_spec(self) -> TokenizerSpec:
@@ -134,7 +155,10 @@ class FakeBackend:
                 delta = StreamDelta(
                     request_id=request_id, token_ids=[output[k]], text=text[len(texts_so_far[i]):],
                     finish_reason=reason if last else None, num_prompt_tokens=len(prompt_token_ids),
-                    num_output_tokens=j + 1, logprobs=[-0.5] if params.logprobs else None,
+                    num_output_tokens=j + 1,
+                    logprobs=[CHOSEN_LOGPROB] if params.logprobs is not None else None,
+                    top_logprobs=([top_logprobs_at(output[k], params.top_logprobs, self.chosen_in_top)]
+                                  if params.top_logprobs else None),
                     index=i, num_unfinished=len(unfinished),
                 )
                 texts_so_far[i] = text
