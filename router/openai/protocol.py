@@ -1,33 +1,35 @@
 """OpenAI request bodies -> ``tandem.v1.GenerateRequest``, checked by the gRPC API's own validation.
 
-``parse_request`` reads a JSON body of ``/v1/completions`` or ``/v1/chat/completions`` into a
-protobuf request plus the options that only shape the response (stream, usage, logprobs);
-``validated`` then runs ``router.validation.validate_request`` on it, so both APIs accept and
-refuse exactly the same requests. Every refusal is an ``APIError`` in OpenAI's shape whose
-``param`` names the OpenAI parameter (``sampling.temperature`` -> ``temperature``).
+``parse_request`` reads a JSON body of ``/v1/completions`` or ``/v1/chat/completions`` into
+protobuf requests (one per prompt: completions take a list of prompts, ``prompts.py``) plus
+the options that only shape the response (stream, usage, logprobs); ``validated.py`` then
+runs ``router.validation.validate_request`` on each, so both APIs accept and refuse exactly
+the same requests. Every refusal is an ``APIError`` in OpenAI's shape whose ``param`` names
+the OpenAI parameter. Output constraints are read by ``constraints.py``, log-probability
+counts by ``logprobs.py``.
 
 Parameters OpenAI or vLLM know but tandem does not implement are refused unless they hold
-their neutral value (``tools: []``, ``response_format: {"type": "text"}``, ...): a client that
-asks for JSON output must not silently get text. Parameters nobody here knows are ignored
+their neutral value (``tools: []``, ``guided_grammar`` unset, ...): a client that asks for
+something must not silently get something else. Parameters nobody here knows are ignored
 with a debug log, as vLLM ignores them. ``null`` means "not given", as in OpenAI.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tandem.proto import generation_pb2 as pb
-from tandem.router.limits import RequestLimits
 from tandem.router.openai.errors import APIError, invalid
 from tandem.router.openai.chat_messages import chat_messages
+from tandem.router.openai.constraints import BODY_FIELDS as CONSTRAINT_FIELDS
+from tandem.router.openai.constraints import output_constraint
 from tandem.router.openai.fields import boolean, int64, integer, json_kind, number, string
-from tandem.router.tokenizer import RouterTokenizer
-from tandem.router.validation import ValidRequest, shown, validate_request
+from tandem.router.openai.logprobs import requested_logprobs
+from tandem.router.openai.prompts import Prompt, completion_prompts
+from tandem.router.validation import shown
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +44,14 @@ class ParsedRequest:
 
     kind: str
     """COMPLETION or CHAT."""
-    request: pb.GenerateRequest
+    requests: tuple[pb.GenerateRequest, ...]
+    """One per prompt (chat: one), in the order given; with several, request i's id is the
+    request's with "-i" after it."""
     stream: bool
     include_usage: bool
     """stream_options.include_usage: a last chunk with the usage."""
-    logprobs: bool
+    logprobs: int | None
+    """sampling.logprobs: None none, 0 the chosen tokens', N also the N most likely at each position."""
     max_tokens_param: str | None
     """The parameter that set sampling.max_tokens (max_tokens or max_completion_tokens); None: unset."""
     echo: bool = False
@@ -55,6 +60,13 @@ class ParsedRequest:
     """Chat: more variables for the chat template (vLLM's field, e.g. {"enable_thinking": false})."""
     continuous_usage: bool = False
     """stream_options.continuous_usage_stats (with include_usage): every chunk carries the usage so far."""
+    constraint_field: str | None = None
+    """Where the body gave its output constraint (``response_format.json_schema.schema``, ...)."""
+
+    @property
+    def request(self) -> pb.GenerateRequest:
+        """The first prompt's request (the only one, but for a list of prompts)."""
+        return self.requests[0]
 
     @property
     def input_param(self) -> str:
@@ -83,7 +95,7 @@ _SAMPLING: dict[str, tuple[str, Callable[[str, object], Any]]] = {
     "include_stop_str_in_output": ("include_stop_str_in_output", boolean),
 }
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "stop", "stop_token_ids", "logprobs", "logit_bias",
-           *_SAMPLING}
+           *_SAMPLING, *CONSTRAINT_FIELDS}
 # Identifiers for the caller's own bookkeeping: accepted, and without effect on the output.
 _IGNORED = {"user", "safety_identifier", "prompt_cache_key"}
 _ALLOWED = {COMPLETION: _COMMON | _IGNORED | {"prompt", "echo"},
@@ -95,11 +107,9 @@ _ALLOWED = {COMPLETION: _COMMON | _IGNORED | {"prompt", "echo"},
 _NEUTRAL_BOTH: dict[str, Callable[[object, dict[str, Any]], bool]] = {
     # vLLM's extensions, at their defaults.
     "spaces_between_special_tokens": lambda v, b: v is True,
-    "guided_json": lambda v, b: False,
-    "guided_regex": lambda v, b: False,
-    "guided_choice": lambda v, b: False,
     "guided_grammar": lambda v, b: False,
-    "structured_outputs": lambda v, b: False,
+    "guided_whitespace_pattern": lambda v, b: False,
+    "guided_decoding_backend": lambda v, b: isinstance(v, str),  # one backend here: any name
     "prompt_logprobs": lambda v, b: v == 0,
 }
 _NEUTRAL = {
@@ -112,7 +122,6 @@ _NEUTRAL = {
            "tool_choice": lambda v, b: v == "none",
            "function_call": lambda v, b: v == "none",
            "parallel_tool_calls": lambda v, b: isinstance(v, bool),  # no tools, so nothing runs in parallel
-           "response_format": lambda v, b: v == {"type": "text"},
            "modalities": lambda v, b: v == ["text"],
            "store": lambda v, b: v is False,
            "metadata": lambda v, b: isinstance(v, dict),  # only kept with store, which is off
@@ -161,19 +170,23 @@ def _parse(kind: str, body: object, model_names: tuple[str, ...], request_id: st
     sampling.logit_bias.update(_logit_bias(given.get("logit_bias", {})))
     stream = boolean("stream", given.get("stream", False))
     include_usage, continuous_usage = _stream_options(given.get("stream_options"), stream)
-    logprobs = _logprobs(kind, given)
-    if logprobs:
-        sampling.logprobs = True
+    logprobs = requested_logprobs(kind == CHAT, given)
+    if logprobs is not None:
+        sampling.logprobs = logprobs
     echo = kind == COMPLETION and boolean("echo", given.get("echo", False))
-    if echo and logprobs:
+    if echo and logprobs is not None:
         raise invalid("echo", "with logprobs is not supported (it would need the prompt's log-probabilities)")
+    constraint = output_constraint(given)
+    if constraint is not None:
+        sampling.structured_outputs.CopyFrom(constraint.message)
     if kind == COMPLETION:
-        _set_prompt(request, given.get("prompt"))
+        requests = _per_prompt(request, completion_prompts(given.get("prompt")))
     else:
         request.messages.messages.extend(chat_messages(given.get("messages")))
+        requests = (request,)
     template_kwargs = _template_kwargs(given.get("chat_template_kwargs")) if kind == CHAT else None
-    return ParsedRequest(kind, request, stream, include_usage, logprobs, max_tokens_param, echo, template_kwargs,
-                         continuous_usage)
+    return ParsedRequest(kind, requests, stream, include_usage, logprobs, max_tokens_param, echo, template_kwargs,
+                         continuous_usage, constraint.field if constraint is not None else None)
 
 
 def _check_parameter_names(kind: str, body: dict[str, Any]) -> None:
@@ -248,64 +261,17 @@ def _stream_options(value: object, stream: bool) -> tuple[bool, bool]:
     return include_usage, include_usage and continuous
 
 
-def _logprobs(kind: str, given: dict[str, Any]) -> bool:
-    """Whether to return the chosen tokens' log-probabilities (the only ones the workers compute)."""
-    if kind == CHAT:
-        top = given.get("top_logprobs")
-        if top is not None and integer("top_logprobs", top) != 0:
-            raise invalid("top_logprobs", "only 0 is supported: this server returns the chosen token's "
-                                          "log-probability, no alternatives")
-        return boolean("logprobs", given.get("logprobs", False))
-    if "logprobs" not in given:
-        return False
-    count = integer("logprobs", given["logprobs"])
-    if count != 0:
-        raise invalid("logprobs", f"only 0 is supported (the chosen token's log-probability, no alternatives), "
-                                  f"got {count}")
-    return True
-
-
-def _set_prompt(request: pb.GenerateRequest, prompt: object) -> None:
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one prompt
-    if isinstance(prompt, str):
-        request.prompt = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
-        raise invalid("prompt", f"{len(prompt)} prompts: this server takes one prompt per request")
-    elif isinstance(prompt, list) and prompt:
-        request.token_ids.ids.extend(_token_ids("prompt", prompt))
-    else:
-        raise invalid("prompt", "must be a string or an array of token ids" if prompt is not None else "is required")
-
-
-# "sampling.stop[2]: ..." -> ("stop", "[2]"); "messages[1].role: ..." -> ("messages", "[1].role").
-_FIELD_RE = re.compile(r"^(?:sampling\.)?(\w*)(.*)$", re.DOTALL)
-
-
-def validated(parsed: ParsedRequest, tokenizer: RouterTokenizer, limits: RequestLimits) -> ValidRequest:
-    """``validate_request`` on the parsed request (tokenizes: run it off the event loop).
-
-    Its ValueError becomes a 400 naming the OpenAI parameter. A chat request with no
-    max_tokens may use all the room the context leaves (OpenAI's "no limit"), unless the model gives
-    a default (its generation_config.json's max_new_tokens, within that room).
-    """
-    try:
-        valid = validate_request(parsed.request, tokenizer, limits, parsed.chat_template_kwargs)
-    except ValueError as e:
-        raise _from_validation(str(e), parsed) from e
-    model_default = dict(tokenizer.spec.sampling_defaults).get("max_tokens")
-    if parsed.kind == CHAT and parsed.max_tokens_param is None and model_default is None:
-        room = tokenizer.max_model_len - len(valid.prompt_token_ids)
-        valid = valid._replace(params=dataclasses.replace(valid.params, max_tokens=room))
-    return valid
-
-
-def _from_validation(message: str, parsed: ParsedRequest) -> APIError:
-    field, _, rest = message.partition(": ")
-    name, suffix = _FIELD_RE.match(field).groups()
-    renamed = {"token_ids": "prompt", "input": parsed.input_param, "sampling": "",
-               "max_tokens": parsed.max_tokens_param or "max_tokens"}
-    param = renamed.get(name, name) or None
-    if param is None or not rest:
-        return APIError(400, message, param=param)
-    return APIError(400, f"{param}{suffix}: {rest}", param=param)
+def _per_prompt(base: pb.GenerateRequest, prompts: list[Prompt]) -> tuple[pb.GenerateRequest, ...]:
+    """The request once per prompt (several: ids "<id>-0", "<id>-1", ..., as vLLM numbers them)."""
+    requests = []
+    for i, prompt in enumerate(prompts):
+        request = pb.GenerateRequest()
+        request.CopyFrom(base)
+        if len(prompts) > 1:
+            request.request_id = f"{base.request_id}-{i}"
+        if isinstance(prompt, str):
+            request.prompt = prompt
+        else:
+            request.token_ids.ids.extend(prompt)
+        requests.append(request)
+    return tuple(requests)

@@ -12,6 +12,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from tandem.logprobs import TopLogprobs
+from tandem.router.openai.logprobs import chat_logprobs, completion_logprobs
 from tandem.router.openai.protocol import CHAT, COMPLETION
 from tandem.router.tokenizer import RouterTokenizer
 
@@ -57,34 +59,31 @@ class Responses:
         self._tokenizer = tokenizer
         self._include_usage = include_usage
         self._text_offsets: dict[int, int] = {}
-        """Per completion: characters of token text streamed so far (completions' text_offset)."""
+        """Per choice: characters of token text streamed so far (completions' text_offset)."""
+        self._texts: dict[int, str] = {}
+        """Each token id's text, decoded alone (top log-probabilities name the same tokens often)."""
 
     # -- logprobs --------------------------------------------------------------------------
 
-    def _token_texts(self, token_ids: Sequence[int]) -> list[str]:
+    def _token_text(self, token_id: int) -> str:
         # Each token alone, special tokens included: a token that is part of a multi-byte
         # character shows as U+FFFD (its bytes are not the character's), as in vLLM.
-        return [self._tokenizer.decode([t], skip_special_tokens=False) for t in token_ids]
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._texts[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
-    def logprobs(self, index: int, token_ids: Sequence[int], logprobs: Sequence[float] | None) -> dict[str, Any] | None:
-        """OpenAI's logprobs object for these tokens (None when none were asked for)."""
+    def logprobs(self, index: int, token_ids: Sequence[int], logprobs: Sequence[float] | None,
+                 top_logprobs: Sequence[TopLogprobs] | None = None) -> dict[str, Any] | None:
+        """OpenAI's logprobs object for these tokens of choice ``index`` (None when none were
+        asked for); completions' text offsets go on from the choice's previous tokens."""
         if logprobs is None:
             return None
-        texts = self._token_texts(token_ids)
         if self.kind == CHAT:
-            return {"content": [{"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []}
-                                for text, logprob in zip(texts, logprobs)],
-                    "refusal": None}
-        offsets = []
-        offset = self._text_offsets.get(index, 0)
-        for text in texts:
-            offsets.append(offset)
-            offset += len(text)
-        self._text_offsets[index] = offset
-        return {"tokens": texts, "token_logprobs": list(logprobs),
-                # Only the chosen token is known: it is the one "top" alternative given.
-                "top_logprobs": [{text: logprob} for text, logprob in zip(texts, logprobs)],
-                "text_offset": offsets}
+            return chat_logprobs(token_ids, logprobs, top_logprobs, self._token_text)
+        shaped, self._text_offsets[index] = completion_logprobs(token_ids, logprobs, top_logprobs, self._token_text,
+                                                                self._text_offsets.get(index, 0))
+        return shaped
 
     # -- non-streaming ---------------------------------------------------------------------
 

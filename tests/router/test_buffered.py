@@ -20,7 +20,7 @@ def call(backend: FakeBackend, buffered: bool, max_tokens: int = 100) -> tuple[l
         responses = []
         async with serving(backend) as (channel, _):
             request = pb.GenerateRequest(request_id="b-1", prompt="Hi", buffered=buffered,
-                                         sampling=pb.SamplingParams(max_tokens=max_tokens, logprobs=True))
+                                         sampling=pb.SamplingParams(max_tokens=max_tokens, logprobs=0))
             try:
                 async for response in pb_grpc.GenerationStub(channel).Generate(request):
                     responses.append(response)

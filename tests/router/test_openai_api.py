@@ -168,7 +168,7 @@ def test_logprobs_come_in_openais_shapes(router_tokenizer):
     assert logprobs.tokens == tokens and logprobs.token_logprobs == [-0.5] * 5
     assert logprobs.text_offset == [sum(len(t) for t in tokens[:i]) for i in range(5)]
     assert logprobs.top_logprobs == [{t: -0.5} for t in tokens]
-    assert plain.choices[0].logprobs is None and backend.seen[-1].params.logprobs is False
+    assert plain.choices[0].logprobs is None and backend.seen[-1].params.logprobs is None
 
 
 def test_models_lists_the_served_model(router_tokenizer):

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from tandem.router.limits import RequestLimits
 from tandem.router.openai.errors import APIError
-from tandem.router.openai.protocol import CHAT, COMPLETION, parse_request, validated
+from tandem.router.openai.protocol import CHAT, COMPLETION, parse_request
+from tandem.router.openai.validated import validated, validated_all
 
 MODEL = "m"
 
@@ -30,7 +31,8 @@ def test_completion_prompts_a_batch_of_one_and_token_ids():
     assert list(parse_request(COMPLETION, {"prompt": [[5, 6]]}, MODEL, "r").request.token_ids.ids) == [5, 6]
     parsed = parse_request(COMPLETION, {"prompt": [5, 6], "logprobs": 0, "best_of": 2, "n": 2, "echo": False,
                                         "stream": True, "stream_options": {"include_usage": True}}, MODEL, "r")
-    assert list(parsed.request.token_ids.ids) == [5, 6] and parsed.logprobs and parsed.request.sampling.logprobs
+    assert list(parsed.request.token_ids.ids) == [5, 6] and parsed.logprobs == 0
+    assert parsed.request.sampling.HasField("logprobs") and parsed.request.sampling.logprobs == 0
     assert parsed.stream and parsed.include_usage and parsed.request.sampling.n == 2
 
 
@@ -44,8 +46,9 @@ def test_chat_max_tokens_unset_takes_the_room_left(router_tokenizer):
 
 def _json() -> st.SearchStrategy:
     scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=4)
-               | st.sampled_from(["text", "user", "system", MODEL, "image_url", "\ud800"]))
-    keys = st.sampled_from(["type", "text", "role", "content", "name", "include_usage", "x"])
+               | st.sampled_from(["text", "user", "system", MODEL, "image_url", "\ud800", "json_object", "json_schema"]))
+    keys = st.sampled_from(["type", "text", "role", "content", "name", "include_usage", "x", "json_schema", "schema",
+                            "json", "regex", "choice", "json_object"])
     return st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(keys, inner, max_size=3),
                         max_leaves=8)
 
@@ -55,7 +58,8 @@ _PARAMETERS = st.sampled_from([
     "stream_options", "logprobs", "top_logprobs", "user", "top_k", "min_p", "ignore_eos", "use_beam_search",
     "beam_width", "length_penalty", "presence_penalty", "logit_bias", "best_of", "echo", "suffix", "tools",
     "tool_choice", "response_format", "stop_token_ids", "unknown", "repetition_penalty", "frequency_penalty",
-    "min_tokens", "skip_special_tokens", "chat_template_kwargs"])
+    "min_tokens", "skip_special_tokens", "chat_template_kwargs", "structured_outputs", "guided_json", "guided_regex",
+    "guided_choice"])
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
@@ -66,7 +70,7 @@ def test_any_json_is_a_request_or_an_api_error(router_tokenizer, kind, extra, ho
     good = "Hi" if kind == COMPLETION else [{"role": "user", "content": "Hi"}]
     body = {name: good if hostile_input is None else hostile_input, **extra}
     try:
-        validated(parse_request(kind, body, MODEL, "r"), router_tokenizer, RequestLimits())
+        validated_all(parse_request(kind, body, MODEL, "r"), router_tokenizer, RequestLimits())
     except APIError as e:
         assert e.status in (400, 404) and e.message
         assert e.param is None or isinstance(e.param, str)

@@ -13,7 +13,8 @@ from fake_backend import FakeBackend
 from openai_harness import MODEL, openai_serving
 from tandem.router.limits import RequestLimits
 from tandem.router.openai.errors import APIError
-from tandem.router.openai.protocol import CHAT, parse_request, validated
+from tandem.router.openai.protocol import CHAT, parse_request
+from tandem.router.openai.validated import validated
 from tandem.router.tokenizer import RouterTokenizer
 
 TEMPLATE = "{% if enable_thinking %}<think>{% endif %}{{ messages[0]['content'] }}{{ suffix | default('') }}"

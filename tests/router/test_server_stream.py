@@ -57,7 +57,7 @@ def test_pieces_concatenate_and_usage_comes_last(router_tokenizer):
 def test_chat_and_token_ids_with_logprobs(router_tokenizer):
     backend = FakeBackend(router_tokenizer, reply="Paris.")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}]
-    chat = pb.GenerateRequest(request_id="chat-1", sampling=pb.SamplingParams(max_tokens=50, logprobs=True))
+    chat = pb.GenerateRequest(request_id="chat-1", sampling=pb.SamplingParams(max_tokens=50, logprobs=0))
     for m in messages:
         chat.messages.messages.add(**m)
     ids = pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2, 3]))

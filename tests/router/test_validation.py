@@ -82,7 +82,7 @@ def test_zero_is_not_unset(router_tokenizer):
 
 def test_every_sampling_field_arrives(router_tokenizer):
     sampling = {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "seed": 1234,
-                "stop": ["\n\n", "END"], "stop_token_ids": [2, 0], "ignore_eos": True, "logprobs": True}
+                "stop": ["\n\n", "END"], "stop_token_ids": [2, 0], "ignore_eos": True, "logprobs": 3}
     _, _, params = validate_request(request(prompt="hi", sampling=sampling), router_tokenizer)
     expected = {**sampling, "stop": tuple(sampling["stop"]), "stop_token_ids": tuple(sampling["stop_token_ids"])}
     assert params == SamplingParams(**expected)
