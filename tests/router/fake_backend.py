@@ -16,7 +16,7 @@ first, unless `chosen_in_top` is off: then N other tokens, each likelier than it
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from tandem.router.backend import WorkerFailed
@@ -83,6 +83,10 @@ class FakeBackend:
     num_admitting: int = 0
     worker_reports: list[WorkerMetricsReport] = field(default_factory=list)
     """What worker_metrics() answers."""
+    reply_of: Callable[[str], str] | None = None
+    """The reply to each prompt, from its text (None: `reply` to every prompt)."""
+    fail_prompts: dict[str, Exception] = field(default_factory=dict)
+    """Prompts (their text) whose requests raise this before their first delta."""
     chosen_in_top: bool = True
     """Whether each chosen token is among its position's top log-probabilities (see top_logprobs_at)."""
 
@@ -107,9 +111,13 @@ class FakeBackend:
         event.set()
         return True
 
-    def completion_ids(self, params: SamplingParams, index: int) -> tuple[list[int], str]:
-        """-> (completion `index`'s output token ids, its finish reason)."""
-        reply_ids = self.tokenizer.encode(self.reply)
+    def completion_ids(self, params: SamplingParams, index: int,
+                       prompt_token_ids: list[int] | None = None) -> tuple[list[int], str]:
+        """-> (completion `index`'s output token ids, its finish reason) for this prompt."""
+        reply = self.reply
+        if self.reply_of is not None and prompt_token_ids is not None:
+            reply = self.reply_of(self.tokenizer.decode(prompt_token_ids))
+        reply_ids = self.tokenizer.encode(reply)
         own = reply_ids[: max(1, len(reply_ids) - index)]
         # As an engine would: reaching max_tokens first is "length", the reply's own end "stop".
         return own[: params.max_tokens], "length" if params.max_tokens <= len(own) else "stop"
@@ -120,11 +128,13 @@ class FakeBackend:
         self.seen.append(Seen(client_id(request_id), list(prompt_token_ids), params))
         if isinstance(self.fail_with, Exception):
             raise self.fail_with
+        if self.fail_prompts and self.tokenizer.decode(prompt_token_ids) in self.fail_prompts:
+            raise self.fail_prompts[self.tokenizer.decode(prompt_token_ids)]
         if isinstance(self.fail_with, str):
             yield StreamDelta(request_id=request_id, token_ids=[], text="", finish_reason="abort",
                               num_prompt_tokens=len(prompt_token_ids), num_output_tokens=0, error=self.fail_with)
             return
-        outputs = [self.completion_ids(params, i) for i in range(params.n)]
+        outputs = [self.completion_ids(params, i, prompt_token_ids) for i in range(params.n)]
         # One token of each unfinished completion per step: (index, position) in stream order.
         steps = [(i, k) for k in range(max(len(ids) for ids, _ in outputs))
                  for i, (ids, _) in enumerate(outputs) if k < len(ids)]

@@ -8,7 +8,8 @@ import pytest
 from tandem.proto import generation_pb2 as pb
 from tandem.router.limits import RequestLimits
 from tandem.router.openai.errors import APIError
-from tandem.router.openai.protocol import COMPLETION, parse_request, validated
+from tandem.router.openai.protocol import COMPLETION, parse_request
+from tandem.router.openai.validated import validated
 from tandem.router.validation import validate_request
 from tandem.sampling_params import MAX_CACHE_SALT_CHARS
 

@@ -12,7 +12,8 @@ from tandem.model.generation_defaults import sampling_defaults
 from tandem.proto import generation_pb2 as pb
 from tandem.router import serve_command
 from tandem.router.limits import RequestLimits
-from tandem.router.openai.protocol import CHAT, parse_request, validated
+from tandem.router.openai.protocol import CHAT, parse_request
+from tandem.router.openai.validated import validated
 from tandem.router.tokenizer import RouterTokenizer
 from tandem.router.validation import validate_request
 from tandem.worker.tokenizer_spec import tokenizer_spec_from

@@ -9,8 +9,10 @@ import pytest
 
 from router_harness import MAX_MODEL_LEN, VOCAB_SIZE
 from tandem.proto import generation_pb2 as pb
+from tandem.router.limits import RequestLimits
 from tandem.router.validation import validate_request
 from tandem.sampling_params import SamplingParams
+from tandem.structured_outputs import StructuredOutputsParams
 
 
 def request(**fields) -> pb.GenerateRequest:
@@ -26,6 +28,10 @@ def request(**fields) -> pb.GenerateRequest:
         req.token_ids.SetInParent()
         req.token_ids.ids.extend(token_ids)
     return req
+
+
+def so(**constraint) -> pb.StructuredOutputs:
+    return pb.StructuredOutputs(**constraint)
 
 
 # (case, request fields, the field the error must name)
@@ -54,6 +60,30 @@ BAD_REQUESTS = [
     ("negative stop token", {"prompt": "hi", "sampling": {"stop_token_ids": [-1]}}, "sampling.stop_token_ids"),
     ("stop token past vocab", {"prompt": "hi", "sampling": {"stop_token_ids": [2, VOCAB_SIZE + 1]}},
      "sampling.stop_token_ids[1]"),
+    ("logprobs past 20", {"prompt": "hi", "sampling": {"logprobs": 21}}, "sampling.logprobs"),
+    ("negative logprobs", {"prompt": "hi", "sampling": {"logprobs": -1}}, "sampling.logprobs"),
+    ("top logprobs with beam search", {"prompt": "hi", "sampling": {"logprobs": 2, "use_beam_search": True,
+                                                                   "temperature": 0}}, "sampling.logprobs"),
+    ("no constraint set", {"prompt": "hi", "sampling": {"structured_outputs": so()}}, "sampling.structured_outputs"),
+    ("json_object false", {"prompt": "hi", "sampling": {"structured_outputs": so(json_object=False)}},
+     "sampling.structured_outputs.json_object"),
+    ("schema not JSON", {"prompt": "hi", "sampling": {"structured_outputs": so(json_schema="{nope")}},
+     "sampling.structured_outputs.json_schema"),
+    ("schema a number", {"prompt": "hi", "sampling": {"structured_outputs": so(json_schema="3")}},
+     "sampling.structured_outputs.json_schema"),
+    ("schema nested too deep", {"prompt": "hi", "sampling": {"structured_outputs": so(json_schema="[" * 100_000)}},
+     "sampling.structured_outputs.json_schema"),
+    ("empty regex", {"prompt": "hi", "sampling": {"structured_outputs": so(regex="")}},
+     "sampling.structured_outputs.regex"),
+    ("regex past the limit", {"prompt": "hi", "sampling": {"structured_outputs": so(regex="a" * (2**16 + 1))}},
+     "sampling.structured_outputs.regex"),
+    ("no choices", {"prompt": "hi", "sampling": {"structured_outputs": so(choice=pb.StringChoices())}},
+     "sampling.structured_outputs.choice"),
+    ("an empty choice", {"prompt": "hi", "sampling": {"structured_outputs": so(choice=pb.StringChoices(
+        choices=["a", ""]))}}, "sampling.structured_outputs.choice[1]"),
+    ("constraint with beam search", {"prompt": "hi", "sampling": {"structured_outputs": so(regex="a+"),
+                                                                  "use_beam_search": True, "temperature": 0}},
+     "sampling.structured_outputs"),
     ("request_id too long", {"prompt": "hi", "request_id": "x" * 129}, "request_id"),
     ("request_id odd characters", {"prompt": "hi", "request_id": "id with spaces\n"}, "request_id"),
     ("request_id slash", {"prompt": "hi", "request_id": "../../etc"}, "request_id"),
@@ -106,3 +136,31 @@ def test_inputs_become_the_model_prompt(router_tokenizer):
 def test_longest_allowed_prompt_passes(router_tokenizer):
     _, ids, _ = validate_request(request(token_ids=[5] * (MAX_MODEL_LEN - 1)), router_tokenizer)
     assert len(ids) == MAX_MODEL_LEN - 1
+
+
+@pytest.mark.parametrize("constraint, expected", [
+    (so(json_schema='{"type": "object", "properties": {"b": {}, "a": {}}}'),
+     StructuredOutputsParams(json='{"type": "object", "properties": {"b": {}, "a": {}}}')),
+    (so(json_object=True), StructuredOutputsParams(json_object=True)),
+    (so(regex="[0-9]+"), StructuredOutputsParams(regex="[0-9]+")),
+    (so(choice=pb.StringChoices(choices=["yes", "no"])), StructuredOutputsParams(choice=("yes", "no"))),
+], ids=["json_schema", "json_object", "regex", "choice"])
+def test_structured_outputs_arrive(router_tokenizer, constraint, expected):
+    _, _, params = validate_request(request(prompt="hi", sampling={"structured_outputs": constraint}), router_tokenizer)
+    assert params.structured_outputs == expected
+    assert validate_request(request(prompt="hi"), router_tokenizer).params.structured_outputs is None
+
+
+def test_logprobs_unset_zero_and_a_count(router_tokenizer):
+    def logprobs(**sampling) -> int | None:
+        return validate_request(request(prompt="hi", sampling=sampling), router_tokenizer).params.logprobs
+
+    assert (logprobs(), logprobs(logprobs=0), logprobs(logprobs=20)) == (None, 0, 20)
+
+
+def test_limits_bound_structured_outputs(router_tokenizer):
+    limits = RequestLimits(max_structured_output_chars=10)
+    for constraint in (so(regex="a" * 11), so(choice=pb.StringChoices(choices=["abcdef", "ghijk"]))):
+        with pytest.raises(ValueError, match="max_structured_output_chars=10"):
+            validate_request(request(prompt="hi", sampling={"structured_outputs": constraint}), router_tokenizer,
+                             limits)
