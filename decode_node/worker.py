@@ -170,9 +170,12 @@ class DecodeWorker(Worker):
             raise ValueError(f"{first.request_id}: token_ids must be {num_expected} token ids in the vocabulary, "
                              f"got {first.token_ids!r}")
         num_states = 0 if params.use_beam_search else num_expected
-        if len(first.logprobs) != num_expected or len(first.generator_states) != num_states:
-            raise ValueError(f"{first.request_id}: need {num_expected} logprobs and {num_states} generator states, "
-                             f"got {len(first.logprobs)} and {len(first.generator_states)}")
+        num_tops = num_expected if params.top_logprobs else 0
+        if (len(first.logprobs) != num_expected or len(first.generator_states) != num_states
+                or len(first.top_logprobs) != num_tops):
+            raise ValueError(f"{first.request_id}: need {num_expected} logprobs, {num_states} generator states and "
+                             f"{num_tops} top logprobs, got {len(first.logprobs)}, {len(first.generator_states)} "
+                             f"and {len(first.top_logprobs)}")
         rid = first.request_id
         self.receiver.all_sent(rid)
         if rid in self._arrived or not engine.may_accept_first_sample(seq):
@@ -243,4 +246,4 @@ class DecodeWorker(Worker):
 def _first_sample(first: PrefillResult) -> FirstSample:
     states = [None if s is None else torch.from_numpy(np.frombuffer(s, dtype=np.uint8).copy())
               for s in first.generator_states]
-    return FirstSample(first.token_ids, first.logprobs, states)
+    return FirstSample(first.token_ids, first.logprobs, states, first.top_logprobs)

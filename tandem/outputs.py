@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tandem.engine.sequence import FinishReason
+from tandem.logprobs import TopLogprobs
 
 if TYPE_CHECKING:
     import torch
@@ -20,6 +21,8 @@ class RequestDelta:
     new_text: str
     new_logprobs: list[float] | None
     """Log-probabilities of new_token_ids, when the request asked for them."""
+    new_top_logprobs: list[TopLogprobs] | None
+    """The most likely tokens at each of new_token_ids' positions (SamplingParams.logprobs >= 1)."""
     finish_reason: FinishReason | None
     """None until the request's last delta."""
     num_prompt_tokens: int
@@ -52,6 +55,8 @@ class FirstSample:
     logprobs: list[float]
     generator_states: list[torch.Tensor | None]
     """Each completion's generator after the draw (None: unseeded); empty for beam search."""
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    """Per completion, when the request asks for top log-probabilities (else empty)."""
 
 
 @dataclass
@@ -62,6 +67,8 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
+    top_logprobs: list[TopLogprobs] | None = None
+    """Per token, the most likely tokens at its position (SamplingParams.logprobs >= 1)."""
     finish_reason: FinishReason | None = None
 
     def add(self, delta: RequestDelta) -> None:
@@ -69,6 +76,8 @@ class CompletionOutput:
         self.token_ids.extend(delta.new_token_ids)
         if delta.new_logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.new_logprobs
+        if delta.new_top_logprobs is not None:
+            self.top_logprobs = (self.top_logprobs or []) + delta.new_top_logprobs
         self.finish_reason = delta.finish_reason
 
 

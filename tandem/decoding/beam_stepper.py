@@ -50,5 +50,5 @@ class BeamStepper:
             text = ""
             if hyp.detokenizer is not None:
                 text = "".join(hyp.detokenizer.append(t).text for t in hyp.output_token_ids) + hyp.detokenizer.flush()
-            updates.append(SequenceUpdate(hyp, hyp.output_token_ids, text, hyp.output_logprobs))
+            updates.append(SequenceUpdate(hyp, hyp.output_token_ids, text, hyp.output_logprobs))  # (no top logprobs)
         return updates

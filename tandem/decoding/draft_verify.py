@@ -15,6 +15,7 @@ import torch
 
 from tandem.decoding.beam_search import num_candidates
 from tandem.engine.sampler import Sampler, StepOutput, exponential_race, filtered_probs
+from tandem.logprobs import TopLogprobs
 from tandem.sampling_params import SamplingParams
 
 
@@ -49,6 +50,11 @@ def sample_step(
                              raw_logits=None if raw_logits is None else raw_logits[rows])
     for i, t, lp in zip(plain, sampled.token_ids, sampled.logprobs):
         token_ids[i], logprobs[i] = [t], [lp]
+    top_logprobs: list[list[TopLogprobs]] | None = None
+    if sampled.top_logprobs is not None:  # (only plain entries ask: no drafts, no beams)
+        top_logprobs = [[] for _ in draft_token_ids]
+        for i, top in zip(plain, sampled.top_logprobs):
+            top_logprobs[i] = [top]
     for i in beams:
         k = min(num_candidates(params[i].beam_width, num_eos_tokens), logits.shape[-1])
         top = torch.log_softmax(logits[row_starts[i]].float(), dim=-1).topk(k)
@@ -57,7 +63,7 @@ def sample_step(
         if drafts:
             entry_logits = logits[row_starts[i]:row_starts[i] + 1 + len(drafts)]
             token_ids[i], logprobs[i] = verify_drafts(entry_logits, drafts, params[i], generators[i])
-    return StepOutput(token_ids=token_ids, logprobs=logprobs)
+    return StepOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top_logprobs)
 
 
 def verify_drafts(

@@ -30,9 +30,11 @@ class Speculator:
     def propose(self, seq: Sequence, budget: int) -> list[int]:
         """Draft tokens to run after ``seq``'s last token this step, within ``budget``
         tokens for the whole entry; none unless ``seq`` is a decode (and not a beam)."""
-        # Processed logits depend on the tokens before them: a draft's row would need its own.
-        if (self.num_speculative_tokens == 0 or seq.num_uncomputed_tokens != 1 or seq.params.use_beam_search
-                or seq.params.processes_logits):
+        # Processed logits depend on the tokens before them: a draft's row would need its own
+        # (so would a grammar's mask); top log-probabilities are reported from plain rows only.
+        params = seq.params
+        if (self.num_speculative_tokens == 0 or seq.num_uncomputed_tokens != 1 or params.use_beam_search
+                or params.processes_logits or params.top_logprobs or params.structured_outputs is not None):
             return []
         # A step adds at most 1 + drafts tokens: never past max_tokens or max_model_len.
         num_left = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)

@@ -14,6 +14,7 @@ from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.hooks import PrefillHooks
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.observer import EngineObserver
+from tandem.engine.sampler import TargetSample
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.sequence import Sequence, SequenceGroup, SequenceStatus, SequenceUpdate
 from tandem.engine.snapshots import EngineCounters, EngineInventory, EngineLoad
@@ -106,7 +107,8 @@ class LLMEngine:
         # has ended, whatever the sample does to the sequence.
         seq.keep_blocks = True
         self._set_generator_states(seq, sample)
-        return self._deltas(self.scheduler.advance(seq, [(sample.token_ids, sample.logprobs)]))
+        return self._deltas(self.scheduler.advance(seq, [TargetSample(sample.token_ids, sample.logprobs,
+                                                                      sample.top_logprobs)]))
 
     def start_prefilled(self, request_id: str, sample: FirstSample | None = None) -> list[RequestDelta]:
         """The prompt KV of a reserved request has arrived: it joins the running batch with
@@ -121,8 +123,9 @@ class LLMEngine:
             return []
         self._set_generator_states(seq, sample)
         self.scheduler.add_running(seq)
-        outputs = ([(sample.token_ids, sample.logprobs)] if seq.params.use_beam_search
-                   else [([t], [lp]) for t, lp in zip(sample.token_ids, sample.logprobs)])
+        outputs = ([TargetSample(sample.token_ids, sample.logprobs, [])] if seq.params.use_beam_search
+                   else [TargetSample([t], [lp], sample.top_logprobs[i:i + 1])
+                         for i, (t, lp) in enumerate(zip(sample.token_ids, sample.logprobs))])
         return self._deltas(self.scheduler.advance(seq, outputs))
 
     def _set_generator_states(self, seq: Sequence, sample: FirstSample) -> None:
@@ -142,7 +145,8 @@ class LLMEngine:
             return None
         targets = LLMEngine._first_sample_targets(seq)
         return FirstSample([s.output_token_ids[0] for s in targets], [s.output_logprobs[0] for s in targets],
-                           [None if s.generator is None else s.generator.get_state() for s in targets])
+                           [None if s.generator is None else s.generator.get_state() for s in targets],
+                           [s.output_top_logprobs[0] for s in targets if s.output_top_logprobs])
 
     @staticmethod
     def _first_sample_targets(seq: Sequence) -> list[Sequence]:
@@ -213,7 +217,7 @@ class LLMEngine:
             self.block_manager.free(seq)
             seq.status = SequenceStatus.FINISHED_ABORTED
         self._remove(seq)
-        return self._delta(seq, [], "", [], num_unfinished=0)
+        return self._delta(SequenceUpdate(seq, [], "", []), num_unfinished=0)
 
     @property
     def has_unfinished(self) -> bool:
@@ -268,7 +272,7 @@ class LLMEngine:
     def _deltas(self, updates: list[SequenceUpdate]) -> list[RequestDelta]:
         deltas = []
         for u in updates:
-            delta = self._delta(u.seq, u.new_token_ids, u.new_text, u.new_logprobs, self._count_open(u.seq))
+            delta = self._delta(u, self._count_open(u.seq))
             deltas.append(delta)
             # A speculative step may add the first token and more after it.
             if self.observer is not None and u.seq.index == 0 and u.seq.num_output_tokens == len(u.new_token_ids):
@@ -292,14 +296,15 @@ class LLMEngine:
         seq.group.num_open -= seq.status.is_finished
         return seq.group.num_open
 
-    def _delta(self, seq: Sequence, token_ids: list[int], text: str, logprobs: list[float],
-               num_unfinished: int) -> RequestDelta:
-        group = seq.group
+    @staticmethod
+    def _delta(update: SequenceUpdate, num_unfinished: int) -> RequestDelta:
+        seq, group, params = update.seq, update.seq.group, update.seq.params
         return RequestDelta(
             request_id=seq.request_id,
-            new_token_ids=token_ids,
-            new_text=text,
-            new_logprobs=logprobs if seq.params.logprobs else None,
+            new_token_ids=update.new_token_ids,
+            new_text=update.new_text,
+            new_logprobs=update.new_logprobs if params.logprobs is not None else None,
+            new_top_logprobs=update.new_top_logprobs if params.top_logprobs else None,
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_output_tokens=seq.num_output_tokens if group is None else group.num_output_tokens,

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from tandem.engine import step_inputs
-
+from tandem.logprobs import TopLogprobs
 from tandem.sampling_params import SamplingParams
 
 
@@ -27,6 +28,9 @@ class SamplerOutput:
     logprobs: list[float]
     """Log-probability of each chosen token under ``log_softmax(raw logits)`` in float32: the
     model's own distribution, before temperature and filtering (as vLLM v1 reports it)."""
+    top_logprobs: list[TopLogprobs] | None = None
+    """When a row asks for them (SamplingParams.logprobs >= 1): per row, its N most likely
+    tokens under the same distribution (empty for rows that ask for none); else None."""
 
 
 @dataclass(frozen=True)
@@ -38,6 +42,21 @@ class StepOutput:
     token_ids: list[list[int]]
     logprobs: list[list[float]]
     """Per token, as in :class:`SamplerOutput`."""
+    top_logprobs: list[list[TopLogprobs]] | None = None
+    """Per target, one entry per token, when a target asks for them (a target that does
+    never has drafts); else None."""
+
+    def target(self, i: int) -> TargetSample:
+        return TargetSample(self.token_ids[i], self.logprobs[i], self.top_logprobs[i] if self.top_logprobs else [])
+
+
+class TargetSample(NamedTuple):
+    """What one sample target drew in one step (see StepOutput)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[TopLogprobs]
+    """One entry per token when the target asks for top log-probabilities, else empty."""
 
 
 class Sampler:
@@ -72,8 +91,15 @@ class Sampler:
         if num_seqs == 0:
             return SamplerOutput(token_ids=[], logprobs=[])
         chosen, logprobs = self.sample_on_device(logits, params, generators, raw_logits)
-        # NOTE: the step's one read of device values, after its forward.
-        return SamplerOutput(token_ids=chosen.tolist(), logprobs=logprobs.tolist())
+        # NOTE: the step's one read of device values, after its forward (two with top log-probabilities).
+        out = SamplerOutput(token_ids=chosen.tolist(), logprobs=logprobs.tolist())
+        num_top = max(p.top_logprobs for p in params)
+        if num_top == 0:
+            return out
+        values, indices = top_logprobs(logits if raw_logits is None else raw_logits, num_top)
+        rows = zip(indices.tolist(), values.tolist())
+        return SamplerOutput(out.token_ids, out.logprobs,
+                             [TopLogprobs(ids[:p.top_logprobs], lps[:p.top_logprobs]) for p, (ids, lps) in zip(params, rows)])
 
     def sample_on_device(
         self,
@@ -106,6 +132,15 @@ class Sampler:
         chosen_logits = raw.gather(1, chosen.unsqueeze(1)).squeeze(1)  # [num_seqs]
         logprobs = chosen_logits - torch.logsumexp(raw, dim=-1)  # [num_seqs]
         return chosen, logprobs
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k most likely tokens of each row under ``log_softmax(logits)`` in float32, most
+    likely first: -> (logprobs [rows, k], token ids [rows, k])."""
+    # logits: [rows, vocab_size]
+    logits = logits.float()
+    top = logits.topk(min(k, logits.shape[-1]), dim=-1)  # the log_softmax's order is the logits'
+    return top.values - torch.logsumexp(logits, dim=-1, keepdim=True), top.indices
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

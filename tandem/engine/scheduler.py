@@ -17,8 +17,9 @@ from tandem.decoding.beam_stepper import BeamStepper
 from tandem.decoding.speculation import Speculator
 from tandem.engine.prefill_policy import PrefillPacker
 from tandem.engine.preemption import Preemptor
-from tandem.engine.sampler import StepOutput
+from tandem.engine.sampler import StepOutput, TargetSample
 from tandem.engine.sequence import Sequence, SequenceStatus, SequenceUpdate
+from tandem.logprobs import TopLogprobs
 from tandem.kvcache.block_manager import BlockManager
 from tandem.kvcache.swap_pool import SwapPool
 
@@ -166,8 +167,7 @@ class Scheduler:
         num_sampled = 0
         for i, seq in enumerate(batch.seqs):
             num_targets = len(batch.sample_targets(i))
-            outputs = list(zip(sampled.token_ids[num_sampled:num_sampled + num_targets],
-                               sampled.logprobs[num_sampled:num_sampled + num_targets]))
+            outputs = [sampled.target(j) for j in range(num_sampled, num_sampled + num_targets)]
             num_sampled += num_targets
             if seq.status.is_finished:  # aborted while its step ran: nothing to advance
                 continue
@@ -178,19 +178,17 @@ class Scheduler:
                 updates += self.advance(seq, outputs, batch.num_drafts(i))
         return updates
 
-    def advance(self, seq: Sequence, outputs: list[tuple[list[int], list[float]]],
-                num_drafts: int = 0) -> list[SequenceUpdate]:
+    def advance(self, seq: Sequence, outputs: list[TargetSample], num_drafts: int = 0) -> list[SequenceUpdate]:
         """Move ``seq``, computed up to its last token, past what was sampled from its
         logits: per sample target (see ScheduledBatch.sample_targets), its tokens and
         log-probabilities, or with beam search its top candidates."""
         group = seq.group
         if group is not None and group.beam is not None:
-            return self.beam_stepper.advance(seq, outputs[0])
+            return self.beam_stepper.advance(seq, (outputs[0].token_ids, outputs[0].logprobs))
         forks = group.take_forks() if group is not None and seq is group.root else []
         for fork in forks:
             self.fork(seq, fork)
-        return [self.append_tokens(s, token_ids, logprobs, num_drafts)
-                for s, (token_ids, logprobs) in zip([seq, *forks], outputs)]
+        return [self.append_tokens(s, sample, num_drafts) for s, sample in zip([seq, *forks], outputs)]
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """Run ``child`` from where ``parent`` is, on its blocks (copy-on-write)."""
@@ -206,13 +204,13 @@ class Scheduler:
             self.block_manager.free(seq)
         seq.status = SequenceStatus.FINISHED_ABORTED
 
-    def append_tokens(self, seq: Sequence, token_ids: list[int], logprobs: list[float],
-                      num_drafts: int) -> SequenceUpdate:
+    def append_tokens(self, seq: Sequence, sample: TargetSample, num_drafts: int) -> SequenceUpdate:
         """Add a step's tokens in order: the accepted drafts (whose KV the step computed),
         then the target's own token; the tokens after one that ends the sequence are dropped."""
         parts: list[SequenceUpdate] = []
-        for j, (token_id, logprob) in enumerate(zip(token_ids, logprobs)):
-            parts.append(self.append_token(seq, token_id, logprob))
+        token_ids = sample.token_ids
+        for j, (token_id, logprob) in enumerate(zip(token_ids, sample.logprobs)):
+            parts.append(self.append_token(seq, token_id, logprob, sample.top_logprobs[j] if sample.top_logprobs else None))
             if seq.status.is_finished:
                 break
             if j < len(token_ids) - 1:
@@ -220,13 +218,17 @@ class Scheduler:
         if num_drafts:
             self.speculator.settle(seq, num_drafts, len(token_ids) - 1)
         return SequenceUpdate(seq, [t for u in parts for t in u.new_token_ids], "".join(u.new_text for u in parts),
-                              [lp for u in parts for lp in u.new_logprobs])
+                              [lp for u in parts for lp in u.new_logprobs],
+                              [top for u in parts for top in u.new_top_logprobs])
 
-    def append_token(self, seq: Sequence, token_id: int, logprob: float) -> SequenceUpdate:
+    def append_token(self, seq: Sequence, token_id: int, logprob: float,
+                     top_logprobs: TopLogprobs | None = None) -> SequenceUpdate:
         """Add a sampled token to a sequence whose KV is computed up to it; stop if it ends."""
         status = self.end_of(seq, token_id)
         seq.token_ids.append(token_id)
         seq.output_logprobs.append(logprob)
+        if top_logprobs is not None:
+            seq.output_top_logprobs.append(top_logprobs)
         if seq.first_token_time is None:
             seq.first_token_time = time.monotonic()
         new_text = ""
@@ -243,7 +245,7 @@ class Scheduler:
                 new_text += seq.detokenizer.flush()
         if status is not None:
             self._finish(seq, status)
-        return SequenceUpdate(seq, [token_id], new_text, [logprob])
+        return SequenceUpdate(seq, [token_id], new_text, [logprob], [] if top_logprobs is None else [top_logprobs])
 
     def add_running(self, seq: Sequence) -> None:
         """Join a sequence whose prompt KV is already in its blocks (sent by a prefill worker)."""

@@ -4,7 +4,7 @@ group. Only the scheduler moves them forward."""
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from typing import Callable
 
@@ -12,6 +12,7 @@ import torch
 
 from tandem.decoding.beam_search import BeamSearch, Hypothesis
 from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.logprobs import TopLogprobs
 from tandem.sampling_params import SamplingParams
 
 
@@ -75,6 +76,8 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.token_ids: list[int] = list(prompt_token_ids)
         self.output_logprobs: list[float] = []
+        self.output_top_logprobs: list[TopLogprobs] = []
+        """Per output token when SamplingParams.logprobs >= 1 (else empty)."""
         self.num_computed_tokens = 0
         self.num_cached_prompt_tokens = 0
         """Prompt tokens found in the prefix cache at first admission."""
@@ -102,6 +105,7 @@ class Sequence:
         the block manager's (BlockManager.fork)."""
         self.token_ids = list(parent.token_ids)
         self.output_logprobs = list(parent.output_logprobs)
+        self.output_top_logprobs = list(parent.output_top_logprobs)
         self.num_computed_tokens = parent.num_computed_tokens
         self.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
         self.arrival_time = parent.arrival_time
@@ -147,6 +151,8 @@ class SequenceUpdate:
     new_token_ids: list[int]
     new_text: str
     new_logprobs: list[float]
+    new_top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    """Per new token when the request asks for top log-probabilities, else empty."""
 
 
 class SequenceGroup:

@@ -4,7 +4,7 @@ that the router can import them."""
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from tandem.logprobs import TopLogprobs
@@ -52,14 +52,14 @@ class PrefillResult:
     the prompt's top candidates, best first."""
     logprobs: list[float]
     """The log-probability of each of token_ids."""
-    top_logprobs: list[TopLogprobs] | None
-    """With SamplingParams.logprobs = N >= 1: the N most likely tokens at the first position,
-    one entry per completion (the same prompt, so the same entry n times); else None."""
     generator_states: list[bytes | None]
     """Each completion's seeded generator after its first draw (None when unseeded), so that
     the decode worker continues the same random streams; empty with beam search."""
     num_cached_tokens: int
     """Prompt tokens the prefill worker found in its prefix cache."""
+    top_logprobs: list[TopLogprobs] = field(default_factory=list)
+    """With SamplingParams.logprobs = N >= 1: the N most likely tokens at the first position,
+    one entry per completion (the same prompt, so the same entry n times); else empty."""
 
 
 @dataclass(frozen=True)

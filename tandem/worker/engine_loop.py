@@ -27,7 +27,8 @@ IDLE_WAIT_S = 0.002  # how often an idle loop still ticks (transfer events, dead
 def stream_delta(d: RequestDelta, error: str | None = None) -> StreamDelta:
     return StreamDelta(d.request_id, d.new_token_ids, d.new_text,
                        None if d.finish_reason is None else d.finish_reason.value,
-                       d.num_prompt_tokens, d.num_output_tokens, d.new_logprobs, error, d.index, d.num_unfinished)
+                       d.num_prompt_tokens, d.num_output_tokens, d.new_logprobs, d.new_top_logprobs, error, d.index,
+                       d.num_unfinished)
 
 
 class EngineLoop:

@@ -8,9 +8,10 @@ from __future__ import annotations
 import concurrent.futures
 
 import pytest
+import torch
 
 from metrics_text import parse_samples, total
-from completions_checks import completions, sampled_request
+from completions_checks import by_index, completions, sampled_request
 from reference import english_token_ids, hf_beam_search
 from tandem.proto import generation_pb2 as pb
 from tandem.router.cluster import ClusterConfig
@@ -166,3 +167,26 @@ def test_swap_preemption_keeps_forked_completions(clusters, swap_clusters, token
     assert swap_counters(small, mode)[0] > swapped_before
     assert_workers_empty(small)
     assert got == expected
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_top_logprobs_are_the_models_at_every_position(clusters, tokenizer, hf_model, mode):
+    """logprobs=4 with n=2 sampled completions: every message carries, per token, the 4 most
+    likely tokens under transformers' forward (float64) after the tokens before it, the first
+    from the prefill worker's sample, the rest from the decode worker's."""
+    cluster = clusters[mode]
+    prompt = english_token_ids(tokenizer, 19, skip=700)
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
+        temperature=0.8, seed=3, n=2, max_tokens=5, ignore_eos=True, logprobs=4))
+    responses = list(cluster.stub().Generate(request, timeout=120))
+    for index, messages in by_index(responses).items():
+        assert all(len(r.top_logprobs) == len(r.token_ids) == len(r.logprobs) for r in messages)
+        token_ids = [t for r in messages for t in r.token_ids]
+        tops = [top for r in messages for top in r.top_logprobs]
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([prompt + token_ids])).logits[0].double()
+        reference = torch.log_softmax(logits[len(prompt) - 1:-1], dim=-1).topk(4)
+        assert [list(top.token_ids) for top in tops] == reference.indices.tolist(), index
+        for top, values in zip(tops, reference.values.tolist()):
+            assert list(top.logprobs) == pytest.approx(values, abs=1e-3)
+    assert_workers_empty(cluster)

@@ -88,6 +88,29 @@ def test_logprobs_stay_the_models_own(make_llm, hf_model, prompts):
     assert out.logprobs[0] == pytest.approx(float(raw), abs=1e-3)
 
 
+def test_top_logprobs_follow_transformers_step_by_step(make_llm, hf_model, prompts):
+    """Top 5 at every position of a sampled, penalised completion (n = 2, so the second
+    completion forks the first's blocks): the model's own distribution after the tokens
+    that came, from transformers' forward in float64; the chosen token's logprob is there
+    whenever it is among them."""
+    llm = make_llm()
+    params = SamplingParams(temperature=0.9, seed=5, max_tokens=6, ignore_eos=True, logprobs=5, n=2,
+                            repetition_penalty=1.3)
+    out = llm.generate(prompts[1], params)[0]
+    for completion in out.outputs:
+        tokens = prompts[1] + completion.token_ids
+        with torch.inference_mode():
+            logits = hf_model(torch.tensor([tokens])).logits[0].double()
+        reference = torch.log_softmax(logits[len(prompts[1]) - 1:-1], dim=-1).topk(5)
+        assert len(completion.top_logprobs) == len(completion.token_ids) == 6
+        for j, top in enumerate(completion.top_logprobs):
+            assert top.token_ids == reference.indices[j].tolist()
+            assert top.logprobs == pytest.approx(reference.values[j].tolist(), abs=1e-3)
+            if completion.token_ids[j] in top.token_ids:
+                chosen = top.token_ids.index(completion.token_ids[j])
+                assert completion.logprobs[j] == pytest.approx(top.logprobs[chosen], abs=1e-5)
+
+
 class Target:
     """What apply_logits_processors reads of a sequence."""
 

@@ -195,6 +195,25 @@ def test_logprobs_are_the_raw_log_softmax() -> None:
     assert math.isclose(out.logprobs[0], reference[0].max().item(), abs_tol=1e-5)
 
 
+def test_top_logprobs_are_the_raw_log_softmaxs_best() -> None:
+    """Each row gets its own count (0: none) of the best tokens, most likely first, under the
+    raw logits' log_softmax (float64 reference), whatever processing changed the choice."""
+    logits = _logits(4, vocab=3000, seed=9, scale=4.0)
+    processed = logits.clone()
+    processed[:, 7] = 1e4  # what a logit bias would do: every row now chooses token 7
+    params = [SamplingParams(temperature=0.0, logprobs=5), SamplingParams(logprobs=0),
+              SamplingParams(temperature=0.8, seed=1, logprobs=20), SamplingParams(temperature=0.0)]
+    out = Sampler().sample(processed, params, [_gen(i) for i in range(4)], raw_logits=logits)
+    assert out.token_ids == [7, 7, 7, 7]
+    reference = torch.log_softmax(logits.double(), dim=-1).sort(dim=-1, descending=True)
+    assert [len(t.token_ids) for t in out.top_logprobs] == [5, 0, 20, 0]
+    for row, top in enumerate(out.top_logprobs):
+        n = len(top.token_ids)
+        assert top.token_ids == reference.indices[row, :n].tolist()
+        assert top.logprobs == pytest.approx(reference.values[row, :n].tolist(), abs=1e-5)
+    assert Sampler().sample(logits, [SamplingParams(logprobs=0)] * 4, [None] * 4).top_logprobs is None
+
+
 def test_shape_errors() -> None:
     with pytest.raises(ValueError):
         Sampler().sample(torch.zeros(2, 4), [SamplingParams()], [None, None])
