@@ -109,6 +109,7 @@ class DecodeWorker(Worker):
         request = checked(request, WorkerRequest, "request")
         self.loop.open_stream(request.request_id)
         try:
+            await self.compile_grammar(request)
             return await self.loop.call(lambda engine: self._reserve(engine, request))
         except BaseException:
             self.loop.close_stream(request.request_id)

@@ -20,13 +20,15 @@ class StructuredOutputsParams:
     json_object: bool = False
     """Any JSON object (OpenAI's ``response_format: {"type": "json_object"}``)."""
     regex: str | None = None
-    """A regular expression (Rust regex syntax) that the whole output matches."""
+    """A regular expression that the whole output matches (xgrammar's subset of the usual
+    syntax: no inline flags such as ``(?i)``, no backreferences)."""
     choice: tuple[str, ...] = ()
     """The output is exactly one of these non-empty strings."""
 
     def __post_init__(self) -> None:
         if isinstance(self.json, dict):
-            object.__setattr__(self, "json", json.dumps(self.json, sort_keys=True))
+            # (In the dict's own order: the grammar lays properties out in schema order.)
+            object.__setattr__(self, "json", json.dumps(self.json))
         object.__setattr__(self, "choice", tuple(self.choice))
         num_set = sum((self.json is not None, bool(self.json_object), self.regex is not None, bool(self.choice)))
         _check(num_set == 1, "json", f"exactly one of json, json_object, regex and choice must be set, got {num_set}")

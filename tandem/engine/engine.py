@@ -11,6 +11,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.decoding import beam_search
 from tandem.engine.detokenizer import IncrementalDetokenizer
+from tandem.engine.grammars import Grammars
 from tandem.engine.hooks import PrefillHooks
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.observer import EngineObserver
@@ -44,6 +45,7 @@ class LLMEngine:
         if config.seed is not None:  # NOTE: the process's generator: unseeded sampling draws from it
             torch.manual_seed(config.seed)
         self.tokenizer = tokenizer
+        self.grammars = Grammars(tokenizer, config.model.vocab_size, config.model.eos_token_ids)
         self.observer = observer
         self.hooks = hooks
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
@@ -159,14 +161,15 @@ class LLMEngine:
         self.check_request(request_id, prompt_token_ids)
         new_detokenizer = functools.partial(self._new_detokenizer, params)
         arrival_index = next(self._arrivals)
-        seq = Sequence(request_id, prompt_token_ids, params, arrival_index, new_detokenizer())
+        seq = Sequence(request_id, prompt_token_ids, params, arrival_index, new_detokenizer(),
+                       grammar=self.grammars.matcher(params))
         if params.use_beam_search:
             num_candidates = beam_search.num_candidates(params.beam_width, len(self.config.model.eos_token_ids))
             SequenceGroup(seq, [], beam_search.BeamSearch(params.beam_width, params.length_penalty, num_candidates),
                           new_detokenizer)
         elif params.n > 1:
-            forks = [Sequence(request_id, prompt_token_ids, params, arrival_index, new_detokenizer(), i)
-                     for i in range(1, params.n)]
+            forks = [Sequence(request_id, prompt_token_ids, params, arrival_index, new_detokenizer(), i,
+                              self.grammars.matcher(params)) for i in range(1, params.n)]
             SequenceGroup(seq, forks, None, new_detokenizer)
         self.sequences[request_id] = seq
         return seq

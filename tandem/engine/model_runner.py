@@ -10,6 +10,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.decoding.draft_verify import sample_step
 from tandem.engine import step_inputs
+from tandem.decoding.grammar_mask import apply_grammar_masks
 from tandem.engine.logits_processors import apply_logits_processors
 from tandem.engine.sampler import Sampler, StepOutput
 from tandem.engine.scheduler import ScheduledBatch
@@ -110,6 +111,8 @@ class ModelRunner:
         raw = logits[rows_t]
         # NOTE: a target whose logits are processed has no drafts (Speculation.propose).
         processed = apply_logits_processors(raw, targets, self.config.model.eos_token_ids)
+        if any(t.grammar is not None for t in targets):
+            processed = apply_grammar_masks(processed, [t.grammar for t in targets])
         return sample_step(self.sampler, processed, [t.params for t in targets], generators, drafts,
                            len(self.config.model.eos_token_ids), raw_logits=raw)
 

@@ -225,6 +225,11 @@ class Scheduler:
                      top_logprobs: TopLogprobs | None = None) -> SequenceUpdate:
         """Add a sampled token to a sequence whose KV is computed up to it; stop if it ends."""
         status = self.end_of(seq, token_id)
+        if seq.grammar is not None and status is None:
+            # The mask let only the grammar's tokens through: a token it refuses all the same
+            # (a processor had masked every allowed one) or a complete grammar ends the output.
+            if not seq.grammar.accept_token(token_id) or seq.grammar.is_terminated:
+                status = SequenceStatus.FINISHED_STOPPED
         seq.token_ids.append(token_id)
         seq.output_logprobs.append(logprob)
         if top_logprobs is not None:

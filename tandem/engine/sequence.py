@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -14,6 +14,9 @@ from tandem.decoding.beam_search import BeamSearch, Hypothesis
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.logprobs import TopLogprobs
 from tandem.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tandem.decoding.grammar import GrammarMatcher
 
 
 class SequenceStatus(IntEnum):
@@ -63,13 +66,17 @@ class Sequence:
         arrival_index: int,
         detokenizer: IncrementalDetokenizer | None = None,
         index: int = 0,
+        grammar: GrammarMatcher | None = None,
     ) -> None:
+        """grammar: the matcher of the request's structured outputs, at the output's start."""
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.params = params
         self.arrival_index = arrival_index
         self.detokenizer = detokenizer
         self.index = index
+        self.grammar = grammar
+        """Where the output is in its grammar (advanced with every token it takes)."""
         """Which of its request's completions this is (0 .. n-1; see SamplingParams.n)."""
         self.group: SequenceGroup | None = None
         """The request's other sequences, when it has several (n > 1, beam search)."""

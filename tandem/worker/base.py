@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -24,7 +25,7 @@ from tandem.model.generation_defaults import sampling_defaults
 from tandem.model.source import resolve_model_source
 from tandem.parallel.launch import start_engine_model
 from tandem.worker import faults
-from tandem.worker.api import EngineDown, Role, TokenizerSpec, WorkerInventory, WorkerLoad
+from tandem.worker.api import EngineDown, Role, TokenizerSpec, WorkerInventory, WorkerLoad, WorkerRequest
 from tandem.worker.engine_loop import EngineLoop
 from tandem.worker.heartbeat_file import HeartbeatFile
 from tandem.worker.metrics import WorkerMetrics
@@ -105,6 +106,14 @@ class Worker:
 
     def _fail_waiting(self, down: EngineDown) -> None:
         """The role's own waiters (beside the streams) fail with `down`."""
+
+    async def compile_grammar(self, request: WorkerRequest) -> None:
+        """Compile the request's structured-output grammar, if it has one, on a thread of its
+        own (a schema takes up to a second): the engine loop then finds it cached and never
+        stalls other requests on it. ValueError when the constraint cannot compile."""
+        constraint = request.params.structured_outputs
+        if constraint is not None:
+            await asyncio.to_thread(self.engine.grammars.compile, constraint)
 
     async def inject_fault(self, kind: str) -> None:
         """Break the engine on purpose (faults.FAULTS): only with fault_injection on."""

@@ -19,6 +19,7 @@ class ColocatedWorker(Worker):
         q = self.loop.open_stream(request.request_id)
         finished = False
         try:
+            await self.compile_grammar(request)
             await self.loop.call(lambda engine: engine.add_request(
                 request.request_id, request.prompt_token_ids, request.params) and None)
             while not finished:
