@@ -12,6 +12,7 @@ import torch
 
 from tandem.device import resolve_device, resolve_dtype
 from tandem.engine.engine import LLMEngine
+from tandem.engine.grammars import Grammars
 from tandem.engine.hooks import PrefillHooks
 from tandem.engine.model_runner import KVAllocator, ModelRunner, private_pool
 from tandem.engine.snapshots import EngineInventory
@@ -79,6 +80,8 @@ class Worker:
         tokenizer = loaded.tokenizer if self.role is not Role.PREFILL else None  # prefill emits no text
         self.engine = LLMEngine(config, started.model, tokenizer, runner=started.runner,
                                 hooks=self._prefill_hooks(started.runner))
+        # A prefill worker samples first tokens under structured outputs' grammars all the same.
+        self.engine.grammars = Grammars(loaded.tokenizer, config.model.vocab_size, config.model.eos_token_ids)
         if config.device.type == "cpu":
             self.engine.runner.step_threads = StepThreads.for_served_worker(torch.get_num_threads())
         self.metrics = WorkerMetrics(self.role, instance, loaded.config.name, self.engine)
