@@ -46,7 +46,7 @@ def _text(max_size: int = 200):
 
 
 FIELDS = ("request_id", "input", "max_tokens", "temperature", "top_p", "min_p", "top_k", "seed", "stop",
-          "stop_token_ids", "n", "beam")
+          "stop_token_ids", "n", "beam", "logprobs")
 
 
 @st.composite
@@ -106,9 +106,10 @@ def generate_requests(draw, max_model_len: int, vocab_size: int, cheap: bool = F
                        | st.sampled_from([["x"] * 5000, ["y" * 300], ["\x00"], [""], ["a" * 100_000]])))
     s.stop_token_ids.extend(pick("stop_token_ids", st.lists(good_id, max_size=3),
                                  st.lists(any_id, max_size=70) | st.sampled_from([[2] * 5000, [INT32[1]]])))
-    for name in ("ignore_eos", "logprobs"):
-        if (flag := draw(_optional(st.booleans()))) is not None:
-            setattr(s, name, flag)
+    if (flag := draw(_optional(st.booleans()))) is not None:
+        s.ignore_eos = flag
+    if (count := pick("logprobs", _optional(st.integers(0, 20)), st.sampled_from([-1, 21, *INT32]))) is not None:
+        s.logprobs = count
     _draw_completions(draw, s, hostile)
     return req
 
@@ -139,6 +140,8 @@ def _draw_completions(draw, s: pb.SamplingParams, hostile: set[str]) -> None:
             s.ClearField(name)
     if "stop" not in hostile:
         del s.stop[:]
+    if "logprobs" not in hostile and s.logprobs:  # (only the chosen token's with beam search)
+        s.logprobs = 0
 
 
 def check_outcome(req: pb.GenerateRequest, responses: list[pb.GenerateResponse], error: grpc.RpcError | None,

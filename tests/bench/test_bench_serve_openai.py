@@ -213,14 +213,14 @@ def test_one_session_with_enough_connections(monkeypatch: pytest.MonkeyPatch):
 def test_request_body_follows_the_grpc_input():
     chat = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")]),
                               sampling=pb.SamplingParams(temperature=0.7, seed=3, max_tokens=5, stop=["\n"],
-                                                         logprobs=True))
+                                                         logprobs=3))
     path, body = serve_openai.request_body(chat, "m")
     assert path == "/v1/chat/completions" and body["messages"] == [{"role": "user", "content": "hi"}]
-    assert (body["temperature"], body["seed"], body["max_tokens"], body["stop"], body["logprobs"]) == (
-        0.7, 3, 5, ["\n"], True)
+    assert (body["temperature"], body["seed"], body["max_tokens"], body["stop"], body["logprobs"],
+            body["top_logprobs"]) == (0.7, 3, 5, ["\n"], True, 3)
     path, body = serve_openai.request_body(pb.GenerateRequest(prompt="Once", sampling=pb.SamplingParams(
-        logprobs=True)), "m")
-    assert path == "/v1/completions" and body["prompt"] == "Once" and body["logprobs"] == 1
+        logprobs=0)), "m")
+    assert path == "/v1/completions" and body["prompt"] == "Once" and body["logprobs"] == 0
     path, body = serve_openai.request_body(greedy_request("r", [1, 2], 7), "m")
     assert path == "/v1/completions" and body["prompt"] == [1, 2] and "seed" not in body
     assert serve_openai.base_url("h:1") == "http://h:1" and serve_openai.base_url("https://h/") == "https://h"

@@ -64,8 +64,9 @@ def request_body(request: pb.GenerateRequest, model: str) -> tuple[str, dict[str
         path, body = "/v1/completions", {"prompt": request.prompt}
     else:
         raise ValueError("the request has no input")
-    if sampling.pop("logprobs", False):  # a flag in chat, the number of top log-probs in completions
-        sampling["logprobs"] = True if which == "messages" else 1
+    if "logprobs" in sampling:  # chat asks with a flag and top_logprobs, completions with the count
+        count = sampling.pop("logprobs")
+        sampling.update({"logprobs": True, "top_logprobs": count} if which == "messages" else {"logprobs": count})
     return path, {"model": model, **body, **sampling, "stream": True, "stream_options": {"include_usage": True}}
 
 
