@@ -12,6 +12,7 @@ from typing import Any
 _EXPORTS = {
     "LLM": "tandem.llm",
     "SamplingParams": "tandem.sampling_params",
+    "StructuredOutputsParams": "tandem.structured_outputs",
     "RequestOutput": "tandem.outputs",
     "RequestDelta": "tandem.outputs",
     "FinishReason": "tandem.engine.sequence",
