@@ -9,10 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from tandem.decoding.grammar import GrammarMatcher, bitmask_words
-from tandem.engine.step_inputs import to_device
-
-_BITS = {torch.device("cpu"): torch.tensor([1 << b for b in range(31)] + [-(1 << 31)], dtype=torch.int32)}
-"""Each bit of an int32 word alone (bit 31 is the sign), by device."""
+from tandem.engine import step_inputs
 
 
 def apply_grammar_masks(logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None]) -> torch.Tensor:
@@ -32,7 +29,7 @@ def apply_grammar_masks(logits: torch.Tensor, matchers: Sequence[GrammarMatcher 
     for j, i in enumerate(constrained):
         matchers[i].fill_next_token_bitmask(bitmask, j)
     host[n * words:] = torch.tensor(constrained, dtype=torch.int32)
-    packed = to_device(host, logits.device)
+    packed = step_inputs.to_device(host, logits.device)
     forbidden = unpack_bitmask(packed[:n * words].view(n, words), vocab_size, allowed=False)
     if n == rows:  # every row constrained: no gather and scatter
         return logits.masked_fill(forbidden, float("-inf"))
@@ -45,11 +42,9 @@ def apply_grammar_masks(logits: torch.Tensor, matchers: Sequence[GrammarMatcher 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int, allowed: bool = True) -> torch.Tensor:
     """int32 ``[rows, words]`` -> bool ``[rows, vocab_size]``, True where a token is allowed
     (``allowed=False``: where it is not): token ``t`` is bit ``t % 32`` of word ``t // 32``."""
-    bits = _BITS.get(bitmask.device)
-    if bits is None:  # once per device: not a transfer per step
-        bits = _BITS[bitmask.device] = _BITS[torch.device("cpu")].to(bitmask.device)
-    set_bits = bitmask.unsqueeze(-1) & bits
-    unpacked = set_bits != 0 if allowed else set_bits == 0
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # made there: no transfer
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # [rows, words, 32]
+    unpacked = bits != 0 if allowed else bits == 0
     return unpacked.reshape(bitmask.shape[0], -1)[:, :vocab_size]
 
 

@@ -222,16 +222,6 @@ def test_masks_unpack_exactly(compiler, tokenizer, closing):
     assert half.dtype == torch.bfloat16 and torch.equal(torch.isinf(half), torch.isinf(fast))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_masks_on_cuda_match_the_host(compiler, tokenizer):
-    tokens = tokenizer.encode(VALID["json_schema"], add_special_tokens=False)
-    grammar = compiler.compile(PARAMS["json_schema"])
-    matchers = [None] + [GrammarMatcher.from_tokens(grammar, tokens[:n]) for n in range(0, len(tokens), 4)]
-    logits = torch.randn(len(matchers), compiler.vocab_size)
-    on_gpu = apply_grammar_masks(logits.cuda(), matchers)
-    assert on_gpu.is_cuda and torch.equal(on_gpu.cpu(), apply_grammar_masks_reference(logits, matchers))
-
-
 @pytest.mark.parametrize("params, fragment", [
     (StructuredOutputsParams(json={"type": "frobnicate"}), "json"),
     (StructuredOutputsParams(json={"properties": {"a": {"$ref": "#/" + "x" * 5000}}}), "json"),

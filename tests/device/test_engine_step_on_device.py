@@ -15,7 +15,8 @@ import torch
 from fake_cuda import BATCHES, CUDA, SMOLLM2, DeviceAudit, runner
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
-from tandem.engine.sampler import Sampler
+from tandem.decoding.grammar_mask import apply_grammar_masks
+from tandem.engine.sampler import Sampler, top_logprobs
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.model import llama
 from tandem.plan import read_model_shape
@@ -92,3 +93,24 @@ def test_a_host_read_in_the_forward_fails_here(fake_cuda, monkeypatch) -> None:
     monkeypatch.setattr(llama, "rms_norm", lambda x, w, eps: norm(x, w, eps) * float(w.max().item() > 0))
     with pytest.raises(DataDependentOutputException):
         runner().forward(BATCHES["decodes"][0](), None, None)
+
+
+class _EveryOtherToken:
+    """A matcher allowing the even token ids (what apply_grammar_masks asks of one)."""
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> None:
+        bitmask[index] = 0x55555555
+
+
+def test_grammar_masks_and_top_logprobs_stay_on_the_device(fake_cuda) -> None:
+    """Structured outputs' masks: the host bitmasks and row ids cross in one transfer and are
+    unpacked there; the top log-probabilities are worked out there (read back once, as the
+    chosen tokens are)."""
+    logits = torch.randn(3, SMOLLM2.vocab_size, dtype=torch.bfloat16, device=CUDA)
+    audit = DeviceAudit()
+    with audit:
+        masked = apply_grammar_masks(logits, [_EveryOtherToken(), None, _EveryOtherToken()])
+        values, indices = top_logprobs(masked, 5)
+    assert masked.device == values.device == indices.device == CUDA and masked.shape == logits.shape
+    assert len(audit.transfers) == 1
+    assert all(device == CUDA for _, device in audit.outputs[audit.transfers[0]:])
