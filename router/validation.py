@@ -12,7 +12,6 @@ never echoes more than a few characters of what the client sent.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import uuid
 from collections.abc import Mapping
@@ -177,14 +176,7 @@ def structured_outputs_from(constraint: pb.StructuredOutputs,
     if size > limits.max_structured_output_chars:
         raise invalid(field, f"{size} characters, more than the limit "
                              f"max_structured_output_chars={limits.max_structured_output_chars}")
-    if kind == "json_schema":
-        try:
-            schema = json.loads(text)
-        except (ValueError, RecursionError) as e:
-            raise invalid(field, f"is not valid JSON ({type(e).__name__}: {str(e)[:80]})") from None
-        if not isinstance(schema, (dict, bool)):
-            raise invalid(field, "must be a JSON Schema: an object (or true or false)")
-    try:
+    try:  # (StructuredOutputsParams parses a schema: once)
         return StructuredOutputsParams(json=text if kind == "json_schema" else None,
                                        regex=text if kind == "regex" else None,
                                        choice=tuple(choices) if kind == "choice" else ())

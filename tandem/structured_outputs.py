@@ -36,8 +36,9 @@ class StructuredOutputsParams:
             _check(isinstance(self.json, str), "json", "must be a JSON Schema (a JSON object or its text)")
             try:
                 schema: Any = json.loads(self.json)
-            except ValueError as e:
-                raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {e}") from None
+            except (ValueError, RecursionError) as e:
+                raise ValueError(f"StructuredOutputsParams.json is not valid JSON ({type(e).__name__}: "
+                                 f"{str(e)[:80]})") from None
             _check(isinstance(schema, (dict, bool)), "json", "must be a JSON Schema: an object or true/false")
         _check(self.regex is None or (isinstance(self.regex, str) and self.regex != ""),
                "regex", "must be a non-empty string")

@@ -20,7 +20,6 @@ from collections.abc import Sequence
 import grpc
 from aiohttp import web
 
-from tandem.proto import generation_pb2 as pb
 from tandem.router.backend import Backend
 from tandem.router.buffered import merged
 from tandem.router.limits import RequestLimits
@@ -28,10 +27,11 @@ from tandem.router.metrics import RequestTimer, RouterMetrics
 from tandem.router.openai.body_budget import BodyBudget
 from tandem.router.openai.errors import APIError, invalid
 from tandem.router.openai.fanout import PromptRuns
+from tandem.router.openai.prompts import Prompt
 from tandem.router.openai.protocol import CHAT, ParsedRequest, parse_request
 from tandem.router.openai.responses import DONE, Responses, new_id, sse, usage
 from tandem.router.openai.validated import validated_all
-from tandem.router.relay import ClientGone, RequestFailed, RequestRelay
+from tandem.router.relay import ClientGone, RequestFailed, RequestRelay, failure_of
 from tandem.router.tenant_cache import for_tenant
 from tandem.router.tokenizer import RouterTokenizer
 from tandem.router.validation import ValidRequest, check_request_id
@@ -95,7 +95,8 @@ class Generation:
         if response_id != request_id:
             logger.debug("request %s is the client's %s", request_id, response_id)
         responses = Responses(kind, response_id, self.model, self._tokenizer, include_usage=parsed.include_usage)
-        echoes = [self._echo_text(parsed, given, valid) for given, valid in zip(parsed.requests, valids)]
+        echoes = [self._echo_text(parsed, parsed.prompts[i] if parsed.prompts else "", valid)
+                  for i, valid in enumerate(valids)]
         with contextlib.ExitStack() as places:
             # Each further prompt is a request of its own on the workers: it holds a place
             # among max_concurrent_requests too (none free: the whole request is refused).
@@ -105,11 +106,11 @@ class Generation:
                 return await self._stream(request, parsed, valids, runs, responses, echoes)
             return await self._complete(valids, runs, responses, echoes)
 
-    def _echo_text(self, parsed: ParsedRequest, given: pb.GenerateRequest, valid: ValidRequest) -> str:
+    def _echo_text(self, parsed: ParsedRequest, given: Prompt, valid: ValidRequest) -> str:
         """echo: the prompt as text (as given, or its token ids decoded); "" without echo."""
         if not parsed.echo:
             return ""
-        return given.prompt if given.prompt else self._tokenizer.decode(valid.prompt_token_ids)
+        return given if isinstance(given, str) else self._tokenizer.decode(valid.prompt_token_ids)
 
     def _prepare(self, kind: str, raw: bytes, request_id: str) -> tuple[ParsedRequest, list[ValidRequest]]:
         try:
@@ -125,8 +126,10 @@ class Generation:
         prompt_index * n + completion index (vLLM's order)."""
         n = valids[0].params.n
         by_choice: dict[int, list[StreamDelta]] = {}
-        async with runs:
+        async with runs:  # (leaving it early cancels the prompts still running)
             async for prompt_index, delta in runs:
+                if delta.finish_reason == "abort":
+                    raise _aborted(valids[prompt_index].request_id)
                 by_choice.setdefault(prompt_index * n + delta.index, []).append(delta)
         choices = []
         for index in sorted(by_choice):
@@ -187,12 +190,17 @@ class Generation:
         # ClientGone (a write failed): each prompt's relay counts both as cancelled.
         try:
             try:
-                async with runs:
+                async with runs:  # (leaving it early cancels the prompts still running)
                     async for prompt_index, delta in runs:
                         await send(prompt_index, delta)
-            except RequestFailed as failure:
+                        if aborted:
+                            break
+            except ClientGone:
+                raise
+            except Exception as e:  # noqa: BLE001 - a relay's failure, or one in sending a chunk
                 if not response.prepared:
                     raise
+                failure = e if isinstance(e, RequestFailed) else failure_of(valids[0].request_id, e)
                 # Too late for a status: OpenAI's client raises on an event carrying "error".
                 await write(sse(_api_error(failure).body()))
                 return response

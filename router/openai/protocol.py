@@ -44,9 +44,10 @@ class ParsedRequest:
 
     kind: str
     """COMPLETION or CHAT."""
-    requests: tuple[pb.GenerateRequest, ...]
-    """One per prompt (chat: one), in the order given; with several, request i's id is the
-    request's with "-i" after it."""
+    base: pb.GenerateRequest
+    """The request but for its prompt (chat: with its messages, the whole request)."""
+    prompts: tuple[Prompt, ...]
+    """Completions: the prompts, in the order given (each a request: ``prompt_request``)."""
     stream: bool
     include_usage: bool
     """stream_options.include_usage: a last chunk with the usage."""
@@ -64,9 +65,30 @@ class ParsedRequest:
     """Where the body gave its output constraint (``response_format.json_schema.schema``, ...)."""
 
     @property
+    def num_prompts(self) -> int:
+        return len(self.prompts) if self.kind == COMPLETION else 1
+
+    def prompt_request(self, index: int) -> pb.GenerateRequest:
+        """Prompt ``index``'s request (with several, its id is the request's with "-index" after
+        it, as vLLM numbers them). Built on demand: the caller bounds the number of prompts and
+        the sampling fields' sizes before copying the request once per prompt."""
+        if self.kind != COMPLETION:
+            return self.base
+        request = pb.GenerateRequest()
+        request.CopyFrom(self.base)
+        if len(self.prompts) > 1:
+            request.request_id = f"{self.base.request_id}-{index}"
+        prompt = self.prompts[index]
+        if isinstance(prompt, str):
+            request.prompt = prompt
+        else:
+            request.token_ids.ids.extend(prompt)
+        return request
+
+    @property
     def request(self) -> pb.GenerateRequest:
         """The first prompt's request (the only one, but for a list of prompts)."""
-        return self.requests[0]
+        return self.prompt_request(0)
 
     @property
     def input_param(self) -> str:
@@ -179,13 +201,13 @@ def _parse(kind: str, body: object, model_names: tuple[str, ...], request_id: st
     constraint = output_constraint(given)
     if constraint is not None:
         sampling.structured_outputs.CopyFrom(constraint.message)
+    prompts: tuple[Prompt, ...] = ()
     if kind == COMPLETION:
-        requests = _per_prompt(request, completion_prompts(given.get("prompt")))
+        prompts = tuple(completion_prompts(given.get("prompt")))
     else:
         request.messages.messages.extend(chat_messages(given.get("messages")))
-        requests = (request,)
     template_kwargs = _template_kwargs(given.get("chat_template_kwargs")) if kind == CHAT else None
-    return ParsedRequest(kind, requests, stream, include_usage, logprobs, max_tokens_param, echo, template_kwargs,
+    return ParsedRequest(kind, request, prompts, stream, include_usage, logprobs, max_tokens_param, echo, template_kwargs,
                          continuous_usage, constraint.field if constraint is not None else None)
 
 
@@ -260,18 +282,3 @@ def _stream_options(value: object, stream: bool) -> tuple[bool, bool]:
                                  for key in ("include_usage", "continuous_usage_stats"))
     return include_usage, include_usage and continuous
 
-
-def _per_prompt(base: pb.GenerateRequest, prompts: list[Prompt]) -> tuple[pb.GenerateRequest, ...]:
-    """The request once per prompt (several: ids "<id>-0", "<id>-1", ..., as vLLM numbers them)."""
-    requests = []
-    for i, prompt in enumerate(prompts):
-        request = pb.GenerateRequest()
-        request.CopyFrom(base)
-        if len(prompts) > 1:
-            request.request_id = f"{base.request_id}-{i}"
-        if isinstance(prompt, str):
-            request.prompt = prompt
-        else:
-            request.token_ids.ids.extend(prompt)
-        requests.append(request)
-    return tuple(requests)

@@ -36,21 +36,18 @@ def validated_all(parsed: ParsedRequest, tokenizer: RouterTokenizer, limits: Req
     context leaves (OpenAI's "no limit"), unless the model gives a default (its
     generation_config.json's max_new_tokens, within that room).
     """
-    requests = parsed.requests
-    if len(requests) > limits.max_prompts:
-        raise invalid("prompt", f"{len(requests)} prompts, more than the limit max_prompts={limits.max_prompts}")
-    num_chars = sum(len(r.prompt) for r in requests)
-    if len(requests) > 1 and num_chars > limits.max_prompt_chars:
-        raise invalid("prompt", f"{len(requests)} prompts of {num_chars} characters together, more than the limit "
+    num_prompts = parsed.num_prompts
+    if num_prompts > limits.max_prompts:
+        raise invalid("prompt", f"{num_prompts} prompts, more than the limit max_prompts={limits.max_prompts}")
+    num_chars = sum(len(p) for p in parsed.prompts if isinstance(p, str))
+    if num_prompts > 1 and num_chars > limits.max_prompt_chars:
+        raise invalid("prompt", f"{num_prompts} prompts of {num_chars} characters together, more than the limit "
                                 f"max_prompt_chars={limits.max_prompt_chars}")
-    several = len(requests) > 1
-    return [_validated(parsed, request, i if several else None, tokenizer, limits) for i, request in enumerate(requests)]
-
-
-def validated(parsed: ParsedRequest, tokenizer: RouterTokenizer, limits: RequestLimits) -> ValidRequest:
-    """``validated_all`` for a request of one prompt (or chat) -> its one ValidRequest."""
-    (valid,) = validated_all(parsed, tokenizer, limits)
-    return valid
+    several = num_prompts > 1
+    # NOTE: prompt 0's validation bounds the sampling fields (stop strings, logit_bias, the
+    # constraint) before any further copy of the request is made.
+    return [_validated(parsed, parsed.prompt_request(i), i if several else None, tokenizer, limits)
+            for i in range(num_prompts)]
 
 
 def _validated(parsed: ParsedRequest, request: pb.GenerateRequest, prompt_index: int | None,

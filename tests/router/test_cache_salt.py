@@ -9,7 +9,7 @@ from tandem.proto import generation_pb2 as pb
 from tandem.router.limits import RequestLimits
 from tandem.router.openai.errors import APIError
 from tandem.router.openai.protocol import COMPLETION, parse_request
-from tandem.router.openai.validated import validated
+from tandem.router.openai.validated import validated_all
 from tandem.router.validation import validate_request
 from tandem.sampling_params import MAX_CACHE_SALT_CHARS
 
@@ -21,7 +21,7 @@ def test_grpc_and_openai_carry_the_salt(router_tokenizer):
     assert validate_request(grpc_request, router_tokenizer).params.cache_salt == "acme"
     assert validate_request(pb.GenerateRequest(prompt="hi"), router_tokenizer).params.cache_salt is None
     parsed = parse_request(COMPLETION, {"model": MODEL, "prompt": "hi", "cache_salt": "bobs"}, MODEL, "r")
-    assert validated(parsed, router_tokenizer, RequestLimits()).params.cache_salt == "bobs"
+    assert validated_all(parsed, router_tokenizer, RequestLimits())[0].params.cache_salt == "bobs"
 
 
 @pytest.mark.parametrize("salt", ["", "x" * (MAX_CACHE_SALT_CHARS + 1)])

@@ -13,7 +13,7 @@ from tandem.proto import generation_pb2 as pb
 from tandem.router import serve_command
 from tandem.router.limits import RequestLimits
 from tandem.router.openai.protocol import CHAT, parse_request
-from tandem.router.openai.validated import validated
+from tandem.router.openai.validated import validated_all
 from tandem.router.tokenizer import RouterTokenizer
 from tandem.router.validation import validate_request
 from tandem.worker.tokenizer_spec import tokenizer_spec_from
@@ -50,8 +50,9 @@ def test_unset_fields_take_the_models_defaults(router_tokenizer, tokenizer, mode
     chosen = validate_request(pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParams(
         temperature=0, max_tokens=5)), served).params
     assert (chosen.temperature, chosen.max_tokens, chosen.top_k) == (0, 5, 20)
-    chat = validated(parse_request(CHAT, {"messages": [{"role": "user", "content": "Hi"}]}, "m", "r"), served,
-                     RequestLimits()).params
+    (chat,) = validated_all(parse_request(CHAT, {"messages": [{"role": "user", "content": "Hi"}]}, "m", "r"), served,
+                            RequestLimits())
+    chat = chat.params
     assert chat.max_tokens == 64  # the model's default, not the whole room
     plain = validate_request(pb.GenerateRequest(prompt="Hi"), RouterTokenizer.from_spec(
         dataclasses.replace(spec, sampling_defaults=()))).params

@@ -244,3 +244,35 @@ def test_echo_streams_each_prompt_before_its_own_choices(router_tokenizer):
     for index, prompt in enumerate(PROMPTS[:2]):
         text = "".join(c.choices[0].text for c in chunks if c.choices[0].index == index)
         assert text == prompt + REPLIES[prompt]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_prompt_aborted_on_the_workers_ends_the_others_at_once(router_tokenizer, stream):
+    """One prompt's run ends "abort" (e.g. its worker aborted it): the client gets the error
+    then and there, and the other prompts stop generating (closed before their end)."""
+    backend = backend_for(router_tokenizer, step_delay_s=0.02)
+
+    async def abort_prompt_1():
+        while len(backend.seen) < len(PROMPTS) or not backend.running:
+            await asyncio.sleep(0.005)
+        ids = {router_tokenizer.decode(s.prompt_token_ids): s.request_id for s in backend.seen}
+        await asyncio.sleep(0.03)
+        backend.running[ids[PROMPTS[1]]].set()
+
+    async def run():
+        async with openai_serving(backend) as served, served.async_client() as client:
+            aborter = asyncio.create_task(abort_prompt_1())
+            with pytest.raises(openai.APIError) as error:
+                answer = await client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=50, stream=stream)
+                if stream:
+                    async for _ in answer:
+                        pass
+            await aborter
+            await asyncio.sleep(0.05)
+            return error.value, served.metrics.num_running
+
+    error, num_running = asyncio.run(run())
+    assert "aborted" in error.message
+    ids = {router_tokenizer.decode(s.prompt_token_ids): s.request_id for s in backend.seen}
+    assert sorted(backend.closed_early) == sorted([ids[PROMPTS[0]], ids[PROMPTS[2]]])
+    assert set(backend.finished) <= {ids[PROMPTS[1]]} and not backend.running and num_running == 0

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from tandem.router.limits import RequestLimits
 from tandem.router.openai.errors import APIError
 from tandem.router.openai.protocol import CHAT, COMPLETION, parse_request
-from tandem.router.openai.validated import validated, validated_all
+from tandem.router.openai.validated import validated_all
 
 MODEL = "m"
 
@@ -38,9 +38,9 @@ def test_completion_prompts_a_batch_of_one_and_token_ids():
 
 def test_chat_max_tokens_unset_takes_the_room_left(router_tokenizer):
     body = {"messages": [{"role": "user", "content": "Hi"}]}
-    valid = validated(parse_request(CHAT, body, MODEL, "r"), router_tokenizer, RequestLimits())
+    valid = validated_all(parse_request(CHAT, body, MODEL, "r"), router_tokenizer, RequestLimits())[0]
     assert valid.params.max_tokens == router_tokenizer.max_model_len - len(valid.prompt_token_ids)
-    valid = validated(parse_request(COMPLETION, {"prompt": "Hi"}, MODEL, "r"), router_tokenizer, RequestLimits())
+    valid = validated_all(parse_request(COMPLETION, {"prompt": "Hi"}, MODEL, "r"), router_tokenizer, RequestLimits())[0]
     assert valid.params.max_tokens == 16  # OpenAI's default for completions, as SamplingParams'
 
 

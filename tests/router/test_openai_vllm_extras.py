@@ -14,7 +14,7 @@ from openai_harness import MODEL, openai_serving
 from tandem.router.limits import RequestLimits
 from tandem.router.openai.errors import APIError
 from tandem.router.openai.protocol import CHAT, parse_request
-from tandem.router.openai.validated import validated
+from tandem.router.openai.validated import validated_all
 from tandem.router.tokenizer import RouterTokenizer
 
 TEMPLATE = "{% if enable_thinking %}<think>{% endif %}{{ messages[0]['content'] }}{{ suffix | default('') }}"
@@ -27,7 +27,7 @@ def test_chat_template_kwargs_reach_the_template(router_tokenizer):
 
     def ids(body: dict) -> list[int]:
         parsed = parse_request(CHAT, {"messages": MESSAGES, "max_tokens": 4, **body}, MODEL, "r")
-        return validated(parsed, served, RequestLimits()).prompt_token_ids
+        return validated_all(parsed, served, RequestLimits())[0].prompt_token_ids
 
     assert ids({}) == plain.encode("Hi", add_special_tokens=False).ids
     assert ids({"chat_template_kwargs": {"enable_thinking": True, "suffix": "!"}}) == plain.encode(
