@@ -66,21 +66,6 @@ def _choice_ebnf(choices: Sequence[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
-def validate(params: StructuredOutputsParams) -> None:
-    """Raise ``ValueError`` if xgrammar cannot turn ``params`` into a grammar. Needs no
-    tokenizer and takes well under a millisecond, but imports xgrammar, hence torch."""
-    kind, text = params.key
-    try:
-        if kind == "json":
-            xgrammar.Grammar.from_json_schema(text, any_whitespace=True, max_whitespace_cnt=MAX_WHITESPACE)
-        elif kind == "regex":
-            xgrammar.Grammar.from_regex(text)
-        elif kind == "choice":
-            xgrammar.Grammar.from_ebnf(_choice_ebnf(params.choice))
-    except Exception as e:  # xgrammar raises RuntimeError and its own kinds
-        raise _invalid(kind, e) from None
-
-
 @dataclass(frozen=True, eq=False)
 class CompiledGrammar:
     """One compiled constraint, shared (read-only) by every matcher of every sequence using it."""
@@ -162,9 +147,9 @@ class GrammarCompiler:
 class GrammarMatcher:
     """Where one sequence stands in its grammar. Not thread-safe: one owner at a time."""
 
-    def __init__(self, grammar: CompiledGrammar, _matcher: Any = None) -> None:
+    def __init__(self, grammar: CompiledGrammar) -> None:
         self.grammar = grammar
-        self._matcher = _matcher if _matcher is not None else xgrammar.GrammarMatcher(grammar.compiled)
+        self._matcher = xgrammar.GrammarMatcher(grammar.compiled)
         self._version = 0
         self._terminated_at = (-1, False)  # (version, only EOS allowed then)
         self._scratch: torch.Tensor | None = None
@@ -188,11 +173,6 @@ class GrammarMatcher:
             return False
         self._version += 1
         return True
-
-    def rollback(self, num_tokens: int) -> None:
-        """Undo the last ``num_tokens`` accepted tokens (rejected speculative drafts)."""
-        self._matcher.rollback(num_tokens)
-        self._version += 1
 
     @property
     def is_complete(self) -> bool:
@@ -224,12 +204,6 @@ class GrammarMatcher:
             bitmask[index].copy_(self.grammar.eos_row)
         else:
             self._matcher.fill_next_token_bitmask(bitmask, index)
-
-    def fork(self) -> GrammarMatcher:
-        """An independent copy at the same state (for the samples of parallel sampling)."""
-        forked = GrammarMatcher(self.grammar, self._matcher.fork())
-        forked._version, forked._terminated_at = self._version, self._terminated_at
-        return forked
 
 
 def _bit(position: int) -> int:
