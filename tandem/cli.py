@@ -163,6 +163,7 @@ BENCH_HELP = {
     "swap": "preemption: swapping KV blocks out and in vs recomputing their tokens",
     "spec": "speculative decoding by prompt lookup: tokens/s and acceptance, with vs without",
     "quant": "weight-only int8 and int4 vs float32 and bfloat16: decode tokens/s, weight bytes, agreement",
+    "detokenize": "incremental detokenization: tokenizers' DecodeStream vs the window technique, per token",
     "grammar": "structured outputs: xgrammar, llguidance, outlines-core compile and per-token mask times",
     "gpu": "on a GPU: greedy parity with transformers, decode vs the memory floor, kernels vs SDPA, KV staging",
 }
