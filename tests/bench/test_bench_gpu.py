@@ -10,7 +10,7 @@ import torch
 
 from tandem import cli
 from tandem.bench import gpu
-from tandem.bench.gpu import attention, decode, parity
+from tandem.bench.gpu import attention, decode, parity, serve_check
 from tandem.bench.gpu.setup import GpuSetup, load_for_gpu
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
@@ -62,3 +62,28 @@ def test_parity_decode_and_kernels_run_on_the_cpu(cpu_setup, monkeypatch):
     assert "greedy parity with transformers, float32: 4/4 prompts token-exact over 8 tokens" in lines[1]
     assert any(line.startswith("decode batch   2:") for line in lines)
     assert any("SDPA" in line for line in lines) and any("KV staging device->host" in line for line in lines)
+
+
+def test_the_serve_burst_mixes_long_and_short_ordinary_prompts(cpu_setup):
+    prompts = serve_check.mixed_prompts(cpu_setup, 8, seed=3)
+    lens = [len(p) for p in prompts]
+    assert all(800 <= n <= 1500 for n in lens[3::4]) and all(16 <= n <= 200 for i, n in enumerate(lens) if i % 4 != 3)
+    eos = set(cpu_setup.config.eos_token_ids)
+    assert not any(t in eos for p in prompts for t in p)
+    assert prompts == serve_check.mixed_prompts(cpu_setup, 8, seed=3)  # the same burst for the same seed
+
+
+def test_the_serve_rows_read_the_kv_paths_off_the_routers_metrics_and_say_pass_fail_or_skip():
+    text = ('# HELP tandem_kv_transfer_paths_total KV transfers begun, by data path.\n'
+            'tandem_kv_transfer_paths_total{pool="prefill",worker="prefill-0",path="cuda_ipc"} 31.0\n'
+            'tandem_kv_transfer_paths_total{pool="prefill",worker="prefill-1",path="cuda_ipc"} 1.0\n'
+            'tandem_kv_transfer_paths_total{pool="prefill",worker="prefill-0",path="zmq"} 0.0\n')
+    assert serve_check.paths_of(text) == {"cuda_ipc": 32.0}
+    rows = [{"name": "default, one GPU", "exact": True, "num_exact": 32, "num_requests": 32, "num_tokens": 32,
+             "serve_s": 2.5, "start_s": 40.0, "paths": {"cuda_ipc": 32.0}},
+            {"name": "KV pair over NCCL", "skipped": "needs 2 GPUs, this machine has 1"},
+            {"name": "x", "exact": False, "error": "RuntimeError: tandem serve exited with 1 before it served"}]
+    lines = gpu.serve_lines(rows)
+    assert lines[0].startswith("PASS tandem serve, default, one GPU: 32/32") and "cuda_ipc 32" in lines[0]
+    assert lines[1] == "SKIP tandem serve, KV pair over NCCL: needs 2 GPUs, this machine has 1"
+    assert lines[2].startswith("FAIL tandem serve, x: RuntimeError")

@@ -2,6 +2,10 @@
 
 1. Greedy parity with transformers on the device, both in float32 (bfloat16 is not
    token-exact with anything), on a few chat prompts.
+1b. The default ``tandem serve`` on this GPU (both pools on one device: KV by CUDA IPC)
+   answering a burst of mixed greedy requests token-exact with transformers (serve_check.py);
+   the CUDA IPC write timed against a device copy (ipc.py); the NCCL rows (a KV pair on two
+   GPUs, tensor parallelism) where there are enough GPUs, a line saying why not where not.
 2. Single-stream and batched decode steps in the serving dtype, against the memory floor
    (weights + KV read per step / the device's measured copy bandwidth).
 3. The attention and KV-store kernels (Triton on CUDA) against torch's SDPA, on the model's
@@ -10,7 +14,8 @@
    against the device's copy bandwidth and a large pinned copy (the host link's ceiling).
 
 Writes results.json to --out-dir. On a machine without CUDA it says so and exits 0.
-Exit 1 when parity fails (the timings still run and are written).
+Prints a PASS, FAIL or SKIP line per check. Exit 1 when a check fails (the timings still run
+and are written).
 """
 
 from __future__ import annotations
@@ -41,6 +46,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens of each timed request (default 128)")
     parser.add_argument("--output-len", type=int, default=128, help="output tokens of each timed request (default 128)")
     parser.add_argument("--copy-mib", type=int, default=1024, help="device copy bandwidth probe size (default 1024)")
+    parser.add_argument("--serve-requests", type=int, default=32,
+                        help="requests of the burst sent to `tandem serve` (default 32; 0 skips the serve checks)")
+    parser.add_argument("--serve-tokens", type=int, default=32, help="greedy tokens of each (default 32)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default="bench-results/gpu", help="where results.json goes")
 
@@ -63,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     if min(args.batch_sizes) < 1 or args.prompt_len < 1 or args.output_len < 2 or args.parity_tokens < 1:
         raise ValueError("batch sizes, --prompt-len and --parity-tokens must be >= 1, --output-len >= 2")
     from tandem.bench.bandwidth import measure_copy_bandwidth
-    from tandem.bench.gpu import attention, decode, parity, staging
+    from tandem.bench.gpu import attention, decode, ipc, parity, staging
     from tandem.bench.gpu.setup import load_for_gpu
 
     start = time.perf_counter()
@@ -74,19 +82,50 @@ def run(args: argparse.Namespace) -> int:
                      "torch": torch.__version__, "cuda": torch.version.cuda, "dtype": setup.dtype_name}
     results["parity"] = parity.check(setup, args.parity_tokens)
     parity.release(setup)  # the float32 copies on the device: not needed by the timings
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results["serve"] = serve_rows(setup, args, out_dir)
+    results["ipc"] = ipc.run_ipc_check()
     bandwidth = measure_copy_bandwidth(args.copy_mib, 5, device=str(setup.device))
     results["bandwidth"] = bandwidth.as_dict()
     results["decode"] = decode.bench(setup, args.batch_sizes, args.prompt_len, args.output_len, args.seed,
                                      bandwidth.bytes_per_s)
     results["kernels"] = attention.bench(setup, bandwidth.bytes_per_s)
     results["staging"] = staging.bench(setup, args.prompt_len, bandwidth.bytes_per_s)
-    out_dir = Path(args.out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
     for line in report(results):
         print(line)
     print(f"wrote {out_dir / 'results.json'}")
-    return 0 if results["parity"]["exact"] else 1
+    passed = results["parity"]["exact"] and all(r.get("exact", True) for r in results["serve"])
+    return 0 if passed and not any(line.startswith("FAIL") for line in results["ipc"]) else 1
+
+
+SERVE_ROWS = (
+    # (name, GPUs needed, flags added to the default `tandem serve`)
+    ("default, one GPU", 1, ()),
+    ("KV pair over NCCL", 2, ("--gpus-per-worker", "1", "--kv-transport", "nccl")),
+    ("tensor parallel decode x2, KV over NCCL", 3,
+     ("--gpus-per-worker", "1", "--decode-tp", "2", "--kv-transport", "nccl")),
+)
+
+
+def serve_rows(setup, args: argparse.Namespace, out_dir: Path) -> list[dict]:
+    """Each SERVE_ROWS row this machine has the GPUs for (the others: skipped, with the reason)."""
+    from tandem.bench.gpu import serve_check
+
+    rows: list[dict] = []
+    for i, (name, num_gpus, flags) in enumerate(SERVE_ROWS):
+        row: dict = {"name": name}
+        if args.serve_requests < 1:
+            row["skipped"] = "--serve-requests 0"
+        elif torch.cuda.device_count() < num_gpus:
+            row["skipped"] = f"needs {num_gpus} GPUs, this machine has {torch.cuda.device_count()}"
+        else:
+            logger.info("serve check: %s", name)
+            row.update(serve_check.check(setup, args.model, args.serve_requests, args.serve_tokens, args.seed,
+                                         out_dir / f"serve-{i}.log", flags))
+        rows.append(row)
+    return rows
 
 
 def report(r: dict) -> list[str]:
@@ -95,6 +134,7 @@ def report(r: dict) -> list[str]:
     lines = [f"{r['model']} on {r['device']} (torch {r['torch']}, CUDA {r['cuda']}), timed in {r['dtype']}",
              f"greedy parity with transformers, float32: {p['num_exact']}/{p['num_prompts']} prompts token-exact "
              f"over {p['num_tokens']} tokens" + ("" if p["exact"] else f" FAILED ({p['diagnosis']})"),
+             *serve_lines(r.get("serve", [])), *r.get("ipc", []),
              f"device copy bandwidth: {r['bandwidth']['bytes_per_s'] / 1e9:.0f} GB/s"]
     for row in r["decode"]:
         lines.append(f"decode batch {row['batch']:>3}: step {row['step_s'] * 1e3:7.2f} ms, "
@@ -108,4 +148,21 @@ def report(r: dict) -> list[str]:
         lines.append(f"KV staging {row['direction']} ({row['bytes'] / 2**20:.2f} MiB, one layer of "
                      f"{row['tokens']} tokens): {row['bytes_per_s'] / 1e9:.1f} GB/s, "
                      f"{row['device_fraction']:.1%} of device copy, {row['link_fraction']:.0%} of a large pinned copy")
+    return lines
+
+
+def serve_lines(rows: list[dict]) -> list[str]:
+    """A PASS, FAIL or SKIP line per serve check."""
+    lines = []
+    for row in rows:
+        if "skipped" in row:
+            lines.append(f"SKIP tandem serve, {row['name']}: {row['skipped']}")
+        elif "error" in row:
+            lines.append(f"FAIL tandem serve, {row['name']}: {row['error']}")
+        else:
+            paths = ", ".join(f"{p} {int(n)}" for p, n in sorted(row["paths"].items())) or "none"
+            lines.append(f"{'PASS' if row['exact'] else 'FAIL'} tandem serve, {row['name']}: "
+                         f"{row['num_exact']}/{row['num_requests']} mixed greedy requests token-exact with "
+                         f"transformers ({row['num_tokens']} tokens each, burst served in {row['serve_s']:.1f} s, "
+                         f"started in {row['start_s']:.0f} s); KV transfers by path: {paths}")
     return lines

@@ -34,16 +34,16 @@ def check(setup: GpuSetup, num_tokens: int) -> dict:
     made the difference."""
     eos = set(setup.config.eos_token_ids)
     prompts = _prompt_ids(setup)
-    theirs = [_strip(t, eos) for t in _transformers(setup, prompts, num_tokens)]
-    ours = [_strip(t, eos) for t in _tandem(setup, prompts, num_tokens)]
-    diverged = [_first_difference(a, b) for a, b in zip(ours, theirs)]
+    theirs = [strip_eos(t, eos) for t in transformers_greedy(setup, prompts, num_tokens)]
+    ours = [strip_eos(t, eos) for t in _tandem(setup, prompts, num_tokens)]
+    diverged = [first_difference(a, b) for a, b in zip(ours, theirs)]
     exact = all(d is None for d in diverged)
     result = {"num_prompts": len(prompts), "num_tokens": num_tokens, "dtype": "float32",
               "num_exact": sum(d is None for d in diverged), "exact": exact, "first_difference": diverged,
               "tandem": ours, "transformers": theirs, "diagnosis": None}
     if not exact:
         with _backend("torch"):
-            torch_ours = [_strip(t, eos) for t in _tandem(setup, prompts, num_tokens)]
+            torch_ours = [strip_eos(t, eos) for t in _tandem(setup, prompts, num_tokens)]
         if torch_ours == theirs:
             result["diagnosis"] = "exact with the torch attention: the Triton kernels' rounding differs"
         else:
@@ -79,7 +79,7 @@ def _tandem(setup: GpuSetup, prompts: list[list[int]], num_tokens: int) -> list[
         torch.cuda.empty_cache()
 
 
-def _transformers(setup: GpuSetup, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
+def transformers_greedy(setup: GpuSetup, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
     """One prompt at a time (no padding to differ by), greedy, stopping at EOS as tandem does."""
     model = setup.hf_model.to(setup.device)
     eos = list(setup.config.eos_token_ids)
@@ -94,7 +94,7 @@ def _transformers(setup: GpuSetup, prompts: list[list[int]], num_tokens: int) ->
     return out
 
 
-def _strip(tokens: list[int], eos: set[int]) -> list[int]:
+def strip_eos(tokens: list[int], eos: set[int]) -> list[int]:
     """Up to the first EOS, without it (one side may include the stop token, the other not)."""
     for i, t in enumerate(tokens):
         if t in eos:
@@ -102,7 +102,7 @@ def _strip(tokens: list[int], eos: set[int]) -> list[int]:
     return tokens
 
 
-def _first_difference(a: list[int], b: list[int]) -> int | None:
+def first_difference(a: list[int], b: list[int]) -> int | None:
     """The first index where the two differ (a length difference counts), None if equal."""
     if a == b:
         return None
