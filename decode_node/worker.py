@@ -33,6 +33,10 @@ from tandem.kvtransfer.curve import CurveKeys
 from tandem.kvtransfer.protocol import Destination, TransferStatus
 from tandem.engine.model_runner import private_pool
 from tandem.kvtransfer.receiver import DEFAULT_ADDRESS, KVReceiver
+from tandem.kvtransfer.cuda_ipc import DevicePoolExport
+from tandem.kvtransfer.handshake import SharedPool
+from tandem.kvtransfer.payload import layout_for
+from tandem.kvtransfer.placement import host_identity
 from tandem.kvtransfer.shared_pool import SHM_DIR, HostSharedPool
 from tandem.outputs import FirstSample
 from tandem.parallel.runner import TensorParallelRunner
@@ -48,7 +52,7 @@ class DecodeWorker(Worker):
 
     def __init__(self, instance: str = "decode-0", transfer_address: str = DEFAULT_ADDRESS,
                  transfer_timeout_s: float = 30.0, node_id: str | None = None, kv_shm_dir: str | None = SHM_DIR,
-                 kv_transport: str = "auto", **kwargs: Any) -> None:
+                 kv_transport: str = "auto", kv_allow_unencrypted_pairs: bool = False, **kwargs: Any) -> None:
         """transfer_timeout_s: how long a reservation waits for the rest of its KV after the
         latest layer message (a prompt queued on the prefill worker has no deadline here: the
         router ends its reservation on every exit path).
@@ -56,21 +60,31 @@ class DecodeWorker(Worker):
         kv_shm_dir: where the KV pool's file goes, so that prefill workers of this node write
         the KV straight into it (None, or no room there: a private pool, KV by socket only).
         kv_transport: the prefill workers' (kvtransfer.protocol.KV_TRANSPORTS): only auto
-        writes into a shared pool, so the others need none. The receiver takes any path a
-        sender asks for that its pool allows (torch.distributed pairs: dist_pairs.py)."""
-        if kv_transport != "auto":
+        writes into a pool in host shared memory, so the others need none; a pool on a GPU
+        is exported by CUDA IPC to a sender on the same GPU unless zmq (two pools on one GPU
+        never pair: path_choice.py). The receiver takes any path a sender asks for that its
+        pool allows (torch.distributed pairs: dist_pairs.py).
+        kv_allow_unencrypted_pairs: with TANDEM_KV_SECRET set, torch.distributed pairs are
+        taken all the same (--kv-allow-unencrypted-pairs); else refused."""
+        self._kv_allow_unencrypted_pairs = kv_allow_unencrypted_pairs
+        if kv_transport == "zmq":
             kv_shm_dir = None
         self._transfer_address = transfer_address
         self._transfer_timeout_s = transfer_timeout_s
         self._node_id = node_id
-        self._shared_pool: HostSharedPool | None = None
-        """The KV pool's file in shared memory, when it has one (tensor_parallel_size 1)."""
+        self._shared_pool: SharedPool | None = None
+        """The KV pool offered to same-node senders (tensor_parallel_size 1): its file in
+        shared memory, or, on a GPU, its CUDA IPC export."""
 
         def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            # A pool in device memory is not shared through /dev/shm: KV reaches it by socket.
-            shared = kv_shm_dir is not None and device.type == "cpu"
-            self._shared_pool = HostSharedPool.create(shape, dtype, kv_shm_dir) if shared else None
-            return private_pool(shape, dtype, device) if self._shared_pool is None else self._shared_pool.kv_cache
+            if device.type == "cuda":  # the pool stays on its GPU; its grant table goes to kv_shm_dir
+                pool = private_pool(shape, dtype, device)
+                self._shared_pool = (None if kv_shm_dir is None else DevicePoolExport.create(
+                    pool, layout_for(shape, dtype), node_id or host_identity(), kv_shm_dir))
+                return pool
+            host = None if kv_transport != "auto" or kv_shm_dir is None else HostSharedPool.create(shape, dtype, kv_shm_dir)
+            self._shared_pool = host
+            return private_pool(shape, dtype, device) if host is None else host.kv_cache
 
         self._arrived: set[str] = set()
         """Requests whose KV is in their blocks, waiting for their first token."""
@@ -92,7 +106,8 @@ class DecodeWorker(Worker):
         sink = runner.kv_writes if isinstance(runner, TensorParallelRunner) else None
         self.receiver = KVReceiver(runner.kv_cache, self._transfer_address, self._transfer_timeout_s,
                                    model=self.fingerprint, sink=sink, shared_pool=self._shared_pool,
-                                   node_id=self._node_id, curve=CurveKeys.from_env())
+                                   node_id=self._node_id, curve=CurveKeys.from_env(),
+                                   allow_unencrypted_pairs=self._kv_allow_unencrypted_pairs)
         self.metrics.kv_bytes["received"] = lambda: self.receiver.num_bytes_received
         self.metrics.kv_dropped = lambda: dict(self.receiver.dropped)
         self.metrics.num_transferring = lambda: self.receiver.num_pending

@@ -1,24 +1,75 @@
-"""The sender's side of the shared-memory path: a layer's rows copied once, from the sender's
-pool straight into a same-node receiver's reserved slots, in order and under the fence."""
+"""The sender's side of the in-place paths: a layer's rows copied once, from the sender's
+pool straight into a same-node receiver's reserved slots, in order and under the fence.
+
+Two kinds of target, one interface (InPlaceTarget): a pool in host shared memory mapped
+here (shared_pool.MappedPool, path "shm") and a GPU pool opened by CUDA IPC
+(cuda_ipc.DeviceTarget, path "cuda_ipc"). Both are fenced by a grant table in a host file.
+"""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Protocol, Sequence
 
 import numpy as np
 import torch
 
-from tandem.kvtransfer.protocol import Destination
+from tandem.kvtransfer.fence import GrantFence
+from tandem.kvtransfer.protocol import Destination, KVLayout
 from tandem.kvtransfer.row_copy import Copier, row_copier
-from tandem.kvtransfer.shared_pool import MappedPool
-from tandem.kvtransfer.slots import covering_blocks, token_slots
+from tandem.kvtransfer.slots import contiguous_runs, covering_blocks, token_slots
+
+
+class InPlaceTarget(Protocol):
+    """A receiver's pool that this process writes into itself."""
+
+    path: str
+    """The data path it makes ("shm" or "cuda_ipc", path_choice.IN_PLACE_PATHS)."""
+    layout: KVLayout
+    kv_cache: torch.Tensor
+    """The receiver's pool as this process sees it: in host memory, or on a GPU."""
+    fence: GrantFence
+    """The receiver's grant table: a write happens only inside fence.writing."""
+
+    def owner_alive(self) -> bool:
+        """Whether the receiver still holds the pool (its grant table's owner lock)."""
+
+    def close(self) -> None:
+        """Let go of the pool (the fence's descriptor at once; mappings with their tensors)."""
+
+
+def device_copier(dst_slots: np.ndarray, src_slots: np.ndarray | None, dst_device: torch.device,
+                  src_device: torch.device) -> Copier:
+    """copy(dst, src) as row_copy.row_copier's, for pools on GPUs: one slice copy where both
+    sides run side by side, else a gather of the source rows on their device and one
+    index_copy_ into the destination, the indices uploaded once (here)."""
+    n = len(dst_slots)
+    src_slots = np.arange(n) if src_slots is None else src_slots
+    if len(contiguous_runs(dst_slots)) == 1 and len(contiguous_runs(src_slots)) == 1:
+        d, s = int(dst_slots[0]), int(src_slots[0])
+
+        def copy_run(dst: torch.Tensor, src: torch.Tensor) -> None:
+            dst[:, d:d + n].copy_(src[:, s:s + n])
+        return copy_run
+    dst_index = torch.from_numpy(np.ascontiguousarray(dst_slots, dtype=np.int64)).to(dst_device)
+    src_index = torch.from_numpy(np.ascontiguousarray(src_slots, dtype=np.int64)).to(src_device)
+
+    def copy_indexed(dst: torch.Tensor, src: torch.Tensor) -> None:
+        rows = src.index_select(1, src_index)
+        dst.index_copy_(1, dst_index, rows.to(dst.device))  # (another GPU: by peer access)
+    return copy_indexed
+
+
+def synchronize(*devices: torch.device) -> None:
+    """Wait for the work queued on the current streams of the GPUs among `devices`."""
+    for device in {d for d in devices if d.type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()
 
 
 class InPlaceWrites:
     """One request's rows, written into a same-node receiver's pool: each layer's tokens in
     order, only into the blocks granted to the request's reservation, under the fence."""
 
-    def __init__(self, pool: MappedPool, dest: Destination, src_block_size: int) -> None:
+    def __init__(self, pool: InPlaceTarget, dest: Destination, src_block_size: int) -> None:
         """src_block_size: tokens per block of the pool the rows come from."""
         bs = pool.layout.block_size
         if not 0 <= dest.num_cached_tokens // bs < len(dest.block_ids) \
@@ -50,15 +101,19 @@ class InPlaceWrites:
         if start != written[layer] or not start < end <= dest.num_tokens:
             raise ValueError(f"{dest.request_id}: layer {layer} tokens [{start}, {end}) do not follow the "
                              f"{written[layer]} in place (of {dest.num_tokens})")
-        _, blocks, copy = self._plan_for(start, end, src_block_ids)
+        _, blocks, copy = self._plan_for(start, end, src_block_ids, src.device)
+        dst = self.pool.kv_cache[layer].flatten(1, 2)
         with self.pool.fence.writing(self.slot, dest.shm_grant, blocks) as granted:
             if granted:
-                copy(self.pool.kv_cache[layer].flatten(1, 2), src)
+                copy(dst, src)
+                # NOTE: the fence: a device copy is asynchronous; it must be done before the lock
+                # is released (a revoke returns only then), and before the header tells of it.
+                synchronize(dst.device, src.device)
         if granted:
             written[layer] = end
         return granted
 
-    def _plan_for(self, start: int, end: int, src_block_ids: Sequence[int] | None
+    def _plan_for(self, start: int, end: int, src_block_ids: Sequence[int] | None, src_device: torch.device
                   ) -> tuple[tuple, np.ndarray, Copier]:
         """Where tokens [start, end) go, and how to copy them there (planned once for every
         layer, and before the lock is taken: it is held only while bytes move)."""
@@ -73,5 +128,8 @@ class InPlaceWrites:
                              "in the pool")
         dst_slots = token_slots(blocks, layout.block_size, start, end, start // layout.block_size)
         src_slots = None if src_block_ids is None else token_slots(src_block_ids, self.src_block_size, start, end)
-        self._plan = (key, blocks, row_copier(dst_slots, src_slots))
+        dst_device = self.pool.kv_cache.device
+        copier = (row_copier(dst_slots, src_slots) if dst_device.type == src_device.type == "cpu"
+                  else device_copier(dst_slots, src_slots, dst_device, src_device))
+        self._plan = (key, blocks, copier)
         return self._plan

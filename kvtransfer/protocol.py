@@ -24,9 +24,11 @@ MAX_HEADER_BYTES = 1 << 20
 
 KV_TRANSPORTS = ("auto", "zmq", "gloo", "nccl")
 """How a prefill worker sends KV (`tandem serve --kv-transport`): auto: in place into a
-same-host decode pool in shared memory, else NCCL when both pools are on GPUs, else ZMQ
-frames; zmq: always frames; gloo, nccl: always torch.distributed, in a group of two made
-in the handshake (dist_pairs.py), even on one host."""
+same-host decode pool in shared memory, or by CUDA IPC into a decode pool on the same GPU
+(or a GPU it reaches by peer access), else NCCL between two GPUs, else ZMQ frames; zmq:
+always frames; gloo, nccl: a torch.distributed group of two made in the handshake
+(dist_pairs.py), even on one host, but never two pools on one GPU (CUDA IPC instead).
+The rule, per pair: path_choice.choose_path."""
 
 
 class ProtocolError(ValueError):
@@ -202,7 +204,9 @@ class Destination:
     shm_pool: str = ""
     """Name of the receiver's KV pool in shared memory (shared_pool.NAME: the receiver's
     pid, the descriptor it holds the pool's unlinked file open by, a tag), for same-node
-    senders to open and map; empty when the pool is private (sockets only)."""
+    senders to open and map; for a pool on a GPU (`device`), its grant table's file
+    (shared_pool.FenceFile), the pool going by CUDA IPC; empty when the pool is private
+    (sockets only)."""
     shm_grant: int = 0
     """The reservation's token in that pool's grant table: a same-node sender writes into
     the reserved blocks only while the table holds it for them (fence.py); 0 without a
@@ -211,6 +215,11 @@ class Destination:
     """The reservation's secret (hex): the receiver takes LAYER and ABORT messages for the
     request only when they carry it. The router hands the Destination to the one prefill
     worker it chose, so no other peer can write (or end) this request's KV."""
+    device: str = ""
+    """The receiving pool's CUDA device (its GPU's UUID, else "<node>/<index>":
+    cuda_ipc.device_identity); empty for a pool in host memory. With `shm_pool` (then the
+    pool's grant table alone), a sender on that GPU writes the pool by CUDA IPC; no sender
+    on it ever gets a torch.distributed pair (path_choice.py)."""
 
 
 class TransferStatus(enum.IntEnum):

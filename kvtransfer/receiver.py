@@ -6,9 +6,10 @@ sender, and fails requests whose deadline passes (the sweep runs on a timer, tra
 not). The owner (the decode worker) reserves blocks, calls `expect`, and frees the blocks
 when `get_event` reports the request DONE and done with, or FAILED.
 
-With a pool in shared memory (shared_pool.py), a same-node sender that negotiated it writes
-the rows itself; its headers are checked all the same, and its grant is revoked under the
-fence (fence.py) whenever its reservation ends.
+With a pool in shared memory (shared_pool.py), or on a GPU exported by CUDA IPC to a sender
+on the same GPU (cuda_ipc.py), a same-node sender that negotiated it writes the rows itself;
+its headers are checked all the same, and its grant is revoked under the fence (fence.py)
+whenever its reservation ends.
 """
 
 from __future__ import annotations
@@ -22,10 +23,11 @@ import time
 import torch
 import zmq
 
+from tandem.kvtransfer.cuda_ipc import device_identity
 from tandem.kvtransfer.curve import CurveKeys
 from tandem.kvtransfer.dist_pairs import SENDER_RANK, ReceiverPairs, can_host
 from tandem.kvtransfer.fence import granted_blocks
-from tandem.kvtransfer.handshake import answer_hello
+from tandem.kvtransfer.handshake import SharedPool, answer_hello
 from tandem.kvtransfer.payload import TORCH_DTYPES, DistPayload, rows_of
 from tandem.kvtransfer.placement import host_identity
 from tandem.kvtransfer.protocol import (
@@ -33,7 +35,6 @@ from tandem.kvtransfer.protocol import (
     decode, encode, grant_of, layer_header, payload_crc32,
 )
 from tandem.kvtransfer.reservation import Reservation, check_layer, is_granted, layer_slots, new_grant
-from tandem.kvtransfer.shared_pool import HostSharedPool
 from tandem.kvtransfer.sink import KVSink, PoolSink
 
 logger = logging.getLogger(__name__)
@@ -46,22 +47,30 @@ MAX_ENDED = 100_000  # ended request ids remembered, so late messages are told t
 class KVReceiver:
     def __init__(self, kv_cache: torch.Tensor | None, address: str = DEFAULT_ADDRESS, timeout_s: float = 30.0,
                  dist_payload: DistPayload | None = None, model: str | None = None,
-                 sink: KVSink | None = None, shared_pool: HostSharedPool | None = None,
-                 node_id: str | None = None, curve: CurveKeys | None = None) -> None:
+                 sink: KVSink | None = None, shared_pool: SharedPool | None = None,
+                 node_id: str | None = None, curve: CurveKeys | None = None,
+                 allow_unencrypted_pairs: bool = False) -> None:
         """kv_cache: the pool written into, [layers, 2, blocks, block_size, kv_heads, head_dim]
         (or None with a sink that takes the rows instead).
         timeout_s: a request fails when its KV has not all arrived this long after its latest
         layer message (not after `expect`: the prompt may wait in the prefill queue before that).
         model: the weights' identity (model_fingerprint): senders must name the same one.
-        shared_pool: kv_cache's file in shared memory, offered to same-node senders.
+        shared_pool: kv_cache offered to same-node senders to write in place: its file in
+        shared memory (HostSharedPool), or its CUDA IPC export (cuda_ipc.DevicePoolExport).
         node_id: this worker's node, which Destinations name (default: placement.host_identity()).
         curve: the cluster's CurveZMQ keys: the socket is encrypted and admits only its senders.
+        allow_unencrypted_pairs: with `curve`, torch.distributed pairs (never encrypted) are
+        taken all the same (path_choice.ALLOW_UNENCRYPTED_FLAG); else refused.
         """
         if shared_pool is not None and (sink is not None or kv_cache is None
                                         or kv_cache.data_ptr() != shared_pool.kv_cache.data_ptr()):
             raise ValueError("a shared pool must be the very pool written into (kv_cache, no sink)")
         self.shared_pool = shared_pool
+        self.unencrypted_pairs_refused = curve is not None and not allow_unencrypted_pairs
         self.node_id = host_identity() if node_id is None else node_id
+        self.device = (shared_pool.device if shared_pool is not None
+                       else "" if kv_cache is None else device_identity(kv_cache.device, self.node_id))
+        """The pool's CUDA device identity, which Destinations name ("" in host memory)."""
         self._shm_senders: set[bytes] = set()
         """ZMQ identities of the senders that negotiated the shared-memory path (the I/O thread's)."""
         self.model = model
@@ -120,7 +129,7 @@ class KVReceiver:
             self._ended.pop(request_id, None)
             dest = Destination(request_id, self.address, tuple(block_ids), num_tokens, num_cached_tokens, self.node_id,
                                "" if pool is None else pool.name, 0 if pool is None else pool.fence.grant(granted),
-                               grant=new_grant())
+                               grant=new_grant(), device=self.device)
             self._expected[request_id] = Reservation(dest, timeout_s, [num_cached_tokens] * self.layout.num_layers,
                                                      granted)
         return dest
@@ -216,7 +225,9 @@ class KVReceiver:
         device = self.kv_cache.device if self.kv_cache is not None else torch.device("cpu")
         try:
             why, reply = answer_hello(msg, self.layout, self.model, dist_rank, self.shared_pool,
-                                      pair_refused=lambda backend: can_host(backend, device))
+                                      pair_refused=lambda backend: can_host(backend, device),
+                                      device=self.device,
+                                      unencrypted_pairs_refused=self.unencrypted_pairs_refused)
         except ProtocolError as e:
             self._socket.send_multipart([sender, encode(MessageKind.REFUSED, reason=str(e))])
             raise

@@ -6,13 +6,14 @@ worker's step loop): `send_layer` hands zero-copy frames to ZMQ and returns at o
 request's source blocks until its event arrives, which is never before ZMQ has stopped
 reading them (message trackers), whether the request ended well, failed or was aborted.
 
-A receiver on this sender's node whose pool is in shared memory gets the rows another way:
-`send_layer` copies them straight into its reserved slots (in_place.py) and sends the
-header alone. With `transport` gloo or nccl (or auto between two GPU pools) the rows go by
-torch.distributed in a group of two made in the handshake (dist_pairs.py), the header by
-ZMQ. A pool on a GPU sends frames staged through pinned host memory (staging.py): a
-layer's message goes out from `poll` or a later `send_layer`, once its copy is done. The
-path is chosen once per receiver, in the handshake.
+A receiver on this sender's node whose pool is in shared memory, or on this sender's GPU
+(CUDA IPC), gets the rows another way: `send_layer` copies them straight into its reserved
+slots (in_place.py) and sends the header alone. With `transport` gloo or nccl (or auto
+between pools on two GPUs) the rows go by torch.distributed in a group of two made in the
+handshake (dist_pairs.py), the header by ZMQ. A pool on a GPU sends frames staged through
+pinned host memory (staging.py): a layer's message goes out from `poll` or a later
+`send_layer`, once its copy is done. The path is chosen once per receiver, in the
+handshake, by path_choice.choose_path.
 """
 
 from __future__ import annotations
@@ -24,15 +25,19 @@ import time
 import torch
 import zmq
 
+from tandem.kvtransfer.cuda_ipc import IpcOffer, can_peer_access, device_identity
 from tandem.kvtransfer.curve import CurveKeys
 from tandem.kvtransfer.in_place import InPlaceWrites
 from tandem.kvtransfer.outgoing import Outgoing, StagedMessage, host_frames
+from tandem.kvtransfer.path_choice import (
+    CUDA_IPC, DEVICE_TYPES, IN_PLACE_PATHS, PAIR_PATHS, PairFacts, PathChoice, PoolPlace, choose_path,
+)
 from tandem.kvtransfer.payload import DistPayload, frame_of, layer_rows, layout_of
 from tandem.kvtransfer.peer import Peer, connect_peer
 from tandem.kvtransfer.placement import host_identity
 from tandem.kvtransfer.protocol import (
-    KV_TRANSPORTS, Destination, KVLayout, MessageKind, ProtocolError, TransferEvent, TransferStatus, decode, encode,
-    payload_crc32,
+    KV_TRANSPORTS, Destination, KVLayout, MessageKind, ProtocolError, TransferEvent, TransferRefused, TransferStatus,
+    decode, encode, payload_crc32,
 )
 from tandem.kvtransfer.slots import covering_blocks, token_slots
 from tandem.kvtransfer.staging import Staging
@@ -48,7 +53,8 @@ _drop_pinning_peers): a live receiver drains them in milliseconds."""
 class KVSender:
     def __init__(self, kv_cache: torch.Tensor, timeout_s: float = 30.0, dist_payload: DistPayload | None = None,
                  model: str | None = None, checksum: bool = False, layout: KVLayout | None = None,
-                 node_id: str | None = None, transport: str = "auto", curve: CurveKeys | None = None) -> None:
+                 node_id: str | None = None, transport: str = "auto", curve: CurveKeys | None = None,
+                 allow_unencrypted_pairs: bool = False) -> None:
         """kv_cache: the pool read from, [layers, 2, blocks, block_size, kv_heads, head_dim].
         layout: the pool as receivers see it, when send_layer is given every row (a
         tensor-parallel worker's pool holds only some heads per rank; default: kv_cache's).
@@ -61,6 +67,8 @@ class KVSender:
         transport: protocol.KV_TRANSPORTS: which data paths begin may take (auto: the best
         each receiver allows; gloo, nccl: a torch.distributed pair with every receiver).
         curve: the cluster's CurveZMQ keys: every socket to a receiver is encrypted with them.
+        allow_unencrypted_pairs: with `curve`, torch.distributed pairs (never encrypted) are
+        taken all the same (path_choice.ALLOW_UNENCRYPTED_FLAG); else refused.
         """
         if transport not in KV_TRANSPORTS:
             raise ValueError(f"transport must be one of {KV_TRANSPORTS}, got {transport!r}")
@@ -75,6 +83,9 @@ class KVSender:
         self.timeout_s = timeout_s
         self.dist_payload = dist_payload
         self.curve = curve
+        self.allow_unencrypted_pairs = allow_unencrypted_pairs
+        self.device = device_identity(kv_cache.device, self.node_id)
+        """This pool's CUDA device identity ("" in host memory)."""
         self._staging = Staging.for_pool(kv_cache)
         """A pool on a GPU: frames are staged through pinned host memory on a side stream."""
         self._staged: collections.deque[StagedMessage] = collections.deque()
@@ -88,40 +99,63 @@ class KVSender:
         self._announced: set[str] = set()
         """Receivers whose data path was logged."""
 
-    def connect(self, address: str, timeout_s: float = 10.0, shm_pool: str = "") -> KVLayout:
+    def connect(self, address: str, timeout_s: float = 10.0, destination: Destination | None = None) -> KVLayout:
         """Handshake with a receiver (once per address, again after its data path broke).
         -> its layout.
 
-        shm_pool: the receiver's pool file (Destination.shm_pool), to write into in place
-        when this sender can map it and the receiver agrees; else the sockets.
-        Raises TransferRefused when the layouts cannot exchange KV, TimeoutError when it
-        does not answer.
+        destination: one of the receiver's (None: a receiver known by address alone): where
+        its pool is, for the data path (`choose`).
+        Raises TransferRefused when the layouts cannot exchange KV, or the path is refused,
+        TimeoutError when it does not answer.
         """
         if self.is_connected(address):
             return self._peers[address].layout
-        return self.adopt(address, self.handshake(address, timeout_s, shm_pool))
+        return self.adopt(address, self.handshake(address, timeout_s, destination))
 
     def is_connected(self, address: str) -> bool:
         """Whether a handshake with `address` stands (readable from any thread)."""
         peer = self._peers.get(address)
         return peer is not None and not peer.lost
 
-    def handshake(self, address: str, timeout_s: float = 10.0, shm_pool: str = "") -> Peer:
-        """A new connection to the receiver at `address`, not yet the sender's (see `adopt`).
+    def choose(self, destination: Destination | None) -> PathChoice:
+        """The data path to `destination`'s receiver (None: known by address alone)."""
+        device_type = self.kv_cache.device.type if self.kv_cache.device.type in DEVICE_TYPES else "cpu"
+        sender = PoolPlace(self.node_id, device_type, self.device)
+        if destination is None:
+            return choose_path(PairFacts(sender, PoolPlace(), False, False, self.transport, self.curve is not None,
+                                         self.allow_unencrypted_pairs))
+        receiver = PoolPlace(destination.node_id, "cuda" if destination.device else "cpu", destination.device)
+        shared = bool(destination.shm_pool)
+        # Asked of CUDA only where it can matter: two GPUs of one node.
+        peer_access = (shared and self.transport == "auto" and sender.on_gpu and receiver.on_gpu
+                       and bool(self.node_id) and destination.node_id == self.node_id
+                       and destination.device != self.device
+                       and can_peer_access(self.kv_cache.device, destination.device, self.node_id))
+        return choose_path(PairFacts(sender, receiver, shared, peer_access, self.transport, self.curve is not None,
+                                     self.allow_unencrypted_pairs))
+
+    def handshake(self, address: str, timeout_s: float = 10.0, destination: Destination | None = None) -> Peer:
+        """A new connection to the receiver at `address`, not yet the sender's (see `adopt`),
+        by the path `choose` gives (TransferRefused when it refuses the pair).
         NOTE: touches nothing of the sender's state, so any thread may run it: a prefill
         worker shakes hands off its engine loop, which a silent receiver would stall for
         timeout_s."""
+        choice = self.choose(destination)
+        if choice.refused:
+            raise TransferRefused(f"KV to {address}: {choice.reason}")
         hello = {"layout": self.layout.as_dict()}
         if self.model is not None:
             hello["model"] = self.model
         if self.dist_payload is not None:
             hello["dist_rank"] = self.dist_payload.rank
-        on_gpu = self.kv_cache.device.type == "cuda"
-        # auto: NCCL where both pools are on GPUs (the receiver declines it otherwise).
-        pair = ("" if self.dist_payload is not None else self.transport if self.transport in ("gloo", "nccl")
-                else "nccl" if self.transport == "auto" and on_gpu and not shm_pool else "")
+        if self.device:  # (a receiver on this GPU never takes a pair from it)
+            hello["device"] = self.device
+        shm_pool = destination.shm_pool if destination is not None and choice.path in IN_PLACE_PATHS else ""
+        ipc = (IpcOffer(destination.device, self.node_id, peer_access=destination.device != self.device)
+               if destination is not None and choice.path == CUDA_IPC else None)
+        pair = choice.path if choice.path in PAIR_PATHS and self.dist_payload is None else ""
         peer = connect_peer(address, hello, timeout_s, shm_pool, dist_pair=pair,
-                            dist_required=self.transport in ("gloo", "nccl"), curve=self.curve)
+                            dist_required=self.transport in PAIR_PATHS, curve=self.curve, ipc=ipc)
         if self.dist_payload is not None:
             peer.dist = self.dist_payload
         return peer
@@ -138,32 +172,25 @@ class KVSender:
         self._peers[address] = peer
         return peer.layout
 
-    def shm_offer(self, destination: Destination) -> tuple[str, str]:
-        """-> (the receiver's pool to offer writing into in place, or ""; why not, or "")."""
-        why_not = (f"{self.transport} asked for" if self.transport != "auto"
-                   else "the receiver's pool is private" if not destination.shm_pool
-                   else "the receiver is on another node" if not self.node_id or destination.node_id != self.node_id
-                   else "this pool is not in host memory" if self.kv_cache.device.type != "cpu" else "")
-        return ("" if why_not else destination.shm_pool), why_not
-
     def begin(self, destination: Destination, src_block_ids: list[int] = ()) -> str:
         """Start sending a request's KV (held in `src_block_ids` here, or given to each
         `send_layer` as the blocks come) to its destination (shaking hands first, unless a
         handshake was `adopt`ed).
 
-        -> the data path it takes: "shm" (written in place: same node, shared pool), "dist"
+        -> the data path it takes: "shm" (written in place: same node, shared pool),
+        "cuda_ipc" (written in place: the receiver's pool on this GPU), "dist"
         (torch.distributed) or "zmq" (frames over the socket).
         """
         if destination.request_id in self._outgoing:
             raise ValueError(f"{destination.request_id}: its KV is being sent already")
-        shm_pool, why_not = self.shm_offer(destination)
-        self.connect(destination.address, shm_pool=shm_pool)
+        self.connect(destination.address, destination=destination)
         peer = self._peers[destination.address]
         if destination.address not in self._announced:
             self._announced.add(destination.address)
-            logger.info("kv sender: KV to %s goes by %s%s", destination.address, peer.path,
-                        f" ({why_not})" if why_not else "")
-        in_place = InPlaceWrites(peer.shm, destination, self.layout.block_size) if peer.shm is not None else None
+            choice = self.choose(destination)
+            taken = "" if peer.path in (choice.path, "dist") else f"; {choice.path} was not to be had"
+            logger.info("kv sender: KV to %s goes by %s (%s%s)", destination.address, peer.path, choice.reason, taken)
+        in_place = InPlaceWrites(peer.target, destination, self.layout.block_size) if peer.target is not None else None
         self._outgoing[destination.request_id] = Outgoing(destination, list(src_block_ids), in_place=in_place)
         return peer.path
 

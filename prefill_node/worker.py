@@ -59,13 +59,17 @@ class PrefillWorker(Worker):
     role = Role.PREFILL
 
     def __init__(self, instance: str = "prefill-0", transfer_timeout_s: float = 30.0, kv_checksum: bool = False,
-                 node_id: str | None = None, kv_transport: str = "auto", **kwargs: Any) -> None:
+                 node_id: str | None = None, kv_transport: str = "auto", kv_allow_unencrypted_pairs: bool = False,
+                 **kwargs: Any) -> None:
         """kv_checksum: a CRC-32 goes with every layer sent in frames (the receiver checks it).
         node_id: this worker's node (Ray's node id under Ray; default: the host's identity):
         decode workers on the same one get the KV written straight into their shared pools.
         kv_transport: how the KV goes (kvtransfer.protocol.KV_TRANSPORTS; auto: shared memory
-        on one node, else NCCL between GPUs, else ZMQ frames)."""
+        on one node, CUDA IPC on one GPU, else NCCL between GPUs, else ZMQ frames: path_choice.py).
+        kv_allow_unencrypted_pairs: with TANDEM_KV_SECRET set, torch.distributed pairs (never
+        encrypted) are taken all the same (--kv-allow-unencrypted-pairs); else refused."""
         self._kv_transport = kv_transport
+        self._kv_allow_unencrypted_pairs = kv_allow_unencrypted_pairs
         self._transfer_timeout_s = transfer_timeout_s
         self._kv_checksum = kv_checksum
         self._node_id = node_id
@@ -82,7 +86,8 @@ class PrefillWorker(Worker):
         runner = self.engine.runner
         self.sender = KVSender(runner.kv_cache, timeout_s=self._transfer_timeout_s, model=self.fingerprint,
                                checksum=self._kv_checksum, layout=None if self._tp_runner is None else runner.layout,
-                               node_id=self._node_id, transport=self._kv_transport, curve=CurveKeys.from_env())
+                               node_id=self._node_id, transport=self._kv_transport, curve=CurveKeys.from_env(),
+                               allow_unencrypted_pairs=self._kv_allow_unencrypted_pairs)
         self.metrics.kv_bytes["sent"] = lambda: self.sender.num_bytes_sent
         self.metrics.num_transferring = lambda: self.sender.num_pending
         return EngineLoop(self.engine, tick=self._tick, on_down=self._engine_down)
@@ -103,8 +108,7 @@ class PrefillWorker(Worker):
         if not self.sender.is_connected(destination.address):
             await self.loop.call(lambda engine: self._check(engine, request, destination))  # refused before any handshake
             # NOTE: off the engine loop: a receiver that answers late stalls only this request.
-            peer = await asyncio.to_thread(self.sender.handshake, destination.address,
-                                           shm_pool=self.sender.shm_offer(destination)[0])
+            peer = await asyncio.to_thread(self.sender.handshake, destination.address, destination=destination)
         try:
             await self.loop.call(lambda engine: self._admit(engine, request, destination, result, peer))
             return await result

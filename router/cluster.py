@@ -46,6 +46,9 @@ class ClusterConfig:
     kv_transport: str = "auto"
     """How prefill workers send KV to decode workers (kvtransfer.protocol.KV_TRANSPORTS);
     the decode workers are told too (only auto needs their pools in shared memory)."""
+    kv_allow_unencrypted_pairs: bool = False
+    """With TANDEM_KV_SECRET set, torch.distributed pairs (nccl, gloo: never encrypted) are
+    taken all the same (--kv-allow-unencrypted-pairs); else refused (kvtransfer/path_choice.py)."""
     gpus_per_worker: float | None = None
     """GPUs Ray reserves for each rank of each worker (a fraction shares one GPU); None:
     decided from the device and the cluster's GPUs (see placement.gpus_per_rank)."""
@@ -94,6 +97,12 @@ class ClusterConfig:
         return placement
 
 
+def kv_path_args(cfg: ClusterConfig) -> dict[str, Any]:
+    """The KV transfer keywords of a prefill or decode worker (those not at their default)."""
+    return {**({"kv_transport": cfg.kv_transport} if cfg.kv_transport != "auto" else {}),
+            **({"kv_allow_unencrypted_pairs": True} if cfg.kv_allow_unencrypted_pairs else {})}
+
+
 async def start_cluster(cfg: ClusterConfig) -> RayBackend:
     """Start the workers (each loads the model in its own process) and wait until all serve."""
     if not ray.is_initialized():
@@ -128,8 +137,7 @@ async def start_cluster(cfg: ClusterConfig) -> RayBackend:
             group = worker_placement_group(role, tp, pool_resources=cfg.pool_resources, **resources) if tp > 1 else None
             handle = start_worker(role, instance, pool_resources=cfg.pool_resources, placement_group=group,
                                   **resources, **args, **({"tensor_parallel_size": tp} if tp > 1 else {}),
-                                  **({"kv_transport": cfg.kv_transport}
-                                     if role is not Role.COLOCATED and cfg.kv_transport != "auto" else {}))
+                                  **(kv_path_args(cfg) if role is not Role.COLOCATED else {}))
             states[role].append(WorkerState(instance, handle, placement_group=group))
     everyone = [w for ws in states.values() for w in ws]
     logger.info("starting %d workers (each loads the model)...", len(everyone))

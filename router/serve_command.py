@@ -9,9 +9,12 @@ import logging
 import os
 import signal
 import sys
+from collections.abc import Mapping
 from typing import Any
 
 from tandem.engine_options import ENGINE_DEFAULTS, add_engine_options, engine_options_from_args
+from tandem.kvtransfer.curve import SECRET_ENV
+from tandem.kvtransfer.path_choice import ALLOW_UNENCRYPTED_FLAG, PAIR_PATHS
 from tandem.kvtransfer.protocol import KV_TRANSPORTS
 from tandem.model.generation_defaults import GENERATION_CONFIG_CHOICES_HELP
 from tandem.model_args import add_model_args, model_of
@@ -76,13 +79,28 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                              "address, for pools on several hosts)")
     parser.add_argument("--kv-transport", default="auto", choices=KV_TRANSPORTS,
                         help="how KV goes from prefill to decode workers: auto (default: in place through shared "
-                             "memory on one host, NCCL between GPUs, else ZMQ), zmq (always ZMQ frames), "
-                             "gloo or nccl (always torch.distributed, a group per worker pair, even on one host)")
+                             "memory on one host, CUDA IPC between two workers on one GPU, NCCL between GPUs, else "
+                             "ZMQ), zmq (always ZMQ frames), gloo or nccl (a torch.distributed group per worker "
+                             "pair, even on one host; two workers on one GPU still share by CUDA IPC)")
+    parser.add_argument(ALLOW_UNENCRYPTED_FLAG, action="store_true",
+                        help="with TANDEM_KV_SECRET set, still send KV by torch.distributed pairs (nccl, gloo), "
+                             "which are NOT encrypted; without it such pairs are refused (auto then sends "
+                             "CurveZMQ-encrypted frames between GPUs)")
     parser.add_argument("--kv-checksum", action="store_true",
                         help="a CRC-32 with every layer of KV sent: corrupted KV fails its request instead of its output")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
     add_engine_options(parser)  # each worker's engine: the same options as tandem chat's and LLM(...)'s
     add_limit_args(parser)
+
+
+def check_kv_encryption(args: argparse.Namespace, env: Mapping[str, str]) -> None:
+    """Refuse (ValueError) an explicit torch.distributed transport with TANDEM_KV_SECRET set
+    here and not acknowledged: the KV would go unencrypted (path_choice.py). Workers that see
+    the secret where this process does not refuse each pair the same way."""
+    if args.kv_transport in PAIR_PATHS and env.get(SECRET_ENV) and not args.kv_allow_unencrypted_pairs:
+        raise ValueError(f"--kv-transport {args.kv_transport} sends KV unencrypted, and TANDEM_KV_SECRET is set: "
+                         f"add {ALLOW_UNENCRYPTED_FLAG} to allow that, or use --kv-transport auto or zmq "
+                         "(CurveZMQ-encrypted frames)")
 
 
 def read_chat_template(given: str | None) -> str | None:
@@ -143,10 +161,12 @@ async def _serve(args: argparse.Namespace) -> int:
     if args.disable_log_requests:
         for name in REQUEST_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)
+    check_kv_encryption(args, os.environ)
     cfg = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, colocated=args.colocated,
                         policy=args.policy, address=args.address, worker_args=worker_args(args),
                         pool_resources=args.pool_resources, prefill_tp=prefill_tp, decode_tp=decode_tp,
-                        log_level=args.log_level,
+                        log_level=args.log_level, kv_transport=args.kv_transport,
+                        kv_allow_unencrypted_pairs=args.kv_allow_unencrypted_pairs,
                         **placement_options(args))
     mode = f"{cfg.colocated} colocated" if cfg.colocated else f"{cfg.num_prefill} prefill + {cfg.num_decode} decode"
     print(f"tandem: starting {mode} worker(s); each loads the model...", file=sys.stderr, flush=True)

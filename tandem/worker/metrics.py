@@ -21,8 +21,9 @@ from tandem.worker.api import Role
 from tandem.worker.metric_buckets import REQUEST_SECONDS
 
 LABELS = ("model_name", "role", "instance")
-TRANSFER_PATHS = ("shm", "zmq", "dist")
-"""KV data paths (KVSender.begin): in place in a same-node shared pool, ZMQ frames, torch.distributed."""
+TRANSFER_PATHS = ("shm", "cuda_ipc", "zmq", "dist")
+"""KV data paths (KVSender.begin): in place in a same-node shared pool, in place in a pool on
+the same GPU (CUDA IPC), ZMQ frames, torch.distributed (path_choice.py chooses)."""
 
 
 # (what a reason says, its label), first match wins; anything else is "error".
