@@ -10,6 +10,7 @@ import torch
 from tandem.config import EngineConfig
 from tandem.decoding.draft_verify import sample_step
 from tandem.engine import step_inputs
+from tandem.engine.device_random import draw_generator
 from tandem.decoding.grammar_mask import apply_grammar_masks
 from tandem.engine.logits_processors import apply_logits_processors
 from tandem.engine.sampler import Sampler, StepOutput
@@ -104,7 +105,10 @@ class ModelRunner:
             for target in batch.sample_targets(i):
                 rows.extend(range(offset, offset + num_rows))
                 targets.append(target)
-                generators.append(target.generator)
+                # A seeded target draws at its position from a generator made for it: the draw at
+                # position p depends on the seed and p alone (device_random.py).
+                seed = target.params.completion_seed(target.index)
+                generators.append(None if seed is None else draw_generator(seed, target.num_tokens))
                 drafts.append(batch.draft_token_ids[i] if batch.draft_token_ids else [])
             offset += num_rows
         rows_t = step_inputs.to_device(torch.tensor(rows, dtype=torch.long), logits.device)

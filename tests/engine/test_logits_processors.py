@@ -130,3 +130,67 @@ def test_rows_without_processing_are_untouched_and_the_input_is_not_changed():
         expected[t] = expected[t] / 2 if expected[t] > 0 else expected[t] * 2
     assert torch.allclose(out[1].double(), expected)
     assert apply_logits_processors(logits, targets[:1], eos_token_ids=[0]) is logits  # nothing to do: no copy
+
+
+def reference(logits: torch.Tensor, targets: list[Target], eos: list[int]) -> torch.Tensor:
+    """The rules from their definitions, one row and one token at a time, in float64: vLLM's
+    min_tokens (EOS unless ignore_eos, and stop_token_ids, banned), OpenAI's logit_bias,
+    transformers' repetition penalty over prompt and output, OpenAI's frequency and presence."""
+    out = logits.double().clone()
+    vocab = out.shape[1]
+    for row, t in zip(out, targets):
+        p = t.params
+        if t.num_output_tokens < p.min_tokens:
+            for token in [*p.stop_token_ids, *([] if p.ignore_eos else eos)]:
+                if token < vocab:
+                    row[token] = float("-inf")
+        for token, b in p.logit_bias:
+            if token < vocab:
+                row[token] += b
+        for token in set(t.token_ids):
+            x = row[token].item()
+            row[token] = x / p.repetition_penalty if x > 0 else x * p.repetition_penalty
+        for token in set(t.output_token_ids):
+            n = t.output_token_ids.count(token)
+            row[token] -= p.frequency_penalty * n + p.presence_penalty
+    return out
+
+
+def test_dense_processing_is_the_definitions_in_float64():
+    """Every rule, alone and together, on one batch (rows that ask for nothing among them):
+    the dense float32 result within float32 rounding of the float64 reference, -inf where it bans."""
+    vocab, eos = 1000, [2, 999]
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(9, vocab, generator=gen) * 4
+    prompt, output = [5, 9, 9, 40, 700, 3], [9, 12, 12, 12, 700, 2, 41]
+    targets = [
+        Target(prompt, output, SamplingParams()),
+        Target(prompt, output, SamplingParams(repetition_penalty=1.7)),
+        Target(prompt, output, SamplingParams(repetition_penalty=0.6)),
+        Target(prompt, output, SamplingParams(frequency_penalty=0.7, presence_penalty=-0.4)),
+        Target(prompt, output, SamplingParams(logit_bias={12: 5.0, 0: -30.0, 1500: 3.0})),
+        Target(prompt, output, SamplingParams(min_tokens=12, stop_token_ids=(7, 2000))),
+        Target(prompt, output, SamplingParams(min_tokens=12, ignore_eos=True, stop_token_ids=(8,))),
+        Target(prompt, output, SamplingParams(min_tokens=3, stop_token_ids=(7,))),  # past min_tokens: no ban
+        Target(prompt, [], SamplingParams(repetition_penalty=1.3, frequency_penalty=1.1, presence_penalty=0.5,
+                                          logit_bias={9: 2.5}, min_tokens=1)),
+    ]
+    got = apply_logits_processors(logits, targets, eos_token_ids=eos)
+    expected = reference(logits, targets, eos)
+    assert got.dtype == torch.float32 and torch.equal(got[0], logits[0])
+    assert torch.equal(torch.isinf(got), torch.isinf(expected))
+    assert int(torch.isinf(got).sum()) == 3 + 1 + 2  # EOS twice and 7; 8 alone; EOS twice
+    assert torch.allclose(got.double(), expected, rtol=1e-6, atol=1e-5, equal_nan=False)
+    assert not torch.allclose(got[1:], logits[1:])  # (each processed row changed)
+
+
+def test_processing_depends_on_the_row_alone():
+    """A row's result is the same alone or in a batch of others with wider token lists."""
+    vocab = 300
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1))
+    target = Target([1, 2, 3], [4, 4, 5], SamplingParams(repetition_penalty=1.2, frequency_penalty=0.3))
+    others = [Target(list(range(100)), list(range(50, 90)), SamplingParams(presence_penalty=1.0)),
+              Target([7], [], SamplingParams(logit_bias={3: 1.0}))]
+    alone = apply_logits_processors(logits[1:2], [target], eos_token_ids=[0])
+    batched = apply_logits_processors(logits, [others[0], target, others[1]], eos_token_ids=[0])
+    assert torch.equal(alone[0], batched[1])

@@ -1,4 +1,6 @@
-"""Sampler: greedy, per-row seeded determinism, filters and the sampled distribution."""
+"""Sampler: greedy, per-row seeded determinism, filters and the sampled distribution; the
+counter-based random numbers (device_random.py) against a plain-int reference, and a seeded
+draw that depends on the seed and the position alone."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import math
 import pytest
 import torch
 
+from tandem.engine.device_random import KEY_BITS, draw_generator, draw_key, exponentials, mix64_int, uniforms
 from tandem.engine.sampler import Sampler, SamplerOutput
 from tandem.sampling_params import SamplingParams
 
@@ -220,3 +223,69 @@ def test_shape_errors() -> None:
     with pytest.raises(ValueError):
         Sampler().sample(torch.zeros(4), [SamplingParams()], [None])
     assert Sampler().sample(torch.zeros(0, 4), [], []) == SamplerOutput([], [])
+
+
+def _splitmix_exponential(key: int, token: int) -> float:
+    """device_random.exponentials for one entry, in plain Python ints and float64."""
+    golden, mask = 0x9E3779B97F4A7C15, (1 << 64) - 1
+    base = mix64_int((key + golden) & mask)
+    bits = mix64_int((base + (token + 1) * golden) & mask) >> (64 - KEY_BITS)
+    v = min(float(torch.tensor(bits * 2.0 ** -KEY_BITS, dtype=torch.float32)), 1.0 - 2.0 ** -24)
+    return -math.log1p(-v)
+
+
+def test_exponentials_are_splitmix64_in_int64_torch_ops() -> None:
+    """The int64 tensor arithmetic wraps as unsigned 64-bit arithmetic does, for keys up to
+    2**53 and every token id of the default vocabulary."""
+    keys = [0, 1, 12345, (1 << KEY_BITS) - 1, draw_key(7, 1000)]
+    q = exponentials(torch.tensor(keys), 49152).double()
+    for row, key in enumerate(keys):
+        for token in (0, 1, 31, 4097, 49151):
+            assert q[row, token].item() == pytest.approx(_splitmix_exponential(key, token), rel=1e-6)
+
+
+def test_exponentials_are_exp_1() -> None:
+    q = exponentials(torch.arange(64) * 7919, 5000).double()  # [64, 5000]
+    assert bool((q > 0).all()) and bool(torch.isfinite(q).all())
+    assert q.mean().item() == pytest.approx(1.0, abs=0.01) and q.var().item() == pytest.approx(1.0, abs=0.03)
+    # P(q > 2) = e**-2; neighbouring tokens and rows uncorrelated.
+    assert (q > 2).double().mean().item() == pytest.approx(math.exp(-2), abs=0.003)
+    assert abs(torch.corrcoef(torch.stack([q[:, :-1].flatten(), q[:, 1:].flatten()]))[0, 1].item()) < 0.01
+    assert abs(torch.corrcoef(torch.stack([q[:-1].flatten(), q[1:].flatten()]))[0, 1].item()) < 0.01
+    # The same keys' uniforms (speculative verification's) are another stream: U[0, 1), unrelated to q.
+    u = uniforms(torch.arange(64) * 7919, 5000)  # [64, 5000] float64
+    assert bool((u >= 0).all() and (u < 1).all()) and u.mean().item() == pytest.approx(0.5, abs=0.005)
+    assert abs(torch.corrcoef(torch.stack([u.flatten(), q.flatten()]))[0, 1].item()) < 0.01
+
+
+def test_a_seeded_draw_depends_on_the_seed_and_position_alone() -> None:
+    """The model runner's generators: same (seed, position), same token, in any batch; another
+    position or seed, another stream."""
+    vocab = 5000
+    logits = _logits(1, vocab=vocab, seed=3, scale=0.5)  # flat: draws differ
+    params = SamplingParams(temperature=1.0, seed=1)
+
+    def draw(seed: int, position: int, batch: int = 1, row: int = 0) -> int:
+        rows = _logits(batch, vocab=vocab, seed=batch)
+        rows[row] = logits[0]
+        gens: list[torch.Generator | None] = [None] * batch
+        gens[row] = draw_generator(seed, position)
+        return Sampler().sample(rows, [params] * batch, gens).token_ids[row]
+
+    tokens = [draw(1, p) for p in range(100, 120)]
+    assert [draw(1, p, batch=6, row=p % 6) for p in range(100, 120)] == tokens
+    assert len(set(tokens)) > 15
+    assert sum(a != b for a, b in zip(tokens, [draw(2, p) for p in range(100, 120)])) > 15
+    assert draw_key(1, 100) != draw_key(1, 101) and draw_key(1, 100) < 1 << KEY_BITS
+
+
+def test_a_request_resumed_mid_stream_draws_what_it_would_have(make_llm, tokenizer) -> None:
+    """Seeded sampling: continuing from the first half of a completion (as another worker
+    would, from the tokens alone) draws the second half again."""
+    llm = make_llm()
+    prompt = tokenizer.encode("Once upon a time")
+    params = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=8, seed=77, ignore_eos=True)
+    whole = llm.generate([prompt], params)[0].token_ids
+    resumed = llm.generate([prompt + whole[:4]], SamplingParams(temperature=0.9, top_p=0.95, max_tokens=4,
+                                                                 seed=77, ignore_eos=True))[0].token_ids
+    assert len(whole) == 8 and resumed == whole[4:]
