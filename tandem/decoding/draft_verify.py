@@ -5,6 +5,10 @@ token after draft j (row 0: after the sequence's last token). Greedy rows keep d
 while they equal the argmax. Random rows use speculative rejection sampling with a
 point-mass draft: accept draft x with probability p(x), else draw from p with x removed.
 Either way a kept token is distributed exactly as the target alone would draw it.
+
+Everything is worked out on the logits' device (acceptance of every draft at once: a
+cumulative product of accept flags) and read back in one transfer per step, with the plain
+rows' tokens and the beams' candidates.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from tandem.decoding.beam_search import num_candidates
+from tandem.engine import step_inputs
 from tandem.engine.sampler import Sampler, StepOutput, exponential_race, filtered_probs
 from tandem.logprobs import TopLogprobs
 from tandem.sampling_params import SamplingParams
@@ -37,6 +42,7 @@ def sample_step(
     """
     beams = [i for i, p in enumerate(params) if p.use_beam_search]
     plain = [i for i, drafts in enumerate(draft_token_ids) if not drafts and not params[i].use_beam_search]
+    drafted = [i for i, drafts in enumerate(draft_token_ids) if drafts]
     row_starts: list[int] = []
     num_rows = 0
     for drafts in draft_token_ids:
@@ -44,26 +50,141 @@ def sample_step(
         num_rows += 1 + len(drafts)
     token_ids: list[list[int]] = [[] for _ in draft_token_ids]
     logprobs: list[list[float]] = [[] for _ in draft_token_ids]
-    # Entries without drafts share one sampler call, as without speculation.
-    rows = torch.tensor([row_starts[i] for i in plain], dtype=torch.long, device=logits.device)
-    sampled = sampler.sample(logits[rows], [params[i] for i in plain], [generators[i] for i in plain],
-                             raw_logits=None if raw_logits is None else raw_logits[rows])
-    for i, t, lp in zip(plain, sampled.token_ids, sampled.logprobs):
-        token_ids[i], logprobs[i] = [t], [lp]
     top_logprobs: list[list[TopLogprobs]] | None = None
-    if sampled.top_logprobs is not None:  # (only plain entries ask: no drafts, no beams)
-        top_logprobs = [[] for _ in draft_token_ids]
-        for i, top in zip(plain, sampled.top_logprobs):
-            top_logprobs[i] = [top]
+    reads: list[torch.Tensor] = []  # device values the host reads back, together
+    plain_on_device = False
+    if plain:
+        # Entries without drafts share one sampler call, as without speculation.
+        rows = step_inputs.to_device(torch.tensor([row_starts[i] for i in plain], dtype=torch.long), logits.device)
+        plain_params, plain_generators = [params[i] for i in plain], [generators[i] for i in plain]
+        plain_raw = None if raw_logits is None else raw_logits[rows]
+        if any(p.top_logprobs for p in plain_params):  # (only plain entries ask: no drafts, no beams)
+            sampled = sampler.sample(logits[rows], plain_params, plain_generators, raw_logits=plain_raw)
+            for i, t, lp in zip(plain, sampled.token_ids, sampled.logprobs):
+                token_ids[i], logprobs[i] = [t], [lp]
+            if sampled.top_logprobs is not None:
+                top_logprobs = [[] for _ in draft_token_ids]
+                for i, top in zip(plain, sampled.top_logprobs):
+                    top_logprobs[i] = [top]
+        else:
+            reads += sampler.sample_on_device(logits[rows], plain_params, plain_generators, plain_raw)
+            plain_on_device = True
     for i in beams:
         k = min(num_candidates(params[i].beam_width, num_eos_tokens), logits.shape[-1])
-        top = torch.log_softmax(logits[row_starts[i]].float(), dim=-1).topk(k)
-        token_ids[i], logprobs[i] = top.indices.tolist(), top.values.tolist()
-    for i, drafts in enumerate(draft_token_ids):
-        if drafts:
-            entry_logits = logits[row_starts[i]:row_starts[i] + 1 + len(drafts)]
-            token_ids[i], logprobs[i] = verify_drafts(entry_logits, drafts, params[i], generators[i])
+        top = torch.log_softmax(logits[row_starts[i]].float(), dim=-1).topk(k)  # each: [k]
+        reads += [top.indices, top.values]
+    if drafted:
+        reads += verify_on_device(logits, [row_starts[i] for i in drafted], [draft_token_ids[i] for i in drafted],
+                                  [params[i] for i in drafted], [generators[i] for i in drafted])
+    values = iter(read_back(reads))
+    if plain_on_device:
+        chosen, chosen_logprobs = next(values), next(values)
+        for i, t, lp in zip(plain, chosen, chosen_logprobs):
+            token_ids[i], logprobs[i] = [int(t)], [lp]
+    for i in beams:
+        token_ids[i], logprobs[i] = [int(t) for t in next(values)], next(values)
+    if drafted:
+        tokens, token_logprobs, num_accepted = next(values), next(values), next(values)
+        offset = 0
+        for i, n in zip(drafted, num_accepted):
+            kept = slice(offset, offset + int(n) + 1)
+            token_ids[i], logprobs[i] = [int(t) for t in tokens[kept]], token_logprobs[kept]
+            offset += 1 + len(draft_token_ids[i])
     return StepOutput(token_ids=token_ids, logprobs=logprobs, top_logprobs=top_logprobs)
+
+
+def read_back(tensors: list[torch.Tensor]) -> list[list[float]]:
+    """The values of ``tensors`` (any shapes, on one device) on the host, each flattened,
+    from one transfer. NOTE: float64 holds int64 token ids exactly (below 2**53)."""
+    if not tensors:
+        return []
+    packed = torch.cat([t.reshape(-1).double() for t in tensors])  # [sum of numels]
+    flat = step_inputs.to_host(packed).tolist()
+    out: list[list[float]] = []
+    offset = 0
+    for t in tensors:
+        out.append(flat[offset:offset + t.numel()])
+        offset += t.numel()
+    return out
+
+
+def verify_on_device(
+    logits: torch.Tensor,
+    row_starts: list[int],
+    draft_token_ids: list[list[int]],
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+) -> list[torch.Tensor]:
+    """Judge every entry's drafts on ``logits``' device, reading nothing back.
+
+    -> [tokens, logprobs, num_accepted]: tokens ``[sum(1 + d)]`` int64, per entry its drafts
+    up to the first rejected one, there the target's own token, then leftovers (the host keeps
+    ``num_accepted + 1`` of them); their logprobs ``[sum(1 + d)]`` float32; num_accepted ``[E]``.
+    Random draws come from each entry's generator in a fixed order (one uniform per draft,
+    then one token), so a seeded request gets the same tokens for the same drafts.
+    """
+    device, vocab_size = logits.device, logits.shape[-1]
+    sizes = [len(d) for d in draft_token_ids]
+    # The drafts and the uniforms of generators on the host cross in one transfer.
+    on_host = [e for e, (p, g) in enumerate(zip(params, generators))
+               if not p.is_greedy and g is not None and g.device != device]
+    host_uniforms = {e: torch.rand(sizes[e], generator=generators[e], device=generators[e].device, dtype=torch.float64)
+                     for e in on_host}  # (host values, drawn before anything else of the generator's)
+    host = torch.tensor([t for d in draft_token_ids for t in d], dtype=torch.float64)
+    if host_uniforms:
+        host = torch.cat([host, *host_uniforms.values()])
+    inputs = step_inputs.to_device(host, device)
+    num_drafts = sum(sizes)
+    drafts_t = inputs[:num_drafts].long()  # [D]
+    uniform_at = {e: num_drafts + sum(sizes[f] for f in on_host[:j]) for j, e in enumerate(on_host)}
+
+    rows = torch.cat([logits[s:s + 1 + d] for s, d in zip(row_starts, sizes)]).float()  # [R, vocab_size]
+    greedy = torch.argmax(rows, dim=-1)  # [R]
+    random = [e for e, p in enumerate(params) if not p.is_greedy]
+    row_at, draft_at = [], []
+    r = dr = 0
+    for d in sizes:
+        row_at.append(r)
+        draft_at.append(dr)
+        r, dr = r + 1 + d, dr + d
+    probs = None
+    if random:  # one filtering for every random entry's rows: [sum over them of 1 + d, vocab_size]
+        probs = filtered_probs(torch.cat([rows[row_at[e]:row_at[e] + 1 + sizes[e]] for e in random]),
+                               [params[e] for e in random for _ in range(1 + sizes[e])])
+    tokens, accepted, residuals = [], [], []
+    no_token = torch.full((1,), vocab_size, dtype=torch.long, device=device)  # a draft id no row has
+    prob_at = 0
+    vocab = torch.arange(vocab_size, device=device)  # [vocab_size]
+    for e, d in enumerate(sizes):
+        drafts = drafts_t[draft_at[e]:draft_at[e] + d]  # [d]
+        if params[e].is_greedy:
+            target = greedy[row_at[e]:row_at[e] + 1 + d]  # [1 + d]
+            accepted.append(torch.cumprod((drafts == target[:d]).long(), 0).sum())
+            tokens.append(target)
+            continue
+        assert probs is not None
+        p = probs[prob_at:prob_at + 1 + d]  # [1 + d, vocab_size]
+        prob_at += 1 + d
+        if e in uniform_at:
+            u = inputs[uniform_at[e]:uniform_at[e] + d].float()  # [d]
+        else:
+            u = torch.rand(d, generator=generators[e], device=device)
+        n = torch.cumprod((u < p[:d].gather(1, drafts.unsqueeze(1)).squeeze(1)).long(), 0).sum()  # []
+        accepted.append(n)
+        # Row n draws the last token: p with the rejected draft removed, or (every draft kept)
+        # the bonus row as it is. NOTE: rejection implies p(draft) < 1, so mass is left.
+        padded = torch.cat([drafts, no_token])  # [1 + d]
+        final = p.index_select(0, n.view(1)).masked_fill(vocab == padded.index_select(0, n.view(1)), 0.0)
+        residuals.append(final / final.sum(dim=-1, keepdim=True))  # [1, vocab_size]
+        tokens.append(torch.cat([drafts, torch.zeros_like(no_token)]))  # position n: the drawn token
+    if residuals:
+        drawn = exponential_race(torch.cat(residuals), [generators[e] for e in random])  # [len(random)]
+        for j, e in enumerate(random):
+            tokens[e] = tokens[e].scatter(0, accepted[e].view(1), drawn[j:j + 1])
+    tokens_t = torch.cat(tokens)  # [R]
+    # As the sampler reports them (draft rows are never processed: raw and processed are one).
+    token_logprobs = rows.gather(1, tokens_t.unsqueeze(1)).squeeze(1) - torch.logsumexp(rows, dim=-1)  # [R]
+    return [tokens_t, token_logprobs, torch.stack(accepted)]
 
 
 def verify_drafts(
@@ -72,37 +193,8 @@ def verify_drafts(
     params: SamplingParams,
     generator: torch.Generator | None,
 ) -> tuple[list[int], list[float]]:
-    """-> (tokens, logprobs): the accepted drafts, then one token drawn by the target.
-
-    logits: ``[1 + len(draft_token_ids), vocab_size]``. Random draws come from
-    ``generator`` in a fixed order (one uniform per judged draft, then one token), so a
-    seeded request gets the same tokens for the same drafts.
-    """
-    logits = logits.float()  # [1 + d, vocab_size]
-    num_drafts = len(draft_token_ids)
-    if params.is_greedy:
-        target = torch.argmax(logits, dim=-1).tolist()
-        num_accepted = 0
-        while num_accepted < num_drafts and draft_token_ids[num_accepted] == target[num_accepted]:
-            num_accepted += 1
-        token_ids = target[:num_accepted + 1]
-    else:
-        probs = filtered_probs(logits, [params] * (1 + num_drafts))  # [1 + d, vocab_size]
-        token_ids = []
-        for j, draft in enumerate(draft_token_ids):
-            u = torch.rand((), generator=generator)  # on the generator's device (the host)
-            if u < probs[j, draft]:
-                token_ids.append(draft)
-                continue
-            # NOTE: rejection implies p(draft) < 1, so the residual has mass left.
-            residual = probs[j].clone()
-            residual[draft] = 0.0
-            token_ids.append(int(exponential_race((residual / residual.sum()).unsqueeze(0), [generator])[0]))
-            break
-        else:  # every draft accepted: the last row gives a bonus token
-            token_ids.append(int(exponential_race(probs[num_drafts].unsqueeze(0), [generator])[0]))
-    rows = torch.arange(len(token_ids), device=logits.device)
-    chosen = torch.tensor(token_ids, dtype=torch.long, device=logits.device)
-    # As the sampler reports them: under the raw logits, before temperature and filtering.
-    logprobs = logits[rows, chosen] - torch.logsumexp(logits[:len(token_ids)], dim=-1)
-    return token_ids, logprobs.tolist()
+    """-> (tokens, logprobs) of one entry: the accepted drafts, then one token drawn by the
+    target. logits: ``[1 + len(draft_token_ids), vocab_size]`` (see verify_on_device)."""
+    tokens, logprobs, num_accepted = read_back(verify_on_device(logits, [0], [draft_token_ids], [params], [generator]))
+    kept = int(num_accepted[0]) + 1
+    return [int(t) for t in tokens[:kept]], logprobs[:kept]

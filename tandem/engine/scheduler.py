@@ -8,6 +8,7 @@ prompt chunks share the budget: the PrefillPacker, prefill_policy.py).
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from tandem.engine.sequence import Sequence, SequenceStatus, SequenceUpdate
 from tandem.logprobs import TopLogprobs
 from tandem.kvcache.block_manager import BlockManager
 from tandem.kvcache.swap_pool import SwapPool
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -225,10 +228,17 @@ class Scheduler:
                      top_logprobs: TopLogprobs | None = None) -> SequenceUpdate:
         """Add a sampled token to a sequence whose KV is computed up to it; stop if it ends."""
         status = self.end_of(seq, token_id)
-        if seq.grammar is not None and status is None:
-            # The mask let only the grammar's tokens through: a token it refuses all the same
-            # (a processor had masked every allowed one) or a complete grammar ends the output.
-            if not seq.grammar.accept_token(token_id) or seq.grammar.is_terminated:
+        if seq.grammar is not None:
+            # The mask let only the grammar's tokens through, so a token it refuses all the same
+            # (EOS included) means the processors had masked every allowed one: the token is
+            # dropped and the output, a valid prefix, ends there; a complete grammar ends it too.
+            if not seq.grammar.accept_token(token_id):
+                logger.warning("request %s: the logits processors left no token its grammar allows after %d "
+                               "output tokens: ending it (abort)", seq.request_id, seq.num_output_tokens)
+                self._finish(seq, SequenceStatus.FINISHED_UNSATISFIABLE)
+                new_text = seq.detokenizer.flush() if seq.detokenizer is not None else ""
+                return SequenceUpdate(seq, [], new_text, [], [])
+            if status is None and seq.grammar.is_terminated:
                 status = SequenceStatus.FINISHED_STOPPED
         seq.token_ids.append(token_id)
         seq.output_logprobs.append(logprob)

@@ -29,6 +29,9 @@ class SequenceStatus(IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_UNSATISFIABLE = 6
+    """Structured outputs: the logits processors (min_tokens, logit_bias) left no token the
+    grammar allows. The output so far is a valid prefix; clients see it end "abort"."""
 
     @property
     def is_finished(self) -> bool:
@@ -47,6 +50,9 @@ FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: FinishReason.STOP,
     SequenceStatus.FINISHED_LENGTH: FinishReason.LENGTH,
     SequenceStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    # NOTE: "abort", not a word of our own: OpenAI's clients and the wire (proto FinishReason)
+    # know stop/length/abort only, and abort tells them the output did not end as asked.
+    SequenceStatus.FINISHED_UNSATISFIABLE: FinishReason.ABORT,
 }
 
 

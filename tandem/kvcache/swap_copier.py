@@ -31,6 +31,7 @@ class KVSwapper:
         # pages cost no memory. Pinned on a GPU machine, so copies run at full PCIe speed.
         on_gpu = device_cache.is_cuda and torch.cuda.is_available()  # (not a fake CUDA tensor: tests/device)
         self.host_cache = torch.empty(shape, dtype=device_cache.dtype, pin_memory=on_gpu)
+        self._pinned = on_gpu
         self._stream = torch.cuda.Stream(device_cache.device) if on_gpu else None
         """Where swap copies run on CUDA, beside the step's stream (None on the CPU)."""
 
@@ -50,25 +51,36 @@ class KVSwapper:
     def swap_in(self, block_pairs: list[tuple[int, int]]) -> None:
         """Copy host blocks to device blocks: pairs of (host block id, device block id).
 
-        On CUDA the copy runs on the side stream and the step's stream waits for it, so the
-        forward that reads the blocks comes after it without blocking the host."""
+        One copy on the host: the blocks are gathered into a buffer (pinned on CUDA, so the
+        transfer needs no copy of its own), followed by their destination ids; that buffer
+        crosses in one transfer and the device writes its slots from it. On CUDA the copy runs
+        on the side stream and the step's stream waits for it, so the forward that reads the
+        blocks comes after it without blocking the host."""
         if not block_pairs:
             return
         host_ids, device_ids = zip(*block_pairs)
-        blocks = self.host_cache.index_select(BLOCK_DIM, self._ids(host_ids, self.host_cache.device))
-        device = self.device_cache.device
+        shape = list(self.host_cache.shape)
+        shape[BLOCK_DIM] = len(block_pairs)
+        num_bytes = self.host_cache.element_size() * len(block_pairs) * self.host_cache[:, :, :1].numel()
+        # [block bytes | device ids as int64]; block bytes are a multiple of 8 (whole heads).
+        buffer = torch.empty(num_bytes + 8 * len(device_ids), dtype=torch.uint8, pin_memory=self._pinned)
+        blocks = buffer[:num_bytes].view(self.host_cache.dtype).view(shape)
+        torch.index_select(self.host_cache, BLOCK_DIM, self._ids(host_ids, self.host_cache.device), out=blocks)
+        buffer[num_bytes:].view(torch.int64).copy_(torch.tensor(device_ids, dtype=torch.int64))
         with self._on_side_stream():
-            blocks = step_inputs.to_device(blocks, device)
-            self.device_cache.index_copy_(BLOCK_DIM, self._ids(device_ids, device), blocks)
+            on_device = step_inputs.to_device(buffer, self.device_cache.device)  # the one transfer
+            ids = on_device[num_bytes:].view(torch.int64)  # [num_pairs]
+            self.device_cache.index_copy_(BLOCK_DIM, ids, on_device[:num_bytes].view(self.host_cache.dtype).view(shape))
 
     def copy(self, block_pairs: list[tuple[int, int]]) -> None:
-        """Copy device blocks to other device blocks: pairs of (source, destination)."""
+        """Copy device blocks to other device blocks: pairs of (source, destination), whose
+        ids cross in one transfer."""
         if not block_pairs:
             return
-        src_ids, dst_ids = zip(*block_pairs)
-        device = self.device_cache.device
-        blocks = self.device_cache.index_select(BLOCK_DIM, self._ids(src_ids, device))
-        self.device_cache.index_copy_(BLOCK_DIM, self._ids(dst_ids, device), blocks)
+        ids = self._ids(tuple(b for pair in zip(*block_pairs) for b in pair), self.device_cache.device)
+        src_ids, dst_ids = ids[:len(block_pairs)], ids[len(block_pairs):]  # each: [num_pairs]
+        blocks = self.device_cache.index_select(BLOCK_DIM, src_ids)
+        self.device_cache.index_copy_(BLOCK_DIM, dst_ids, blocks)
 
     @contextlib.contextmanager
     def _on_side_stream(self) -> Iterator[None]:

@@ -19,7 +19,7 @@ def weights_on(weights: ModelWeights, device: torch.device) -> ModelWeights:
     """``weights`` with every tensor on ``device``: the same object where they are there
     already (a CPU engine shares its weights with whoever loaded them), else a copy in
     which tied weights stay one tensor (the LM head and the embeddings)."""
-    if weights.embed_tokens.device == device:
+    if same_device(weights.embed_tokens.device, device):
         return weights
     moved: dict[int, Weight] = {}
 
@@ -35,6 +35,19 @@ def weights_on(weights: ModelWeights, device: torch.device) -> ModelWeights:
               for layer in weights.layers]
     return dataclasses.replace(weights, embed_tokens=on(weights.embed_tokens), layers=layers, norm=on(weights.norm),
                                lm_head=on(weights.lm_head), rope_inv_freq=on(weights.rope_inv_freq))
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether ``a`` and ``b`` name one device: ``cuda`` is the current CUDA device (as
+    torch places a tensor asked for ``cuda``), which a tensor's device names as ``cuda:N``."""
+    return _indexed(a) == _indexed(b)
+
+
+def _indexed(device: torch.device) -> torch.device:
+    if device.type != "cuda" or device.index is not None:
+        return device
+    # NOTE: without a CUDA runtime (fake CUDA tensors) the only device is cuda:0.
+    return torch.device("cuda", torch.cuda.current_device() if torch.cuda.is_available() else 0)
 
 
 def _weight_on(w: Weight, device: torch.device) -> Weight:

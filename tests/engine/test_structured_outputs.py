@@ -12,6 +12,8 @@ import pytest
 
 from engine_checks import assert_all_blocks_free
 from tandem import SamplingParams
+from tandem.decoding.grammar import GrammarMatcher, new_bitmask
+from tandem.decoding.grammar_mask import unpack_bitmask
 from tandem.structured_outputs import StructuredOutputsParams
 
 pytestmark = pytest.mark.slow
@@ -75,4 +77,23 @@ def test_unconstrained_neighbours_are_unchanged(llm):
 def test_an_invalid_constraint_is_refused_before_it_runs(llm):
     with pytest.raises(ValueError, match="regex"):
         llm.generate(_prompt(llm, "hi"), SamplingParams(structured_outputs=StructuredOutputsParams(regex="[a-")))
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_the_processors_leave_nothing_of_ends_with_abort(llm, temperature):
+    """Defect 6: min_tokens masks the stop token ids, here every token the choice allows first,
+    so the sampler can only pick a token the grammar refuses. That token is never emitted: the
+    request ends "abort" (the constraint could not be met) with its output a valid prefix."""
+    choice = StructuredOutputsParams(choice=("yes", "no"))
+    grammar = llm.engine.grammars.compile(choice)
+    bitmask = new_bitmask(1, grammar.vocab_size)
+    GrammarMatcher(grammar).fill_next_token_bitmask(bitmask)
+    allowed = unpack_bitmask(bitmask, grammar.vocab_size)[0].nonzero().flatten().tolist()
+    assert 1 < len(allowed) < 100, allowed  # the prefixes of "yes" and "no"
+    params = SamplingParams(temperature=temperature, seed=3, max_tokens=20, min_tokens=5, stop_token_ids=allowed,
+                            structured_outputs=choice)
+    out = llm.generate(_prompt(llm, "Is the sky blue? Answer yes or no."), params)[0]
+    assert out.finish_reason == "abort", (out.text, out.token_ids, out.finish_reason)
+    assert (out.text, out.token_ids) == ("", [])  # nothing refused was emitted: the empty prefix
     assert_all_blocks_free(llm)
