@@ -3,14 +3,20 @@ point-to-point (NCCL between GPUs, gloo on CPUs) beside the same ZMQ headers."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from tandem.config_names import DTYPE_BYTES
 from tandem.kvtransfer.protocol import KVLayout
+
+logger = logging.getLogger(__name__)
 
 # Derived from the one dtype table (each name is torch's): kvtransfer imports no model code.
 TORCH_DTYPES: Mapping[str, torch.dtype] = MappingProxyType({name: getattr(torch, name) for name in DTYPE_BYTES})
@@ -50,12 +56,28 @@ def rows_of(frame: memoryview, dtype: str, row_shape: tuple[int, int]) -> torch.
     return torch.frombuffer(frame, dtype=TORCH_DTYPES[dtype]).view(-1, *row_shape)
 
 
+class PeerLost(RuntimeError):
+    """A torch.distributed peer did not complete an operation within the payload's deadline
+    (dead or hung): the pair was aborted, nothing more goes by it. A RuntimeError, as what
+    gloo raises when its peer is gone, so callers handle both alike."""
+
+
+POLL_FIRST_S, POLL_MAX_S = 50e-6, 2e-3
+"""How often an operation's completion is polled: at once, then backing off to POLL_MAX_S."""
+
+
 class DistPayload:
     """KV rows sent with torch.distributed send/recv to a peer rank of `group`.
 
     NOTE: tensors on one pair of ranks are matched in order, so the sender sends them in
     the order of its headers and the receiver, which reads the headers in the same order,
     receives them before checking the header (a message it drops is still drained).
+
+    NOTE: completion is polled (`Work.is_completed`) against the payload's own deadline, never
+    left to `Work.wait`: NCCL's wait neither blocks the host nor raises when the peer is dead
+    (it only orders the current stream), and NCCL's watchdog ends the process once a work
+    outlives the group's timeout. So the deadline is shorter than that timeout, and on expiry
+    the pair's group is aborted first (the watchdog then has nothing to time out).
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
@@ -64,41 +86,93 @@ class DistPayload:
         if not dist.is_initialized():
             raise RuntimeError("DistPayload needs torch.distributed.init_process_group first")
         self.group = group
-        self._own: dist.ProcessGroup | None = None
+        self._own: Any = None
         self.rank = dist.get_rank(group)
         self.backend = str(dist.get_backend(group))
         self.device = _device_of(self.backend)
+        self._empty: Callable[..., torch.Tensor] = torch.empty
+        timeout = dist.distributed_c10d._get_default_timeout(dist.Backend(self.backend))
+        self.deadline_s = timeout.total_seconds() / 2
+        self.polled = self.backend == "nccl"
+        self.lost = ""
+        self.on_close: Callable[[], None] | None = None
+        """Called (on a thread of its own, errors ignored) when a pair still in step is closed."""
 
     @classmethod
-    def over(cls, group: dist.ProcessGroup, rank: int, backend: str) -> DistPayload:
+    def over(cls, group: Any, rank: int, backend: str, device: torch.device, timeout_s: float,
+             empty: Callable[..., torch.Tensor] = torch.empty, polled: bool = True) -> DistPayload:
         """A payload over a group built outside the default world (dist_pairs.py): its own
-        send/recv are called, since torch.distributed's functions know only the world's groups."""
+        send/recv are called, since torch.distributed's functions know only the world's groups.
+        device: where the backend's tensors live; timeout_s: the group's (its watchdog's)
+        timeout; empty: how a tensor is allocated on `device` (torch.empty); polled: whether
+        completion is polled (NCCL) or left to a blocking wait() that raises (gloo)."""
         payload = cls.__new__(cls)
         payload.group, payload._own, payload.rank, payload.backend = None, group, rank, backend
-        payload.device = _device_of(backend)
+        payload.device, payload._empty = device, empty
+        payload.deadline_s = timeout_s / 2  # NOTE: well inside the watchdog's timeout
+        payload.lost, payload.on_close, payload.polled = "", None, polled
         return payload
 
     def send(self, peer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Blocks until both tensors are handed over (unlike the ZMQ path's send_layer).
-        Raises RuntimeError when the peer is gone or does not take them within the timeout."""
+        """Returns once both tensors are handed over (unlike the ZMQ path's send_layer).
+        Raises RuntimeError (PeerLost past the deadline) when the peer is gone or does not
+        take them in time; the pair is aborted then."""
         for t in (k, v):
-            t = t.to(self.device).contiguous()
-            if self._own is not None:
-                self._own.send([t], peer, 0).wait()
-            else:
-                dist.send(t, dst=peer, group=self.group)
+            t = t if t.device == self.device else t.to(self.device)  # (rows of a pool on the device: as they are)
+            t = t if t.is_contiguous() else t.contiguous()
+            work = self._own.send([t], peer, 0) if self._own is not None else dist.isend(t, dst=peer, group=self.group)
+            self._finish(work, f"send to rank {peer}")
 
     def recv(self, peer: int, num_tokens: int, row_shape: tuple[int, int], dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> K and V rows [num_tokens, *row_shape] from `peer`. Raises RuntimeError when it is gone."""
+        """-> K and V rows [num_tokens, *row_shape] from `peer`, on this payload's device.
+        Raises RuntimeError (PeerLost past the deadline) when it is gone."""
         out = []
         for _ in range(2):
-            t = torch.empty(num_tokens, *row_shape, dtype=TORCH_DTYPES[dtype], device=self.device)
-            if self._own is not None:
-                self._own.recv([t], peer, 0).wait()
-            else:
-                dist.recv(t, src=peer, group=self.group)
+            t = self._empty(num_tokens, *row_shape, dtype=TORCH_DTYPES[dtype], device=self.device)
+            work = self._own.recv([t], peer, 0) if self._own is not None else dist.irecv(t, src=peer, group=self.group)
+            self._finish(work, f"recv from rank {peer}")
             out.append(t)
         return out[0], out[1]
+
+    def _finish(self, work: Any, what: str) -> None:
+        """Poll `work` until it completes (then its wait() raises what the backend saw) or the
+        deadline passes (then the pair is aborted and PeerLost raised)."""
+        if self.lost:
+            raise PeerLost(self.lost)
+        if not self.polled:  # gloo: its wait blocks, and raises when the peer is gone or past its timeout
+            work.wait()
+            return
+        deadline = time.monotonic() + self.deadline_s
+        pause = POLL_FIRST_S
+        while not work.is_completed():
+            if time.monotonic() >= deadline:
+                self.lost = f"{what} did not complete within {self.deadline_s:.1f} s (peer dead or hung): pair aborted"
+                self.close()
+                raise PeerLost(self.lost)
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_MAX_S)
+        work.wait()
+
+    def close(self) -> None:
+        """Abort the pair's group (never blocks: a dead peer cannot hold it up); the world's
+        groups are left to their owner. Idempotent."""
+        group, self._own = self._own, None
+        if group is None:
+            return
+        if not self.lost and self.on_close is not None:  # (a lost peer may be hung: not waited for)
+            threading.Thread(target=_quietly, args=(self.on_close,), daemon=True).start()
+        self.lost = self.lost or "closed"
+        try:
+            group.abort()
+        except RuntimeError as e:  # already torn down by the backend
+            logger.debug("aborting a torch.distributed pair: %s", e)
+
+
+def _quietly(f: Callable[[], None]) -> None:
+    try:
+        f()
+    except Exception as e:  # NOTE: a courtesy to the peer: it may be gone
+        logger.debug("telling a torch.distributed peer the pair is closed: %s", e)
 
 
 def _device_of(backend: str) -> torch.device:

@@ -11,11 +11,13 @@ from typing import Any
 
 import zmq
 
+from tandem.kvtransfer.cuda_ipc import DeviceTarget, IpcOffer
 from tandem.kvtransfer.curve import CurveKeys
 from tandem.kvtransfer.dist_pairs import RECEIVER_RANK, join_pair
 from tandem.kvtransfer.payload import DistPayload
-from tandem.kvtransfer.protocol import KVLayout, MessageKind, TransferRefused, decode, encode
-from tandem.kvtransfer.shared_pool import MappedPool
+from tandem.kvtransfer.in_place import InPlaceTarget
+from tandem.kvtransfer.protocol import KVLayout, MessageKind, ProtocolError, TransferRefused, decode, encode
+from tandem.kvtransfer.shared_pool import MappedFence, MappedPool
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +33,9 @@ class Peer:
     """The receiver's pool layout, from the handshake."""
     dist_rank: int | None
     """The receiver's rank in `dist`'s group, when the rows go by torch.distributed."""
-    shm: MappedPool | None = None
-    """The receiver's pool mapped here, when the rows are written into it in place."""
+    target: InPlaceTarget | None = None
+    """The receiver's pool opened here, when the rows are written into it in place: mapped
+    from host shared memory, or opened by CUDA IPC on its GPU."""
     dist: DistPayload | None = None
     """The group the rows go by: a pair made in the handshake, or the sender's world."""
     lost: str = ""
@@ -40,29 +43,34 @@ class Peer:
 
     @property
     def path(self) -> str:
-        """The data path: "shm", "dist" (torch.distributed) or "zmq" (frames)."""
-        return "shm" if self.shm is not None else "zmq" if self.dist_rank is None else "dist"
+        """The data path: "shm" or "cuda_ipc" (in place), "dist" (torch.distributed) or "zmq" (frames)."""
+        return self.target.path if self.target is not None else "zmq" if self.dist_rank is None else "dist"
 
     def unmap_if_orphaned(self, address: str) -> None:
         """Let go of the receiver's pool once its owner is gone: mapped here, a dead
         worker's pool would stay in memory."""
-        if self.shm is not None and not self.shm.owner_alive():
+        if self.target is not None and not self.target.owner_alive():
             logger.warning("kv sender: the pool of %s has no owner any more: unmapped", address)
-            self.shm.close()
-            self.shm = None  # its tensors go with it, and with them the mapping
+            self.target.close()
+            self.target = None  # its tensors go with it, and with them the mapping
 
     def close(self) -> None:
         self.socket.close()
-        if self.shm is not None:
-            self.shm.close()
+        if self.target is not None:
+            self.target.close()
+        if self.dist is not None:
+            self.dist.close()  # the pair's group (a world's payload, shared, is left as it is)
 
 
 def connect_peer(address: str, hello: dict[str, Any], timeout_s: float, shm_pool: str = "",
-                 dist_pair: str = "", dist_required: bool = False, curve: CurveKeys | None = None) -> Peer:
+                 dist_pair: str = "", dist_required: bool = False, curve: CurveKeys | None = None,
+                 ipc: IpcOffer | None = None) -> Peer:
     """Handshake with the receiver at `address` with `hello` (the sender's fields).
 
     shm_pool: the receiver's pool file, offered when this process can open it: the rows go
     in place if the receiver agrees and the file is a pool of its layout, else by socket.
+    ipc: the receiver's pool is on a GPU, to be written by CUDA IPC (shm_pool then names its
+    grant table): opened here from the export in the HELLO_OK, else (logged) by socket.
     dist_pair: a torch.distributed backend ("gloo", "nccl") to send the rows by, in a group
     of two made now (dist_pairs.py); dist_required: the receiver must take it, or refuse.
     curve: the cluster's CurveZMQ keys, which the receiver must serve with.
@@ -87,6 +95,8 @@ def connect_peer(address: str, hello: dict[str, Any], timeout_s: float, shm_pool
         try:
             shm_fd = MappedPool.open(shm_pool)
             hello = {**hello, "shm_pool": shm_pool, "shm_bytes": os.fstat(shm_fd).st_size}
+            if ipc is not None:
+                hello.update(in_place="cuda_ipc", peer_access=ipc.peer_access)
         except (OSError, ValueError) as e:
             logger.warning("kv sender: cannot open %s's pool %s (%s): sockets instead", address, shm_pool, e)
     try:
@@ -97,7 +107,7 @@ def connect_peer(address: str, hello: dict[str, Any], timeout_s: float, shm_pool
         if shm_fd is not None:
             os.close(shm_fd)
         raise
-    shm = None if shm_fd is None else _map(address, shm_pool, shm_fd, layout, msg.get("shm_pool"))
+    shm = None if shm_fd is None else _open_target(address, shm_pool, shm_fd, layout, msg, ipc)
     if "dist_pair" not in msg:
         return Peer(sock, layout, msg.get("dist_rank"), shm)
     try:
@@ -122,14 +132,24 @@ def _handshake(sock: zmq.Socket, address: str, hello: dict[str, Any], timeout_s:
     return msg
 
 
-def _map(address: str, name: str, fd: int, layout: KVLayout, accepted: object) -> MappedPool | None:
-    """The receiver's pool mapped over `fd` (taken), or None (logged) when the receiver
-    declined the offer or the file is not a pool of its layout."""
+def _open_target(address: str, name: str, fd: int, layout: KVLayout, reply: dict[str, Any],
+                 ipc: IpcOffer | None) -> InPlaceTarget | None:
+    """The receiver's pool opened over `fd` (taken): mapped from the file, or by CUDA IPC
+    with the file as its grant table; None (logged) when the receiver declined the offer,
+    or the file is not one for its layout, or the export cannot be opened."""
+    fence: MappedFence | None = None
     try:
-        if accepted != name:
+        if reply.get("shm_pool") != name:
             raise ValueError("the receiver declined it")
-        return MappedPool(name, fd, layout)
-    except (OSError, ValueError) as e:
-        os.close(fd)
-        logger.warning("kv sender: no shared memory with %s (%s): sockets instead", address, e)
+        if ipc is None:
+            return MappedPool(name, fd, layout)
+        fence = MappedFence(name, fd, layout)
+        return DeviceTarget.open(fence, reply.get("cuda_ipc"), ipc.receiver_device, ipc.node_id)
+    except (OSError, ValueError, RuntimeError) as e:  # (a ProtocolError is a ValueError)
+        if fence is not None:
+            fence.close()
+        else:
+            os.close(fd)
+        how = "a malformed CUDA IPC export" if isinstance(e, ProtocolError) else "no in-place path"
+        logger.warning("kv sender: %s with %s (%s): sockets instead", how, address, e)
         return None

@@ -100,8 +100,9 @@ class Staging:
 
 
 def to_device(parts: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The receiver's side: rows that arrived in host memory (pieces of one message, in
-    order) -> one tensor on the pool's device, in one copy, so that the writes into the pool
-    run there. NOTE: a synchronous copy: the pieces are views of a message valid only now."""
+    """The receiver's side: rows that arrived (pieces of one message, in order) -> one tensor
+    on the pool's device, so that the writes into the pool run there: from host memory in
+    one copy; rows already there (they came by NCCL) as they are, never pinned nor copied.
+    NOTE: a synchronous copy: the pieces are views of a message valid only now."""
     rows = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return rows.to(device)
+    return rows if rows.device == device else rows.to(device)

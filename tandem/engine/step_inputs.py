@@ -12,15 +12,24 @@ import numpy as np
 import torch
 
 
-def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` on ``device``: itself on the CPU; on CUDA through pinned memory, so that the
-    copy is asynchronous (the stream orders it before the forward that reads it).
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` on ``device``: itself when it is there already (on the CPU; rows that arrived on
+    the device by NCCL); from host memory through pinned memory, so that the copy is
+    asynchronous (the stream orders it before the forward that reads it); from another
+    device, one device-to-device copy.
 
     NOTE: the one place a step's inputs cross to the device (tests/device replaces it under
     FakeTensorMode, where torch without CUDA cannot copy)."""
-    if device.type == "cpu":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    if is_on(t, device):
+        return t
+    if t.device.type != "cpu" or device.type == "cpu":  # NOTE: never pinned: only dense CPU tensors can be
+        return t.to(device, non_blocking=device.type != "cpu")
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def is_on(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``t`` is on ``device`` (``cuda`` without an index: the current one, taken as any)."""
+    return t.device.type == device.type and (device.index is None or t.device.index in (None, device.index))
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from tandem.model.llama import LlamaModel
 from tandem.model.loader import LoadedModel
 from tandem.model.placement import weights_on
 from tandem.parallel.shard import rank_shards, shard_weights
-from tandem.parallel.step_message import HOST, StepMessage, on_device
+from tandem.parallel.step_message import HOST, KVWrites, StepMessage, on_device
 
 
 class DeviceCollectives:
@@ -28,6 +28,10 @@ class DeviceCollectives:
         """The ranks' partial sums of a row-parallel projection, added up (in place)."""
         dist.all_reduce(t, group=self.group)
         return t
+
+    def broadcast(self, t: torch.Tensor) -> None:
+        """The first rank's ``t`` into ``t`` on every other rank (in place)."""
+        dist.broadcast(t, src=0, group=self.group)
 
     def gather(self, t: torch.Tensor, parts: list[torch.Tensor] | None) -> None:
         """Every rank's ``t`` into ``parts`` (one per rank) on the first rank; parts is None
@@ -74,10 +78,11 @@ class RankExecutor:
         for why in that order), then the forward. -> logits on the first rank, None elsewhere."""
         msg = on_device(msg, self.device)
         if msg.writes is not None:
+            rows = self._arrived_rows(msg.writes)
             heads = self.shard.kv_heads
             # cache rows: [num_layers * 2 * num_slots, num_kv_heads (this rank's), head_dim]
             flat = self.kv_cache.view(-1, self.shard.num_kv_heads, self.kv_cache.shape[-1])
-            flat.index_copy_(0, msg.writes.index, msg.writes.rows[:, heads.start:heads.stop])
+            flat.index_copy_(0, msg.writes.index, rows[:, heads.start:heads.stop])
         self.swapper.swap_out(msg.swap_out)
         self.swapper.copy(msg.copies)
         self.swapper.swap_in(msg.swap_in)
@@ -93,6 +98,19 @@ class RankExecutor:
         hook = on_layer_stored if f.gather_slots is None else gather_then_hook
         logits_indices = f.logits_indices if self.shard.rank == 0 else None
         return self.model.forward(f.input_ids, f.positions, self.kv_cache, f.meta, logits_indices, hook)
+
+    def _arrived_rows(self, writes: KVWrites) -> torch.Tensor:
+        """The first rank's arrived KV rows (every head) on this rank's device: broadcast on
+        the device group, so rows that arrived on the device (an NCCL pair's) go device to
+        device, never through the host (the step message carries only their index)."""
+        rows = writes.rows
+        if self.shard.rank == 0 and rows is None:
+            raise ValueError("the first rank's KV writes must carry their rows")
+        if self.shard.rank != 0:
+            rows = torch.empty(len(writes.index), self.model.config.num_kv_heads, self.kv_cache.shape[-1],
+                               dtype=self.kv_cache.dtype, device=self.device)
+        self.collectives.broadcast(rows)
+        return rows
 
     def _gather(self, layer: int, slots: torch.Tensor) -> None:
         """Collect every head of ``slots``' K and V at ``layer`` on the first rank (slots and

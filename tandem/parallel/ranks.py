@@ -25,6 +25,7 @@ from tandem.model.loader import load_model, quantized
 from tandem.model.source import resolve_model_source
 from tandem.parallel.executor import DeviceCollectives, RankExecutor, rank_model
 from tandem.parallel.step_message import StepMessage, StepOp, broadcast_step, receive_step
+from tandem.parallel.world import world_backend
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +42,6 @@ class RankGroups:
     """The forward's all-reduces and KV gathers, on the device group (device tensors)."""
     step_group: dist.ProcessGroup
     """gloo: the step messages rank 0 broadcasts (host tensors)."""
-
-
-def device_backend(device: torch.device) -> str:
-    """The backend of the device group: NCCL between GPUs, gloo between CPUs."""
-    return "nccl" if device.type == "cuda" else "gloo"
 
 
 def rank_device(device_name: str, rank: int) -> torch.device:
@@ -68,10 +64,9 @@ def join_groups(init_method: str, rank: int, tp: int, device: torch.device) -> R
     gloo as well: the ranks then run the very topology they run on GPUs, and the backend
     (with binding the rank to its GPU) is all that differs."""
     timeout = datetime.timedelta(seconds=GROUP_TIMEOUT_S)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # NCCL binds each rank to the current device
-    dist.init_process_group(device_backend(device), init_method=init_method, rank=rank, world_size=tp,
-                            timeout=timeout)
+    backend = world_backend(device)
+    backend.bind(device)
+    dist.init_process_group(backend.name, init_method=init_method, rank=rank, world_size=tp, timeout=timeout)
     step_group = dist.new_group(backend="gloo", timeout=timeout)
     return RankGroups(DeviceCollectives(dist.group.WORLD), step_group)
 
@@ -96,8 +91,6 @@ class RankProcess:
         del loaded  # the projections are copied into the part: the whole model's go
         runner = ModelRunner(config, part)
         self.executor = RankExecutor(part, runner.kv_cache, runner.swapper, tp, rank, self.groups.collectives)
-        self.row_shape = (config.model.num_kv_heads, config.model.head_dim)
-        self.dtype = config.dtype
         self.rank = rank
 
     def serve(self) -> int:
@@ -105,7 +98,7 @@ class RankProcess:
         num_executed = 0
         try:
             while True:
-                msg = receive_step(self.row_shape, self.dtype, self.groups.step_group)
+                msg = receive_step(self.groups.step_group)
                 if msg.op is StepOp.STOP:
                     return num_executed
                 self.executor.execute(msg)

@@ -4,8 +4,10 @@ vLLM sends its metadata. Nothing is pickled: every field is a number or a tensor
 
 On the wire: a fixed header, then one int64 tensor (the host ints: op-specific counts,
 shapes, block pairs and the prefill tuples; then the device ints: every index the step
-reads on the device), then the KV rows that arrived from another worker. Each rank, the
-first included, then puts the device ints on its device in one transfer (``on_device``).
+reads on the device). Each rank, the first included, then puts the device ints on its
+device in one transfer (``on_device``). The KV rows that arrived from another worker do not
+travel here: the first rank holds them on its device (NCCL pairs deliver them there) and
+broadcasts them on the device group (executor.RankExecutor), device to device.
 """
 
 from __future__ import annotations
@@ -56,7 +58,9 @@ class KVWrites:
     """KV rows another worker sent, to be written into every rank's own heads."""
 
     index: torch.Tensor  # [num_rows] int64: (layer * 2 + kv) * (slots per layer of the pools) + slot
-    rows: torch.Tensor  # [num_rows, num_kv_heads (all of the model's), head_dim]
+    rows: torch.Tensor | None
+    """[num_rows, num_kv_heads (all of the model's), head_dim] on the first rank; None in a
+    message as the other ranks receive it (the rows follow on the device group)."""
 
 
 @dataclass(frozen=True)
@@ -115,17 +119,18 @@ def with_parts(msg: StepMessage, parts: dict[str, torch.Tensor], rows: torch.Ten
 def on_device(msg: StepMessage, device: torch.device) -> StepMessage:
     """``msg`` (host tensors) with what the step reads on ``device``: every index in one
     transfer (step_inputs.to_device, which tests replace under FakeTensorMode), the KV rows
-    in a second when there are any (on the CPU: one concatenation, the rows themselves)."""
+    in a second when there are any on the host (rows already on the device stay as they are;
+    on the CPU: one concatenation, the rows themselves)."""
     parts = device_parts(msg)
     flat = torch.cat([torch.zeros(0, dtype=torch.int64), *(t.to(torch.int64).reshape(-1) for t in parts.values())])
     on = step_inputs.to_device(flat, device).split([t.numel() for t in parts.values()])
     moved = {name: t.view(part.shape) for (name, part), t in zip(parts.items(), on)}
-    rows = None if msg.writes is None else step_inputs.to_device(msg.writes.rows, device)
+    rows = None if msg.writes is None or msg.writes.rows is None else step_inputs.to_device(msg.writes.rows, device)
     return with_parts(msg, moved, rows)
 
 
-def encode(msg: StepMessage) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """-> (header [HEADER_LEN], ints [host ints + device ints], KV rows or None): host tensors."""
+def encode(msg: StepMessage) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (header [HEADER_LEN], ints [host ints + device ints]): host tensors (no KV rows)."""
     host: list[int] = []
     for pairs in (msg.swap_out, msg.copies, msg.swap_in):
         host.append(len(pairs))
@@ -141,14 +146,14 @@ def encode(msg: StepMessage) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor |
         host += [-1 if t is None else len(t) for t in (f.gather_slots, f.logits_indices)]
     parts = [t.to(torch.int64).reshape(-1) for t in device_parts(msg).values()]
     ints = torch.cat([torch.tensor(host, dtype=torch.int64), *parts])
-    rows = None if msg.writes is None else msg.writes.rows.contiguous()
-    header = torch.tensor([int(msg.op), len(host), len(ints) - len(host), 0 if rows is None else len(rows)])
-    return header, ints, rows
+    num_rows = 0 if msg.writes is None else len(msg.writes.index)
+    header = torch.tensor([int(msg.op), len(host), len(ints) - len(host), num_rows])
+    return header, ints
 
 
-def decode(header: list[int], ints: torch.Tensor, rows: torch.Tensor | None) -> StepMessage:
-    """The message ``encode`` made (header as ints; ints and rows as received): host tensors,
-    views of ``ints``."""
+def decode(header: list[int], ints: torch.Tensor) -> StepMessage:
+    """The message ``encode`` made (header as ints; ints as received): host tensors, views of
+    ``ints``; its KV writes (if any) without their rows."""
     op, num_host, _, num_rows = header
     host = iter(ints[:num_host].tolist())
     take = lambda n: [next(host) for _ in range(n)]  # noqa: E731
@@ -171,7 +176,7 @@ def decode(header: list[int], ints: torch.Tensor, rows: torch.Tensor | None) -> 
             shapes["logits_indices"] = (num_logits,)
     flat = ints[num_host:].split([_numel(s) for s in shapes.values()])
     parts = {name: t.view(shape) for (name, shape), t in zip(shapes.items(), flat)}
-    writes = KVWrites(parts["writes_index"], rows) if num_rows else None
+    writes = KVWrites(parts["writes_index"], None) if num_rows else None
     forward = None
     if op == StepOp.FORWARD:
         meta = AttentionMetadata(
@@ -190,30 +195,25 @@ def decode(header: list[int], ints: torch.Tensor, rows: torch.Tensor | None) -> 
 
 def broadcast_step(msg: StepMessage, group: dist.ProcessGroup | None = None) -> None:
     """Send ``msg`` (host tensors) from rank 0 to every other rank of ``group`` (a gloo group;
-    None: the default group)."""
-    header, ints, rows = encode(msg)
+    None: the default group). NOTE: not its KV rows: they follow on the device group, in
+    RankExecutor.execute (never through the host when they arrived on the device)."""
+    header, ints = encode(msg)
     dist.broadcast(header, src=0, group=group)
     if len(ints):
         dist.broadcast(ints, src=0, group=group)
-    if rows is not None and len(rows):
-        dist.broadcast(rows, src=0, group=group)
 
 
-def receive_step(row_shape: tuple[int, int], dtype: torch.dtype, group: dist.ProcessGroup | None = None) -> StepMessage:
-    """The next message rank 0 broadcasts on ``group`` (on any other rank), as host tensors.
-    row_shape: (all KV heads, head_dim); dtype: the KV cache's."""
+def receive_step(group: dist.ProcessGroup | None = None) -> StepMessage:
+    """The next message rank 0 broadcasts on ``group`` (on any other rank), as host tensors;
+    its KV writes come without rows (RankExecutor.execute receives them)."""
     header = torch.empty(HEADER_LEN, dtype=torch.int64)
     dist.broadcast(header, src=0, group=group)
     fields = header.tolist()
-    _, num_host, num_device, num_rows = fields
+    _, num_host, num_device, _ = fields
     ints = torch.empty(num_host + num_device, dtype=torch.int64)
     if len(ints):
         dist.broadcast(ints, src=0, group=group)
-    rows = None
-    if num_rows:
-        rows = torch.empty(num_rows, *row_shape, dtype=dtype)
-        dist.broadcast(rows, src=0, group=group)
-    return decode(fields, ints, rows)
+    return decode(fields, ints)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

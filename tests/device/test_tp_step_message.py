@@ -35,6 +35,9 @@ class RecordingCollectives(DeviceCollectives):
         self.devices.append(("all_reduce", t.device))
         return t
 
+    def broadcast(self, t: torch.Tensor) -> None:
+        self.devices.append(("broadcast", t.device))
+
     def gather(self, t: torch.Tensor, parts: list[torch.Tensor] | None) -> None:
         self.devices += [("gather", x.device) for x in [t, *(parts or [])]]
 

@@ -40,7 +40,7 @@ def receive_all(init_method: str, results) -> None:
     step_group = dist.new_group(backend="gloo")
     try:
         while True:
-            msg = receive_step((3, 2), torch.float32, step_group)
+            msg = receive_step(step_group)
             results.put(plain(msg))
             if msg.op is StepOp.STOP:
                 return
@@ -89,7 +89,7 @@ def serve_tiny_rank(init_method: str, results) -> None:
     num_executed = 0
     try:
         while True:
-            msg = receive_step((TINY_TP.num_kv_heads, TINY_TP.head_dim), torch.float32, groups.step_group)
+            msg = receive_step(groups.step_group)
             if msg.op is StepOp.STOP:
                 break
             executor.execute(msg)
