@@ -102,11 +102,4 @@ class _Layout:
 
     def upload(self, device: torch.device) -> dict[str, torch.Tensor]:
         """-> each array by name, a float64 view of one buffer on ``device``."""
-        flat = np.concatenate([a.reshape(-1) for a in self.arrays.values()])
-        buffer = step_inputs.to_device(torch.from_numpy(flat), device)
-        tensors: dict[str, torch.Tensor] = {}
-        offset = 0
-        for name, a in self.arrays.items():
-            tensors[name] = buffer[offset:offset + a.size].view(a.shape)
-            offset += a.size
-        return tensors
+        return step_inputs.upload_arrays(self.arrays, np.float64, device)

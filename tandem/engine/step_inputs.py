@@ -55,11 +55,17 @@ class StepInputs:
 
     def upload(self, device: torch.device) -> dict[str, torch.Tensor]:
         """-> each array by name as a tensor on ``device``, all views of one copied buffer."""
-        flat = np.concatenate([a.reshape(-1) for a in self._arrays.values()]) if self._arrays else np.zeros(0, np.int64)
-        buffer = to_device(torch.from_numpy(flat), device)
-        tensors: dict[str, torch.Tensor] = {}
-        offset = 0
-        for name, a in self._arrays.items():
-            tensors[name] = buffer[offset:offset + a.size].view(a.shape)
-            offset += a.size
-        return tensors
+        return upload_arrays(self._arrays, np.int64, device)
+
+
+def upload_arrays(arrays: dict[str, np.ndarray], dtype: type, device: torch.device) -> dict[str, torch.Tensor]:
+    """``arrays`` (all of ``dtype``) on ``device`` in one transfer: -> each by name, a view of
+    the one copied buffer, shaped as it was."""
+    flat = np.concatenate([a.reshape(-1) for a in arrays.values()]) if arrays else np.zeros(0, dtype)
+    buffer = to_device(torch.from_numpy(flat), device)
+    tensors: dict[str, torch.Tensor] = {}
+    offset = 0
+    for name, a in arrays.items():
+        tensors[name] = buffer[offset:offset + a.size].view(a.shape)
+        offset += a.size
+    return tensors
