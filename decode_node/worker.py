@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 from typing import Any, AsyncIterator
 
-import numpy as np
 import torch
 
 from tandem.decoding.beam_search import num_candidates
@@ -185,13 +184,10 @@ class DecodeWorker(Worker):
                 and all(isinstance(t, int) and 0 <= t < vocab_size for t in first.token_ids)):
             raise ValueError(f"{first.request_id}: token_ids must be {num_expected} token ids in the vocabulary, "
                              f"got {first.token_ids!r}")
-        num_states = 0 if params.use_beam_search else num_expected
         num_tops = num_expected if params.top_logprobs else 0
-        if (len(first.logprobs) != num_expected or len(first.generator_states) != num_states
-                or len(first.top_logprobs) != num_tops):
-            raise ValueError(f"{first.request_id}: need {num_expected} logprobs, {num_states} generator states and "
-                             f"{num_tops} top logprobs, got {len(first.logprobs)}, {len(first.generator_states)} "
-                             f"and {len(first.top_logprobs)}")
+        if len(first.logprobs) != num_expected or len(first.top_logprobs) != num_tops:
+            raise ValueError(f"{first.request_id}: need {num_expected} logprobs and {num_tops} top logprobs, "
+                             f"got {len(first.logprobs)} and {len(first.top_logprobs)}")
         rid = first.request_id
         self.receiver.all_sent(rid)
         if rid in self._arrived or not engine.may_accept_first_sample(seq):
@@ -260,6 +256,4 @@ class DecodeWorker(Worker):
 
 
 def _first_sample(first: PrefillResult) -> FirstSample:
-    states = [None if s is None else torch.from_numpy(np.frombuffer(s, dtype=np.uint8).copy())
-              for s in first.generator_states]
-    return FirstSample(first.token_ids, first.logprobs, states, first.top_logprobs)
+    return FirstSample(first.token_ids, first.logprobs, first.top_logprobs)

@@ -187,8 +187,7 @@ class PrefillWorker(Worker):
         sample = LLMEngine.first_sample(p.seq)
         if sample is None:
             return
-        states = [None if s is None else s.numpy().tobytes() for s in sample.generator_states]
-        result = PrefillResult(d.request_id, sample.token_ids, sample.logprobs, states, d.num_cached_tokens,
+        result = PrefillResult(d.request_id, sample.token_ids, sample.logprobs, d.num_cached_tokens,
                                sample.top_logprobs)
         p.loop.call_soon_threadsafe(_resolve, p.result, result, None)
 

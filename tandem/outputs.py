@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from tandem.engine.sequence import FinishReason
 from tandem.logprobs import TopLogprobs
-
-if TYPE_CHECKING:
-    import torch
 
 
 @dataclass(frozen=True)
@@ -53,8 +49,6 @@ class FirstSample:
     token_ids: list[int]
     """One token per completion (n of them), or with beam search the top candidates."""
     logprobs: list[float]
-    generator_states: list[torch.Tensor | None]
-    """Each completion's generator after the draw (None: unseeded); empty for beam search."""
     top_logprobs: list[TopLogprobs] = field(default_factory=list)
     """Per completion, when the request asks for top log-probabilities (else empty)."""
 

@@ -108,7 +108,6 @@ class LLMEngine:
         # NOTE: the KV may still be landing in these blocks: they stay until the transfer
         # has ended, whatever the sample does to the sequence.
         seq.keep_blocks = True
-        self._set_generator_states(seq, sample)
         return self._deltas(self.scheduler.advance(seq, [TargetSample(sample.token_ids, sample.logprobs,
                                                                       sample.top_logprobs)]))
 
@@ -123,31 +122,25 @@ class LLMEngine:
             seq.keep_blocks = False
             self.scheduler.add_running(seq)
             return []
-        self._set_generator_states(seq, sample)
         self.scheduler.add_running(seq)
         outputs = ([TargetSample(sample.token_ids, sample.logprobs, [])] if seq.params.use_beam_search
                    else [TargetSample([t], [lp], sample.top_logprobs[i:i + 1])
                          for i, (t, lp) in enumerate(zip(sample.token_ids, sample.logprobs))])
         return self._deltas(self.scheduler.advance(seq, outputs))
 
-    def _set_generator_states(self, seq: Sequence, sample: FirstSample) -> None:
-        for target, state in zip(self._first_sample_targets(seq), sample.generator_states):
-            if target.generator is not None and state is not None:
-                target.generator.set_state(state)
-
     @staticmethod
     def first_sample(seq: Sequence) -> FirstSample | None:
         """What the prompt's first sample drew for ``seq``'s request (for a decode worker's
         start_prefilled), or None before it has. Call right after the step that drew it:
-        the generators' states are read now."""
+        (A seeded completion needs no state handed on: its draws are a function of its seed
+        and the token's position, device_random.py.)"""
         if seq.params.use_beam_search:
             candidates = seq.group.first_candidates
-            return None if candidates is None else FirstSample(*candidates, [])
+            return None if candidates is None else FirstSample(*candidates)
         if not seq.output_token_ids:
             return None
         targets = LLMEngine._first_sample_targets(seq)
         return FirstSample([s.output_token_ids[0] for s in targets], [s.output_logprobs[0] for s in targets],
-                           [None if s.generator is None else s.generator.get_state() for s in targets],
                            [s.output_top_logprobs[0] for s in targets if s.output_top_logprobs])
 
     @staticmethod

@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from typing import TYPE_CHECKING, Callable
 
-import torch
 
 from tandem.decoding.beam_search import BeamSearch, Hypothesis
 from tandem.engine.detokenizer import IncrementalDetokenizer
@@ -108,10 +107,6 @@ class Sequence:
         self.keep_blocks = False
         """When set, finishing leaves the blocks with the sequence and its owner frees them
         (a prefill worker, once the KV it sends from them has arrived)."""
-        self.generator: torch.Generator | None = None
-        seed = params.completion_seed(index)
-        if seed is not None:
-            self.generator = torch.Generator().manual_seed(seed)
 
     def take_progress(self, parent: Sequence) -> None:
         """Start from where ``parent`` is (a fork): its tokens and timestamps; the blocks are

@@ -52,9 +52,6 @@ class PrefillResult:
     the prompt's top candidates, best first."""
     logprobs: list[float]
     """The log-probability of each of token_ids."""
-    generator_states: list[bytes | None]
-    """Each completion's seeded generator after its first draw (None when unseeded), so that
-    the decode worker continues the same random streams; empty with beam search."""
     num_cached_tokens: int
     """Prompt tokens the prefill worker found in its prefix cache."""
     top_logprobs: list[TopLogprobs] = field(default_factory=list)

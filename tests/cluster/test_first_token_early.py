@@ -22,7 +22,7 @@ def _reserve_and_start(decode, prompt: list[int], max_tokens: int, token_id: int
     request = WorkerRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True))
     ray.get(decode.handle.reserve.remote(request), timeout=60)
     stream = decode.handle.stream.options(num_returns="streaming").remote(rid)
-    ray.get(decode.handle.start.remote(PrefillResult(rid, [token_id], [-0.25], [None], 0)), timeout=60)
+    ray.get(decode.handle.start.remote(PrefillResult(rid, [token_id], [-0.25], 0)), timeout=60)
     return rid, stream
 
 

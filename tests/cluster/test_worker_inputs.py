@@ -66,7 +66,7 @@ def test_malformed_worker_calls_fail_alone(clusters, tokenizer, mode):
         _fails(decode.handle.reserve.remote("junk"), "must be a WorkerRequest")
         _fails(decode.handle.reserve.remote(duplicate), "already in use")
         _fails(decode.handle.reserve.remote(WorkerRequest("x-3", [vocab], params)), "[0,")
-        _fails(decode.handle.start.remote(PrefillResult(rid, [5], [0.0], [None], 0)), "first token already")
+        _fails(decode.handle.start.remote(PrefillResult(rid, [5], [0.0], 0)), "first token already")
         _fails(decode.handle.start.remote({"request_id": rid}), "must be a PrefillResult")
         assert ray.get(decode.handle.abort.remote("never-seen")) is False
         destination = Destination("x-4", "tcp://127.0.0.1:1", (0,), 1)
