@@ -10,7 +10,7 @@ import torch
 
 from tandem import cli
 from tandem.bench import gpu
-from tandem.bench.gpu import attention, decode, parity, serve_check
+from tandem.bench.gpu import attention, decode, parity, sampling, serve_check
 from tandem.bench.gpu.setup import GpuSetup, load_for_gpu
 
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
@@ -87,3 +87,10 @@ def test_the_serve_rows_read_the_kv_paths_off_the_routers_metrics_and_say_pass_f
     assert lines[0].startswith("PASS tandem serve, default, one GPU: 32/32") and "cuda_ipc 32" in lines[0]
     assert lines[1] == "SKIP tandem serve, KV pair over NCCL: needs 2 GPUs, this machine has 1"
     assert lines[2].startswith("FAIL tandem serve, x: RuntimeError")
+
+
+@pytest.mark.slow
+def test_the_sampling_checks_pass_where_the_device_is_the_cpu(cpu_setup):
+    lines = sampling.check(cpu_setup)
+    assert len(lines) == 3 and all(line.startswith("PASS sampling:") for line in lines), lines
+    assert "differ in 0 of" in lines[0]  # the same device on both sides

@@ -5,7 +5,8 @@
 1b. The default ``tandem serve`` on this GPU (both pools on one device: KV by CUDA IPC)
    answering a burst of mixed greedy requests token-exact with transformers (serve_check.py);
    the CUDA IPC write timed against a device copy (ipc.py); the NCCL rows (a KV pair on two
-   GPUs, tensor parallelism) where there are enough GPUs, a line saying why not where not.
+   GPUs, tensor parallelism) where there are enough GPUs, a line saying why not where not;
+   the sampling step on the device (sampling.py).
 2. Single-stream and batched decode steps in the serving dtype, against the memory floor
    (weights + KV read per step / the device's measured copy bandwidth).
 3. The attention and KV-store kernels (Triton on CUDA) against torch's SDPA, on the model's
@@ -71,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     if min(args.batch_sizes) < 1 or args.prompt_len < 1 or args.output_len < 2 or args.parity_tokens < 1:
         raise ValueError("batch sizes, --prompt-len and --parity-tokens must be >= 1, --output-len >= 2")
     from tandem.bench.bandwidth import measure_copy_bandwidth
-    from tandem.bench.gpu import attention, decode, ipc, parity, staging
+    from tandem.bench.gpu import attention, decode, ipc, parity, sampling, staging
     from tandem.bench.gpu.setup import load_for_gpu
 
     start = time.perf_counter()
@@ -86,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     results["serve"] = serve_rows(setup, args, out_dir)
     results["ipc"] = ipc.run_ipc_check()
+    results["sampling"] = sampling.check(setup)
     bandwidth = measure_copy_bandwidth(args.copy_mib, 5, device=str(setup.device))
     results["bandwidth"] = bandwidth.as_dict()
     results["decode"] = decode.bench(setup, args.batch_sizes, args.prompt_len, args.output_len, args.seed,
@@ -97,7 +99,8 @@ def run(args: argparse.Namespace) -> int:
         print(line)
     print(f"wrote {out_dir / 'results.json'}")
     passed = results["parity"]["exact"] and all(r.get("exact", True) for r in results["serve"])
-    return 0 if passed and not any(line.startswith("FAIL") for line in results["ipc"]) else 1
+    lines = results["ipc"] + results["sampling"]
+    return 0 if passed and not any(line.startswith("FAIL") for line in lines) else 1
 
 
 SERVE_ROWS = (
@@ -134,7 +137,7 @@ def report(r: dict) -> list[str]:
     lines = [f"{r['model']} on {r['device']} (torch {r['torch']}, CUDA {r['cuda']}), timed in {r['dtype']}",
              f"greedy parity with transformers, float32: {p['num_exact']}/{p['num_prompts']} prompts token-exact "
              f"over {p['num_tokens']} tokens" + ("" if p["exact"] else f" FAILED ({p['diagnosis']})"),
-             *serve_lines(r.get("serve", [])), *r.get("ipc", []),
+             *serve_lines(r.get("serve", [])), *r.get("ipc", []), *r.get("sampling", []),
              f"device copy bandwidth: {r['bandwidth']['bytes_per_s'] / 1e9:.0f} GB/s"]
     for row in r["decode"]:
         lines.append(f"decode batch {row['batch']:>3}: step {row['step_s'] * 1e3:7.2f} ms, "
