@@ -56,6 +56,7 @@ _thread_device = threading.local()
 _process_device = [0]
 _mode: list[FakeTensorMode] = []
 _templates: dict[int, torch.Tensor] = {}
+_thread_mode = threading.local()
 
 
 def live_communicators() -> int:
@@ -77,24 +78,28 @@ def current_device() -> torch.device:
 
 
 def use_mode(mode: FakeTensorMode) -> None:
-    """The FakeTensorMode this backend's tensors are made under (default: one of its own)."""
+    """The FakeTensorMode this backend's tensors are made under (default: one per thread)."""
     with _lock:
         _mode[:] = [mode]
         _templates.clear()
 
 
 def empty(*shape: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """torch.empty on fake CUDA from any thread (a mode is entered per thread; a fake
-    tensor's own operations enter its mode wherever they run)."""
+    """torch.empty on fake CUDA from any thread.
+    NOTE: a mode of the thread's own unless a test chose one (use_mode): a FakeTensorMode is
+    not thread-safe (while one thread runs an op under it, every fake tensor of the mode
+    reports the meta device to the others), and a pair's two sides run on two threads."""
     with _lock:
-        if not _mode:
-            _mode.append(FakeTensorMode(allow_non_fake_inputs=True))
-        mode = _mode[0]
-        template = _templates.get(id(mode))
-        if template is None:
-            with mode:
-                template = _templates[id(mode)] = torch.empty(0, device="cuda:0")
-    return template.new_empty(shape, dtype=dtype, device=device)
+        if _mode:  # (the test's mode may be entered on another thread: a template's op enters it here)
+            if id(_mode[0]) not in _templates:
+                with _mode[0]:
+                    _templates[id(_mode[0])] = torch.empty(0, device="cuda:0")
+            return _templates[id(_mode[0])].new_empty(shape, dtype=dtype, device=device)
+    mode = getattr(_thread_mode, "mode", None)
+    if mode is None:
+        mode = _thread_mode.mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with mode:
+        return torch.empty(shape, dtype=dtype, device=device)
 
 
 class FakeNcclError(dist.DistBackendError):
