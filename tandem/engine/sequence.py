@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from typing import TYPE_CHECKING, Callable
 
-
 from tandem.decoding.beam_search import BeamSearch, Hypothesis
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.logprobs import TopLogprobs
