@@ -25,12 +25,13 @@ import time
 import torch
 import zmq
 
-from tandem.kvtransfer.cuda_ipc import IpcOffer, can_peer_access, device_identity
+from tandem.kvtransfer.cuda_ipc import IpcOffer, device_identity
 from tandem.kvtransfer.curve import CurveKeys
 from tandem.kvtransfer.in_place import InPlaceWrites
 from tandem.kvtransfer.outgoing import Outgoing, StagedMessage, host_frames
+from tandem.kvtransfer.pair_facts import pair_facts
 from tandem.kvtransfer.path_choice import (
-    CUDA_IPC, DEVICE_TYPES, IN_PLACE_PATHS, PAIR_PATHS, PairFacts, PathChoice, PoolPlace, choose_path,
+    CUDA_IPC, IN_PLACE_PATHS, PAIR_PATHS, PathChoice, choose_path,
 )
 from tandem.kvtransfer.payload import DistPayload, frame_of, layer_rows, layout_of
 from tandem.kvtransfer.peer import Peer, connect_peer
@@ -119,20 +120,8 @@ class KVSender:
 
     def choose(self, destination: Destination | None) -> PathChoice:
         """The data path to `destination`'s receiver (None: known by address alone)."""
-        device_type = self.kv_cache.device.type if self.kv_cache.device.type in DEVICE_TYPES else "cpu"
-        sender = PoolPlace(self.node_id, device_type, self.device)
-        if destination is None:
-            return choose_path(PairFacts(sender, PoolPlace(), False, False, self.transport, self.curve is not None,
-                                         self.allow_unencrypted_pairs))
-        receiver = PoolPlace(destination.node_id, "cuda" if destination.device else "cpu", destination.device)
-        shared = bool(destination.shm_pool)
-        # Asked of CUDA only where it can matter: two GPUs of one node.
-        peer_access = (shared and self.transport == "auto" and sender.on_gpu and receiver.on_gpu
-                       and bool(self.node_id) and destination.node_id == self.node_id
-                       and destination.device != self.device
-                       and can_peer_access(self.kv_cache.device, destination.device, self.node_id))
-        return choose_path(PairFacts(sender, receiver, shared, peer_access, self.transport, self.curve is not None,
-                                     self.allow_unencrypted_pairs))
+        return choose_path(pair_facts(self.kv_cache.device, self.node_id, self.device, destination, self.transport,
+                                      self.curve is not None, self.allow_unencrypted_pairs))
 
     def handshake(self, address: str, timeout_s: float = 10.0, destination: Destination | None = None) -> Peer:
         """A new connection to the receiver at `address`, not yet the sender's (see `adopt`),
