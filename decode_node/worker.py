@@ -1,5 +1,6 @@
 """The decode worker: reserves blocks for a prompt prefilled elsewhere, receives its KV,
-then decodes it in its continuous batch and streams the tokens.
+then decodes it in its continuous batch and streams the tokens. A prompt the router finds
+not worth a remote prefill it runs itself (`prefill_local`), as a colocated worker does.
 
 A request's life here (the whole way: docs/architecture.md):
 1. reserved: `reserve` holds blocks for the prompt and the first step (a prefix this pool
@@ -129,6 +130,19 @@ class DecodeWorker(Worker):
             self.loop.close_stream(request.request_id)
             raise
 
+    async def prefill_local(self, request: WorkerRequest) -> None:
+        """Run the request's prompt here, chunked inside this worker's steps as a colocated
+        worker does (the router found a remote prefill not worth it: router/disagg.py).
+        Raises PoolFull when the pool has no room for it now; call `stream` next."""
+        request = checked(request, WorkerRequest, "request")
+        self.loop.open_stream(request.request_id)
+        try:
+            await self.compile_grammar(request)
+            await self.loop.call(lambda engine: self._prefill_local(engine, request))
+        except BaseException:
+            self.loop.close_stream(request.request_id)
+            raise
+
     async def start(self, first: PrefillResult) -> None:
         """The prefill worker's first token: decoding starts once the KV has arrived too."""
         first = checked(first, PrefillResult, "first")
@@ -169,6 +183,11 @@ class DecodeWorker(Worker):
         num_cached = engine.get_sequence(request.request_id).num_cached_prompt_tokens
         return self.receiver.expect(request.request_id, block_ids, len(request.prompt_token_ids),
                                     num_cached_tokens=num_cached)
+
+    def _prefill_local(self, engine: LLMEngine, request: WorkerRequest) -> None:
+        if not engine.may_add_request(request.prompt_token_ids, request.params):
+            raise PoolFull(f"{self.instance}: no room for {len(request.prompt_token_ids)} prompt tokens now")
+        engine.add_request(request.request_id, request.prompt_token_ids, request.params)
 
     def _start(self, engine: LLMEngine, first: PrefillResult) -> None:
         seq = engine.get_sequence(first.request_id)

@@ -13,6 +13,7 @@ from ray.util.placement_group import remove_placement_group
 from tandem.router.placement import (GPU, Placement, Pool, check_memory_share, gpus_per_rank, local_resources,
                                      worker_device)
 from tandem.router.placement_wait import wait_placeable, wait_ready
+from tandem.router.disagg import DEFAULT_MAX_LOCAL_STALL_S
 from tandem.router.policy import WorkerState
 from tandem.router.ray_backend import RayBackend
 from tandem.worker.api import Role
@@ -28,6 +29,10 @@ class ClusterConfig:
     colocated: int = 0
     """Colocated workers instead of the two pools (0: disaggregated)."""
     policy: str = "least_loaded"
+    disagg_policy: str = "auto"
+    """Where each prompt is prefilled in a disaggregated cluster (router/disagg.py)."""
+    max_local_stall_s: float = DEFAULT_MAX_LOCAL_STALL_S
+    """auto's bound on what a local prefill adds to a decode worker's running streams."""
     address: str | None = None
     """An existing Ray cluster to join; None starts a local one."""
     worker_args: dict[str, Any] = field(default_factory=dict)
@@ -147,7 +152,8 @@ async def start_cluster(cfg: ClusterConfig) -> RayBackend:
         _stop_workers(everyone)  # none left pending or half-loaded behind the error
         raise
     spec = await (states[Role.DECODE] or states[Role.COLOCATED])[0].handle.tokenizer_spec.remote()
-    backend = RayBackend(states[Role.PREFILL], states[Role.DECODE], states[Role.COLOCATED], cfg.policy, spec)
+    backend = RayBackend(states[Role.PREFILL], states[Role.DECODE], states[Role.COLOCATED], cfg.policy, spec,
+                         disagg_policy=cfg.disagg_policy, max_local_stall_s=cfg.max_local_stall_s)
     await backend.loads()
     logger.info("cluster ready: %s", ", ".join(w.instance for w in everyone))
     return backend

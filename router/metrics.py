@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tandem.router.disagg import DECISION_REASONS
 from tandem.worker.metric_buckets import REQUEST_SECONDS, TOKEN_LATENCY_SECONDS, TTFT_SECONDS, token_count_buckets
 
 # Refusals before any worker ran the request, by status: tandem_request_rejected_total's reasons.
@@ -65,6 +66,9 @@ class RouterMetrics:
         self._status = counter("tandem_request_status", "Generate calls by gRPC status code.", "code")
         self._rejected = counter("tandem_request_rejected", "Requests refused before any worker ran them.", "reason")
         self.reruns = counter("tandem_request_reruns", "Buffered requests run again after a worker failed them.")
+        self.prefill_decisions = counter("tandem_prefill_decisions", "Where each prompt was prefilled "
+                                         "(remote: the prefill pool; local: its decode worker), and why.",
+                                         "where", "reason")
         self.registry.register(_RouterGauges(self))
         # Every series from the start at 0, so that rate() and dashboards see them before the first event.
         for reason in ("stop", "length", "abort"):
@@ -73,6 +77,8 @@ class RouterMetrics:
             self._status.labels(model_name, code.name)
         for reason in REJECTION_REASONS.values():
             self._rejected.labels(model_name, reason)
+        for where, reason in DECISION_REASONS:
+            self.prefill_decisions.labels(model_name, where.value, reason)
 
     def start_request(self) -> RequestTimer:
         return RequestTimer(self)

@@ -17,6 +17,16 @@ worker gets ever less traffic; a transient fault costs about a second)."""
 STABLE_S = 60.0
 
 
+@dataclass(eq=False)
+class Sent:
+    """One placement of the router's that the worker's reported load may not show yet."""
+
+    num_blocks: int
+    seen_after_poll: int | None = None
+    """Polls started before the worker took it (None: not taken yet): a poll numbered higher
+    sees it."""
+
+
 @dataclass
 class WorkerState:
     """The router's view of one worker."""
@@ -27,8 +37,12 @@ class WorkerState:
     load: WorkerLoad | None = None
     """Its last reported load."""
     num_in_flight: int = 0
+    """Prompts the router sent it to prefill that have not finished prefill yet."""
     num_in_flight_tokens: int = 0
-    """Prompt tokens the router sent it that have not finished prefill yet."""
+    """Their tokens (uncached ones for a local prefill on a decode worker)."""
+    unreported: list[Sent] = field(default_factory=list)
+    """Requests the router placed on it that its last polled load may not show yet."""
+    num_polls_started: int = 0
     healthy: bool = True
     """Whether requests are routed to it."""
     placement_group: Any = None
@@ -59,11 +73,39 @@ class WorkerState:
         self.healthy = True
         self.up_since = now
 
-    def pressure(self) -> tuple[int, int]:
-        """Smaller is less loaded: queued prompt tokens, then fewer free blocks."""
-        queued = self.num_in_flight_tokens + (self.load.num_queued_tokens if self.load else 0)
-        free = self.load.num_free_blocks if self.load else 0
-        return queued, -free
+    def pressure(self) -> tuple[int, int, int]:
+        """Smaller is less loaded: queued prompt tokens, then fewer sequences, then more free
+        blocks; each as last reported plus what the router has placed since (a burst, placed
+        before any poll shows its first request, spreads instead of piling on one worker)."""
+        load = self.load
+        queued = self.num_in_flight_tokens + (load.num_queued_tokens if load else 0)
+        num_seqs = len(self.unreported) + (load.num_running + load.num_waiting if load else 0)
+        free = (load.num_free_blocks if load else 0) - sum(s.num_blocks for s in self.unreported)
+        return queued, num_seqs, -free
+
+    def place(self, num_blocks: int) -> Sent:
+        """The router is placing a request holding about ``num_blocks`` here: count it until a
+        load polled after it took effect shows it (``placed``, then ``load_reported``)."""
+        sent = Sent(num_blocks)
+        self.unreported.append(sent)
+        return sent
+
+    def placed(self, sent: Sent, took: bool) -> None:
+        """The worker has taken (``took``) or refused the placement ``sent``."""
+        if not took:
+            self.unreported.remove(sent)
+        else:
+            sent.seen_after_poll = self.num_polls_started
+
+    def begin_poll(self) -> int:
+        """A load poll starts -> its number, for ``load_reported``."""
+        self.num_polls_started += 1
+        return self.num_polls_started
+
+    def load_reported(self, load: WorkerLoad, poll: int) -> None:
+        """The load that poll number ``poll`` found: placements taken before it began are in it."""
+        self.load = load
+        self.unreported = [s for s in self.unreported if s.seen_after_poll is None or s.seen_after_poll >= poll]
 
 
 @dataclass

@@ -14,7 +14,9 @@ from ray.exceptions import RayTaskError
 
 from tandem.router.admission import AdmissionQueue
 from tandem.router.backend import NoHealthyWorker, WorkerFailed
+from tandem.router.disagg import DEFAULT_MAX_LOCAL_STALL_S, PrefillCosts, make_disagg_policy
 from tandem.router.policy import Router, WorkerState
+from tandem.router.prefill_placement import PrefillPlacement, learn, place
 from tandem.router.worker_calls import WORKER_GONE, WorkerCalls, short_error
 from tandem.router.worker_health import WorkerHealth
 from tandem.router.worker_metrics import WorkerMetricsReport
@@ -32,9 +34,11 @@ WORKER_METRICS_TIMEOUT_S = 1.0
 class RayBackend:
     def __init__(self, prefill: list[WorkerState], decode: list[WorkerState], colocated: list[WorkerState],
                  policy: str, tokenizer_spec: TokenizerSpec, max_queued_requests: int = 1024,
-                 admission_timeout_s: float = 60.0) -> None:
+                 admission_timeout_s: float = 60.0, disagg_policy: str = "auto",
+                 max_local_stall_s: float = DEFAULT_MAX_LOCAL_STALL_S) -> None:
         """max_queued_requests: requests waiting for a decode worker with room before new
-        ones are refused; admission_timeout_s: how long one waits."""
+        ones are refused; admission_timeout_s: how long one waits. disagg_policy: where each
+        prompt is prefilled (router/disagg.py), with max_local_stall_s for auto."""
         if colocated and (prefill or decode):
             raise ValueError("either colocated workers or prefill and decode pools, not both")
         if not colocated and not (prefill and decode):
@@ -44,6 +48,8 @@ class RayBackend:
         self.decode_router = Router(policy)
         self.tokenizer_spec = tokenizer_spec
         self.admission = AdmissionQueue(max_queued_requests, admission_timeout_s)
+        self.prefill_costs = PrefillCosts()
+        self.disagg = make_disagg_policy(disagg_policy, self.prefill_costs, max_local_stall_s)
         self.calls = WorkerCalls()
         self.health = WorkerHealth(self.workers, decode, self.calls, self.admission.room_freed)
         self._worker_ids: dict[str, set[str]] = {}
@@ -131,53 +137,76 @@ class RayBackend:
             yield delta
 
     async def _disaggregated(self, request: WorkerRequest) -> AsyncIterator[StreamDelta]:
-        decode, destination = await self._reserve(request)
-        prefills = self.prefill_router.order(self.prefill, request.prompt_token_ids, request.params.cache_salt)
-        if not prefills:
-            await self.calls.abort_on([decode], request.request_id)
-            raise NoHealthyWorker("no prefill worker is healthy")
-        prefill = prefills[0]
-        self.prefill_router.record(prefill, request.prompt_token_ids, request.params.cache_salt)
+        placement = await self._reserve(request)
+        decode, prefill = placement.decode, placement.prefill
+        clock = asyncio.get_running_loop()
         stream = decode.handle.stream.options(num_returns="streaming").remote(request.request_id)
         died: list[BaseException] = []
-        phase = asyncio.get_running_loop().create_task(self._prefill(prefill, decode, request, destination, died))
+        prefill_s: list[float] = []
+        phase = (None if prefill is None else
+                 clock.create_task(self._prefill(placement, request, died, prefill_s)))
+        holders = [decode] if prefill is None else [decode, prefill]
+        first = True
         try:
-            async for delta in self._follow(decode, stream, request, [decode, prefill], phase, died):
+            async for delta in self._follow(decode, stream, request, holders, phase, died):
+                if first and delta.token_ids:
+                    first = False
+                    placement.release_prompt()
+                    learn(self.prefill_costs, placement, clock.time(), prefill_s[0] if prefill_s else None)
                 yield delta
         finally:
-            phase.cancel()
+            placement.release_prompt()
+            if phase is not None:
+                phase.cancel()
             self.admission.room_freed()  # its blocks are freed, or being freed, on the decode worker
 
-    async def _reserve(self, request: WorkerRequest):
-        """A decode worker with room for the prompt: wait in the admission queue for one
-        while it is not too long, then give up (RESOURCE_EXHAUSTED)."""
-        start = asyncio.get_running_loop().time()
+    async def _reserve(self, request: WorkerRequest) -> PrefillPlacement:
+        """A decode worker with room for the prompt, and where the prompt is prefilled: wait
+        in the admission queue for one while it is not too long, then give up (RESOURCE_EXHAUSTED)."""
+        clock = asyncio.get_running_loop()
+        start = clock.time()
+        prompt, salt = request.prompt_token_ids, request.params.cache_salt
 
-        async def try_once():
-            candidates = self.decode_router.order(self.decode, request.prompt_token_ids, request.params.cache_salt)
+        async def try_once() -> PrefillPlacement | None:
+            candidates = self.decode_router.order(self.decode, prompt, salt)
             if not candidates:
                 raise NoHealthyWorker("no decode worker is healthy")
+            prefills = self.prefill_router.order(self.prefill, prompt, salt)
             for worker in candidates:
-                reservation = worker.handle.reserve.remote(request)
+                placement = place(self.disagg, self.decode_router, self.prefill_router, worker,
+                                  prefills[0] if prefills else None, prompt, salt, clock.time())
+                call = (worker.handle.prefill_local if placement.is_local else worker.handle.reserve).remote(request)
                 try:
-                    destination = await self.calls.unless_down(worker, reservation)
-                except (asyncio.CancelledError, *WORKER_GONE) as e:
-                    # The worker may still reserve (or have reserved) blocks for it.
-                    self._undo_later(worker, reservation, request.request_id)
-                    if isinstance(e, asyncio.CancelledError):
-                        raise
-                    self.mark_unhealthy(worker, e)
-                except PoolFull:
-                    continue
-                else:
-                    self.decode_router.record(worker, request.prompt_token_ids, request.params.cache_salt)
-                    return worker, destination
+                    placement.destination = await self.calls.unless_down(worker, call)
+                except BaseException as e:
+                    placement.release_prompt()
+                    worker.placed(placement.sent, took=False)
+                    if isinstance(e, PoolFull):
+                        continue
+                    if isinstance(e, (asyncio.CancelledError, *WORKER_GONE)):
+                        # The worker may still reserve (or have reserved) blocks for it.
+                        self._undo_later(worker, call, request.request_id)
+                        if not isinstance(e, asyncio.CancelledError):
+                            self.mark_unhealthy(worker, e)
+                            continue
+                    raise
+                worker.placed(placement.sent, took=True)
+                self.decode_router.record(worker, prompt, salt)
+                self._count_decision(placement)
+                return placement
             return None
 
-        reserved = await self.admission.admit(try_once, f"{len(request.prompt_token_ids)} prompt tokens")
+        placement = await self.admission.admit(try_once, f"{len(prompt)} prompt tokens")
         if self.metrics is not None:
-            self.metrics.queue_time.observe(asyncio.get_running_loop().time() - start)
-        return reserved
+            self.metrics.queue_time.observe(clock.time() - start)
+        return placement
+
+    def _count_decision(self, placement: PrefillPlacement) -> None:
+        logger.debug("%s prefill (%s) on %s", placement.choice.where.value, placement.choice.reason,
+                     (placement.prefill or placement.decode).instance)
+        if self.metrics is not None:
+            self.metrics.prefill_decisions.labels(self.metrics.model_name, placement.choice.where.value,
+                                                  placement.choice.reason).inc()
 
     def _undo_later(self, worker: WorkerState, reservation, request_id: str) -> None:
         """A reservation its request no longer waits for: once the worker has made it, abort
@@ -187,17 +216,22 @@ class RayBackend:
             return await worker.handle.abort.remote(request_id)
         self.calls.later(undo(), f"undoing the reservation of {request_id} on {worker.instance}")
 
-    async def _prefill(self, prefill: WorkerState, decode: WorkerState, request: WorkerRequest, destination,
-                       died: list[BaseException]) -> None:
+    async def _prefill(self, placement: PrefillPlacement, request: WorkerRequest, died: list[BaseException],
+                       prefill_s: list[float]) -> None:
         """Prefill on one worker, then hand the first token to the decode worker. A worker that
         dies under it goes into `died` before the decode worker is told to abort (its abort
-        delta may reach the stream before this task has ended)."""
-        n = len(request.prompt_token_ids)
-        prefill.num_in_flight += 1
-        prefill.num_in_flight_tokens += n
+        delta may reach the stream before this task has ended). prefill_s gets how long the
+        prefill call took."""
+        prefill, decode = placement.prefill, placement.decode
+        assert prefill is not None
+        self.prefill_router.record(prefill, request.prompt_token_ids, request.params.cache_salt)
+        clock = asyncio.get_running_loop()
         worker = prefill
         try:
-            first = await self.calls.unless_down(prefill, prefill.handle.prefill.remote(request, destination))
+            start = clock.time()
+            first = await self.calls.unless_down(prefill, prefill.handle.prefill.remote(request, placement.destination))
+            prefill_s.append(clock.time() - start)
+            placement.release_prompt()
             worker = decode
             await self.calls.unless_down(decode, decode.handle.start.remote(first))
         except asyncio.CancelledError:
@@ -212,9 +246,6 @@ class RayBackend:
                 self.mark_unhealthy(worker, e)
             await self.calls.abort_on([decode], request.request_id)
             raise
-        finally:
-            prefill.num_in_flight -= 1
-            prefill.num_in_flight_tokens -= n
 
     async def _follow(self, streamer: WorkerState, stream, request: WorkerRequest, holders: list[WorkerState],
                       phase: asyncio.Task | None = None, died: list[BaseException] | None = None

@@ -22,6 +22,7 @@ from tandem.router.auth import API_KEYS_ENV, AUTH_TOKEN_ENV, api_keys_from_env
 from tandem.router.limits import add_limit_args, limits_from_args
 from tandem.router.metrics_endpoint import DEFAULT_METRICS_PORT, METRICS_TOKEN_ENV
 from tandem.router.placement import add_placement_args, placement_options
+from tandem.router.disagg import DEFAULT_MAX_LOCAL_STALL_S, DISAGG_POLICIES
 from tandem.router.policy import POLICIES
 from tandem.router.pool_stats import log_pool_stats
 from tandem.router.tls import TLSFiles
@@ -46,6 +47,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--decode-tp", type=int, default=None, metavar="N",
                         help="tensor-parallel ranks per decode or colocated worker (default: --tensor-parallel-size)")
     parser.add_argument("--policy", default="least_loaded", choices=POLICIES, help="how workers are picked")
+    parser.add_argument("--disagg-policy", default="auto", choices=tuple(DISAGG_POLICIES),
+                        help="where each prompt is prefilled: always on the prefill pool, never (its decode worker "
+                             "runs it, colocated behaviour on the same pools), or auto: on its decode worker when "
+                             "that gives the first token sooner and stalls the worker's streams at most "
+                             "--max-local-stall-ms (default %(default)s)")
+    parser.add_argument("--max-local-stall-ms", type=float, default=DEFAULT_MAX_LOCAL_STALL_S * 1e3, metavar="MS",
+                        help="auto: the most a local prefill may add to a busy decode worker's streams, in all "
+                             "(default %(default)g)")
     parser.add_argument("--host", default="127.0.0.1", help="the router's address (default: loopback only)")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
@@ -162,8 +171,11 @@ async def _serve(args: argparse.Namespace) -> int:
         for name in REQUEST_LOGGERS:
             logging.getLogger(name).setLevel(logging.WARNING)
     check_kv_encryption(args, os.environ)
+    if not args.max_local_stall_ms >= 0:
+        raise ValueError(f"--max-local-stall-ms must be >= 0, got {args.max_local_stall_ms:g}")
     cfg = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, colocated=args.colocated,
-                        policy=args.policy, address=args.address, worker_args=worker_args(args),
+                        policy=args.policy, disagg_policy=args.disagg_policy,
+                        max_local_stall_s=args.max_local_stall_ms / 1e3, address=args.address, worker_args=worker_args(args),
                         pool_resources=args.pool_resources, prefill_tp=prefill_tp, decode_tp=decode_tp,
                         log_level=args.log_level, kv_transport=args.kv_transport,
                         kv_allow_unencrypted_pairs=args.kv_allow_unencrypted_pairs,

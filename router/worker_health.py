@@ -72,6 +72,7 @@ class WorkerHealth:
     async def _refresh(self, w: WorkerState) -> None:
         stuck_s: float | None = None
         load: WorkerLoad | None = None
+        poll = w.begin_poll()
         try:
             stuck_s = await asyncio.wait_for(w.handle.heartbeat.remote(), LOAD_TIMEOUT_S)
             load = await asyncio.wait_for(w.handle.load.remote(), LOAD_TIMEOUT_S)
@@ -96,7 +97,7 @@ class WorkerHealth:
             return
         if w in self.decode and (w.load is None or load.num_free_blocks > w.load.num_free_blocks):
             self.room_freed()
-        w.load = load
+        w.load_reported(load, poll)
         if w.may_recover(now):
             w.recover(now)
             self.room_freed()

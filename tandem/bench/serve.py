@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import os
@@ -94,6 +95,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--request-timeout", type=float, default=600.0, help="deadline of each call, s")
     a("--modes", nargs="+", choices=MODES, default=list(MODES), help="clusters to start (without --server)")
     a("--cores", type=int, default=None, help="torch threads per mode in all (default: this machine's cores)")
+    a("--disagg-policy", default="auto", choices=("auto", "always", "never"),
+      help="the disaggregated cluster's --disagg-policy: where each prompt is prefilled (default: auto)")
     a("--colocated-workers", type=int, default=1, help="colocated workers, sharing --cores (default: 1)")
     a("--kv-cache-memory-gib", type=float, default=None, help="KV pool of each worker (default: 1.0)")
     a("--max-num-batched-tokens", type=int, default=1024,
@@ -138,14 +141,15 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return s
 
 
-def cluster_configs(cores: int, colocated_workers: int, worker_args: dict) -> dict:
+def cluster_configs(cores: int, colocated_workers: int, worker_args: dict, disagg_policy: str = "auto") -> dict:
     """Both modes on the same total torch threads: disaggregated 1 prefill + 1 decode worker
-    with cores // 2 threads each, colocated N workers with cores // N threads each."""
+    with cores // 2 threads each (``disagg_policy`` deciding where each prompt is prefilled),
+    colocated N workers with cores // N threads each."""
     from tandem.router.cluster import ClusterConfig
 
     half, per_colocated = max(1, cores // 2), max(1, cores // colocated_workers)
     return {
-        "disaggregated": ClusterConfig(num_prefill=1, num_decode=1, name_prefix="bench-d-",
+        "disaggregated": ClusterConfig(num_prefill=1, num_decode=1, name_prefix="bench-d-", disagg_policy=disagg_policy,
                                        worker_args={**worker_args, "num_threads": half}),
         "colocated": ClusterConfig(colocated=colocated_workers, name_prefix="bench-c-",
                                    worker_args={**worker_args, "num_threads": per_colocated}),
@@ -263,15 +267,14 @@ class Bench:
 
     def save_flat(self, runs: list[dict]) -> list[Path]:
         """--save-result: each kept run under vLLM's flat keys, a file of its own."""
-        from tandem.bench.serving.vllm_format import flat_result
+        from tandem.bench.serving.vllm_format import flat_result, result_file_name
 
         paths = []
         for run in runs:
             flat = flat_result(run["metrics"], model=self.model or self.args.model, label=run["label"],
                                num_prompts=self.settings.num_prompts, rate=run["rate"],
                                burstiness=self.args.burstiness, max_concurrency=self.args.max_concurrency)
-            name = f"tandem-{run['label'].replace('/', '-')}-{run['phase'].replace(' ', '-')}-{run['rate']:g}qps.json"
-            paths.append(Path(self.args.out_dir) / name)
+            paths.append(Path(self.args.out_dir) / result_file_name(run))
             paths[-1].write_text(json.dumps(flat, indent=2))
         return paths
 
@@ -338,7 +341,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         from tandem.bench.serving.local import run_clusters
 
-        config = run_clusters(bench, cluster_configs)
+        config = run_clusters(bench, functools.partial(cluster_configs, disagg_policy=args.disagg_policy))
     results = bench.results(config)
     json_path = out_dir / "results.json"
     json_path.write_text(json.dumps(results, indent=2))

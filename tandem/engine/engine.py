@@ -65,6 +65,16 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
+    def may_add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> bool:
+        """Whether the pool has room now for this prompt (beyond its cached prefix) and its
+        first token, after the prompts already waiting (:meth:`add_request` queues it anyway)."""
+        self.check_prompt(prompt_token_ids)
+        bm = self.block_manager
+        probe = Sequence("", prompt_token_ids, params, -1, None)
+        num_cached = len(bm.find_cached_prefix(probe)) * bm.block_size
+        num_waiting = sum(bm.num_blocks_for(s.num_tokens - s.num_computed_tokens) for s in self.scheduler.waiting)
+        return bm.num_blocks_for(len(prompt_token_ids) - num_cached + 1) + num_waiting <= bm.num_free_blocks
+
     def release_blocks(self, seq: Sequence) -> None:
         """Free the blocks that ``seq``, added with keep_blocks, kept past its end."""
         # NOTE: only once it has ended: until then its blocks are the scheduler's.

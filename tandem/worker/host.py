@@ -82,6 +82,9 @@ class WorkerHost:
     async def reserve(self, request: WorkerRequest) -> Destination:
         return await self.worker.reserve(request)
 
+    async def prefill_local(self, request: WorkerRequest) -> None:
+        await self.worker.prefill_local(request)
+
     async def start(self, first: PrefillResult) -> None:
         await self.worker.start(first)
 

@@ -19,6 +19,7 @@ from tandem.bench.serving.load import (
     Mix, RequestResult, arrival_offsets, make_requests, meets_slo, parse_goodput, summarize,
 )
 from tandem.bench.serving.sweep import best_key, compare
+from tandem.bench.serving.vllm_format import result_file_name
 from tandem.bench.workload import allowed_token_ids
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -151,8 +152,7 @@ def test_quick_run_end_to_end(tmp_path: Path):
         assert 0 <= run["others_cpu"] <= 1
     # --save-result: each sweep run under vLLM's flat keys too.
     for run in runs:
-        label = run["label"].replace("/", "-")
-        flat = json.loads((out_dir / f"tandem-{label}-{run['phase']}-{run['rate']:g}qps.json").read_text())
+        flat = json.loads((out_dir / result_file_name(run)).read_text())
         assert flat["mean_ttft_ms"] == pytest.approx(run["metrics"]["ttft_ms"]["mean"])
         assert flat["p99_tpot_ms"] == pytest.approx(run["metrics"]["tpot_ms"]["p99"])
         assert flat["request_goodput"] == pytest.approx(run["metrics"]["goodput"]) and flat["completed"] == 6

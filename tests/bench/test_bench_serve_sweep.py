@@ -150,9 +150,14 @@ def test_a_run_others_disturbed_is_repeated_once_while_retries_last(monkeypatch)
     assert bench.retries_left == 0 and progress.total == 5
 
 
-def _exposition(hist: dict[tuple[str, str], tuple[float, int]], up: int = 1) -> str:
-    """Prometheus text with these histograms' (sum, count) by (name, role); one bucket each."""
+def _exposition(hist: dict[tuple[str, str], tuple[float, int]], up: int = 1,
+                decisions: dict[tuple[str, str], int] | None = None) -> str:
+    """Prometheus text with these histograms' (sum, count) by (name, role), one bucket each,
+    and the router's prefill decisions by (where, reason)."""
     lines = ["# TYPE tandem_worker_up gauge", f'tandem_worker_up{{model_name="m",role="decode",instance="d"}} {up}']
+    lines += [f"# TYPE {bd.DECISIONS}_total counter"] + [
+        f'{bd.DECISIONS}_total{{model_name="m",where="{where}",reason="{reason}"}} {n}'
+        for (where, reason), n in (decisions or {}).items()]
     for (name, role), (s, c) in hist.items():
         labels = 'model_name="m"' + ("" if role == bd.ROUTER else f',role="{role}",instance="{role}-0"')
         lines += [f"# TYPE {name} histogram", f'{name}_bucket{{{labels},le="+Inf"}} {c}',
@@ -173,13 +178,15 @@ def test_breakdown_of_a_disaggregated_run_adds_up_to_the_ttft():
            (bd.TRANSFER, "prefill"): 1.44, (bd.TRANSFER, "decode"): 1.6, (bd.QUEUE, "decode"): 1.76,
            (bd.DECODE, "decode"): 8.0}
     after = {k: (before[k][0] + run[k], before[k][1] + 4) for k in before}
-    snap_before, up_before = bd.parse_histograms(_exposition(before))
-    snap_after, _ = bd.parse_histograms(_exposition(after))
+    snap_before, up_before = bd.parse_histograms(_exposition(before, decisions={("remote", "cheaper_remote"): 3}))
+    snap_after, _ = bd.parse_histograms(_exposition(after, decisions={("remote", "cheaper_remote"): 7,
+                                                                      ("local", "decode_idle"): 0}))
     assert up_before and snap_before[(bd.QUEUE, "prefill")] == (0.1, 2)
     parts = bd.breakdown(bd.difference(snap_before, snap_after))
     assert parts["mode"] == "disaggregated" and parts["requests"] == 4
     expected = {"queue_ms": 100, "prefill_ms": 300, "transfer_tail_ms": 10, "delivery_ms": 100, "ttft_ms": 500,
                 "decode_ms": 2000, "tpot_ms": 100, "e2e_ms": 2500, "prefill_admission_ms": 40}
+    assert parts.pop("prefill_decisions") == {"remote/cheaper_remote": 4}
     assert parts == pytest.approx({"mode": "disaggregated", "requests": 4, **expected})
     ttft_parts = ("queue_ms", "prefill_ms", "delivery_ms")  # the tail runs beside the delivery
     assert sum(parts[k] for k in ttft_parts) == pytest.approx(parts["ttft_ms"])

@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from tandem.bench.serving.load import RequestResult, summarize
-from tandem.bench.serving.vllm_format import flat_result, sharegpt_requests
+from tandem.bench.serving.vllm_format import flat_result, sharegpt_requests, result_file_name
 
 
 def test_flat_keys_are_vllms_and_carry_the_summary():
@@ -52,3 +52,8 @@ def test_sharegpt_sampling_follows_vllms_filter(tmp_path, tokenizer):
         assert r.output_len == len(plain.encode(kept[tuple(r.prompt_token_ids)]).ids)
     with pytest.raises(ValueError, match="only 2 conversations pass"):
         sharegpt_requests(str(path), plain, 3, seed=0)
+
+
+def test_a_repeated_runs_file_name_has_no_spaces_or_parentheses():
+    run = {"label": "colocated/budget 512", "phase": "sweep (repeat)", "rate": 0.5}
+    assert result_file_name(run) == "tandem-colocated-budget-512-sweep-repeat-0.5qps.json"

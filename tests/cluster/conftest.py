@@ -1,6 +1,8 @@
 """One Ray for the whole session, with two real clusters on it (each worker loads the model
 once, in its own process): disaggregated (1 prefill + 2 decode workers) and colocated
-(1 worker), each behind its own gRPC router on a free loopback port."""
+(1 worker), each behind its own gRPC router on a free loopback port; and a third router,
+"local", over the disaggregated cluster's workers, whose decode workers prefill every prompt
+themselves (--disagg-policy never)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import threading
 import pytest
 import ray
 
-from running_cluster import running_clusters
+from running_cluster import SameWorkers, running_clusters
 from tandem.router.cluster import ClusterConfig
 
 # The float path (quantization none): its greedy output is token-exact with transformers.
@@ -27,9 +29,11 @@ def clusters():
 
     configs = {
         # With checksums on the KV: every disaggregated test also proves them harmless.
+        # Every prompt on the prefill pool here; on the decode workers through "local".
         "disaggregated": ClusterConfig(num_prefill=1, num_decode=2, worker_args={**WORKER_ARGS, "kv_checksum": True},
-                                       name_prefix="d-"),
+                                       name_prefix="d-", disagg_policy="always"),
         "colocated": ClusterConfig(colocated=1, worker_args=WORKER_ARGS, name_prefix="c-"),
+        "local": SameWorkers("disaggregated", disagg_policy="never"),
     }
     try:
         with running_clusters(configs, loop) as running:

@@ -20,7 +20,7 @@ from worker_checks import assert_workers_empty
 
 pytestmark = pytest.mark.slow
 
-MODES = ["disaggregated", "colocated"]
+MODES = ["disaggregated", "colocated", "local"]
 @pytest.mark.parametrize("mode", MODES)
 def test_n_sampled_completions_equal_requests_seeded_seed_plus_index(clusters, tokenizer, mode):
     """n=4 at temperature 0.8: completion i is, token for token and in text, the request with

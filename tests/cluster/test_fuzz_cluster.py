@@ -20,9 +20,10 @@ from worker_checks import assert_workers_empty, num_leaked_blocks
 
 pytestmark = pytest.mark.slow
 
-NUM_EXAMPLES = {"colocated": 100, "disaggregated": 50}
+NUM_EXAMPLES = {"colocated": 100, "disaggregated": 50, "local": 30}
 """Fewer on the disaggregated cluster: the same router checks the same fields; what it adds
-is the other workers' side of each outcome (reservations, transfers)."""
+is the other workers' side of each outcome (reservations, transfers; local prefills on the
+decode workers through "local")."""
 CALL_TIMEOUT_S = 3.0
 MODES = tuple(NUM_EXAMPLES)
 outcomes: dict[str, collections.Counter[str]] = {mode: collections.Counter() for mode in MODES}
@@ -54,6 +55,12 @@ def test_hostile_requests_on_the_colocated_cluster(clusters, data):
 @given(data=st.data())
 def test_hostile_requests_on_the_disaggregated_cluster(clusters, data):
     send_hostile_request(clusters["disaggregated"], "disaggregated", data)
+
+
+@settings(max_examples=NUM_EXAMPLES["local"], **FUZZ_SETTINGS)
+@given(data=st.data())
+def test_hostile_requests_prefilled_on_the_decode_workers(clusters, data):
+    send_hostile_request(clusters["local"], "local", data)
 
 
 @pytest.mark.parametrize("mode", MODES)

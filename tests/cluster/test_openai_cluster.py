@@ -16,7 +16,7 @@ from worker_checks import assert_workers_empty
 
 pytestmark = pytest.mark.slow
 
-MODES = ["disaggregated", "colocated"]
+MODES = ["disaggregated", "colocated", "local"]
 QUESTION = "What is the capital of France?"
 
 

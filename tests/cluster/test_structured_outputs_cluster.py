@@ -18,7 +18,7 @@ from worker_checks import assert_workers_empty
 
 pytestmark = pytest.mark.slow
 
-MODES = ["disaggregated", "colocated"]
+MODES = ["disaggregated", "colocated", "local"]
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
     "age": {"type": "integer", "minimum": 0, "maximum": 120},

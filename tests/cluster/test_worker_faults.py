@@ -152,7 +152,7 @@ def test_decode_worker_killed_mid_stream(clusters, tokenizer, fault_report):
                           f"the other {len(streams) - len(ended)} went on; recovery = Ray's restart, serving again")
 
 
-@pytest.mark.parametrize("mode", ["disaggregated", "colocated"])
+@pytest.mark.parametrize("mode", ["disaggregated", "colocated", "local"])
 def test_abort_by_client_id_and_reusing_the_id_at_once(clusters, tokenizer, mode):
     """The workers know each call by the router's own id: Abort(request_ids) still finds the
     client's call, and the same id can be reused at once (also while the workers still clean

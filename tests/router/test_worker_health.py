@@ -11,6 +11,7 @@ from ray.exceptions import RayActorError, RayTaskError
 
 from tandem.router import worker_health
 from tandem.router.policy import RETRY_BASE_S, RETRY_MAX_S, STABLE_S, WorkerState
+from tandem.router.prefill_placement import place
 from tandem.router.ray_backend import RayBackend
 from tandem.sampling_params import SamplingParams
 from tandem.worker.api import Role, WorkerLoad, WorkerRequest
@@ -70,7 +71,7 @@ def _raise(error: BaseException):
 
 def backend(decode: WorkerState, router_tokenizer) -> RayBackend:
     prefill = WorkerState("p-0", Handle(lambda: LOAD))
-    return RayBackend([prefill], [decode], [], "least_loaded", router_tokenizer.spec)
+    return RayBackend([prefill], [decode], [], "least_loaded", router_tokenizer.spec, disagg_policy="always")
 
 
 def test_a_dead_worker_is_polled_back_only_after_its_backoff(router_tokenizer):
@@ -149,11 +150,13 @@ def test_a_decode_worker_dying_at_the_hand_off_is_its_failure_not_the_prefill_wo
     prefill.handle.prefill = Method(lambda request, destination: "first token")
     prefill.handle.abort = decode.handle.abort
     died: list[BaseException] = []
+    request = WorkerRequest("r-1", [1, 2, 3], SamplingParams())
 
     async def body():
+        placement = place(b.disagg, b.decode_router, b.prefill_router, decode, prefill, request.prompt_token_ids,
+                          None, 0.0)
         with pytest.raises(RayActorError):
-            await b._prefill(prefill, decode, WorkerRequest("r-1", [1, 2, 3], SamplingParams()),
-                             None, died)
+            await b._prefill(placement, request, died, [])
 
     asyncio.run(body())
     assert not decode.healthy and decode.num_failures == 1

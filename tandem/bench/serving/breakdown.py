@@ -45,6 +45,8 @@ ROUTER_QUEUE = "tandem_router_queue_time_seconds"
 QUEUE, PREFILL, DECODE = ("tandem_request_queue_time_seconds", "tandem_request_prefill_time_seconds",
                           "tandem_request_decode_time_seconds")
 TRANSFER = "tandem_kv_transfer_time_seconds"
+DECISIONS = "tandem_prefill_decisions"
+"""A counter (where, reason): kept in a Snapshot as (f"{DECISIONS}:{where}/{reason}", router) -> (count, 0)."""
 
 PARTS = (("queue_ms", "queue (router admission + worker admission and queue)"),
          ("prefill_ms", "prefill (first scheduled -> first token)"),
@@ -68,6 +70,11 @@ def parse_histograms(text: str) -> tuple[Snapshot, bool]:
     for family in text_string_to_metric_families(text):
         if family.name == "tandem_worker_up":
             all_up = all_up and all(s.value == 1 for s in family.samples)
+        if family.name == DECISIONS:
+            for sample in family.samples:
+                if sample.name == DECISIONS + "_total":
+                    key = (f"{DECISIONS}:{sample.labels['where']}/{sample.labels['reason']}", ROUTER)
+                    acc[key][0] += sample.value
         if family.type != "histogram":
             continue
         for sample in family.samples:
@@ -90,9 +97,23 @@ def _mean_ms(delta: Snapshot, name: str, role: str) -> float | None:
     return s / c * 1e3 if c > 0 else None
 
 
+def prefill_decisions(delta: Snapshot) -> dict[str, int]:
+    """"where/reason" -> prompts the router decided so, between two scrapes (non-zero only)."""
+    prefix = DECISIONS + ":"
+    return {name[len(prefix):]: int(n) for (name, _), (n, _) in delta.items() if name.startswith(prefix) and n}
+
+
 def breakdown(delta: Snapshot) -> dict | None:
     """The parts (ms, means per request; see the module docstring) of one run's histograms,
-    or None when they lack what either formula needs (e.g. no request finished)."""
+    or None when they lack what either formula needs (e.g. no request finished). A run with
+    local prefills only (on the decode worker) is broken down as a colocated one; mixed, its
+    queue and prefill parts are the remote prompts' (``prefill_decisions`` says how many)."""
+    decisions = prefill_decisions(delta)
+    parts = _breakdown(delta)
+    return None if parts is None else {**parts, "prefill_decisions": decisions}
+
+
+def _breakdown(delta: Snapshot) -> dict | None:
     mean = lambda name, role: _mean_ms(delta, name, role)  # noqa: E731
     ttft, e2e, tpot = mean(TTFT, ROUTER), mean(E2E, ROUTER), mean(TPOT, ROUTER)
     router_queue = mean(ROUTER_QUEUE, ROUTER) or 0.0  # colocated calls have no admission queue
@@ -111,11 +132,13 @@ def breakdown(delta: Snapshot) -> dict | None:
                 "ttft_ms": ttft, "decode_ms": decode, "tpot_ms": tpot, "e2e_ms": e2e,
                 # Within the queue: D's reservation to P's admission.
                 "prefill_admission_ms": d_transfer - p_transfer}
-    parts = (mean(QUEUE, "colocated"), mean(PREFILL, "colocated"), mean(DECODE, "colocated"))
+    # No prefill on the prefill pool: colocated, or every prompt prefilled on its decode worker.
+    role = "colocated" if mean(PREFILL, "colocated") is not None else "decode"
+    parts = (mean(QUEUE, role), mean(PREFILL, role), mean(DECODE, role))
     if any(p is None for p in parts):
         return None
     c_queue, c_prefill, decode = parts
-    return {"mode": "colocated", "requests": count, "queue_ms": router_queue + c_queue, "prefill_ms": c_prefill,
+    return {"mode": "colocated" if role == "colocated" else "disaggregated", "requests": count, "queue_ms": router_queue + c_queue, "prefill_ms": c_prefill,
             "transfer_tail_ms": None, "delivery_ms": ttft - router_queue - c_queue - c_prefill, "ttft_ms": ttft,
             "decode_ms": decode, "tpot_ms": tpot, "e2e_ms": e2e}
 

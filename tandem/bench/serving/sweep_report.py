@@ -40,6 +40,13 @@ def print_comparison(results: dict) -> None:
                    f"{sum(c['goals'].values())} of {len(c['goals'])}"] for c in rows]))
 
 
+def _decisions(decisions: dict[str, int] | None) -> str:
+    if not decisions:
+        return "-"
+    count = lambda where: sum(n for k, n in decisions.items() if k.startswith(where + "/"))  # noqa: E731
+    return f"{count('local')} / {count('remote')}"
+
+
 def print_breakdown(results: dict) -> None:
     """Each compared run's mean request, part by part, from the cluster's histograms."""
     runs = [r for r in compared_runs(results["runs"]) if r.get("breakdown") or r.get("breakdown_note")]
@@ -58,6 +65,8 @@ def print_breakdown(results: dict) -> None:
             _ms(p.get("prefill_admission_ms")) if p.get("mode") == "disaggregated" else "-" for p in parts)])
         rows.insert(5, ["TTFT at the client (bench clock)", *(_ms(r["metrics"]["ttft_ms"]["mean"]) for r in mine)])
         rows.append(["requests in the histograms", *(str(p.get("requests", "-")) for p in parts)])
+        rows.append(["prefills local / remote (the router's decisions)", *(
+            _decisions(p.get("prefill_decisions")) for p in parts)])
         print(f"\n@ {rate:g} req/s")
         print(_table(["part", *(run_label(r) for r in mine)], rows))
         for r in mine:

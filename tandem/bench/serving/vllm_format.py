@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime
 import json
 import random
+import re
 from typing import Any
 
 from tandem.bench.serving.load import PERCENTILES, Request
@@ -15,6 +16,13 @@ METRICS = ("ttft", "tpot", "itl", "e2el")
 SHAREGPT_MIN_LEN, SHAREGPT_MAX_PROMPT, SHAREGPT_MAX_TOTAL = 4, 1024, 2048
 """vLLM's ShareGPT filter: prompt and reply of at least 4 tokens, a prompt of at most 1024,
 both together at most 2048."""
+
+
+def result_file_name(run: dict[str, Any]) -> str:
+    """--save-result's file for one run: its label, phase and rate, with anything but letters,
+    digits, dots and dashes made a dash (no spaces or parentheses: "sweep (repeat)" -> "sweep-repeat")."""
+    parts = (run["label"], run["phase"], f"{run['rate']:g}qps")
+    return "tandem-" + "-".join(re.sub(r"[^A-Za-z0-9.]+", "-", p).strip("-") for p in parts) + ".json"
 
 
 def flat_result(metrics: dict[str, Any], *, model: str | None, label: str, num_prompts: int, rate: float,

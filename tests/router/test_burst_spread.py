@@ -1,0 +1,69 @@
+"""A burst spreads over each pool: the router counts what it has placed on a worker until that
+worker's polled load shows it, so requests sent at once (before any poll) do not all tie and
+pile onto the first worker."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+import pytest
+
+from test_worker_health import Handle
+from tandem.router.policy import WorkerState
+from tandem.router.ray_backend import RayBackend
+from tandem.sampling_params import SamplingParams
+from tandem.worker.api import Role, WorkerLoad, WorkerRequest
+
+
+def idle(role: Role, instance: str) -> WorkerLoad:
+    return WorkerLoad(role=role, instance=instance, num_blocks=1000, num_free_blocks=1000, num_running=0,
+                      num_waiting=0, num_queued_tokens=0)
+
+
+class Slow:
+    """A Ray method whose answer comes after the whole burst was placed."""
+
+    def remote(self, request: WorkerRequest):
+        async def call():
+            await asyncio.sleep(0.01)
+            return f"destination of {request.request_id}"
+        return call()
+
+
+def worker(role: Role, instance: str) -> WorkerState:
+    handle = Handle(lambda: idle(role, instance))
+    handle.reserve = handle.prefill_local = Slow()
+    return WorkerState(instance, handle)
+
+
+def burst(router_tokenizer, disagg_policy: str, num_requests: int, prompt_len: int):
+    prefill = [worker(Role.PREFILL, f"p-{i}") for i in range(2)]
+    decode = [worker(Role.DECODE, f"d-{i}") for i in range(2)]
+    backend = RayBackend(prefill, decode, [], "least_loaded", router_tokenizer.spec, disagg_policy=disagg_policy)
+
+    async def body():
+        await backend.health.refresh()  # every worker reported idle
+        requests = [WorkerRequest(f"r{i}", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=8))
+                    for i in range(num_requests)]
+        return await asyncio.gather(*(backend._reserve(r) for r in requests))
+    placements = asyncio.run(body())
+    assert [p.destination for p in placements] == [f"destination of r{i}" for i in range(num_requests)]
+    return placements
+
+
+@pytest.mark.parametrize("num_requests", [6, 32])
+def test_a_burst_splits_evenly_over_two_decode_and_two_prefill_workers(router_tokenizer, num_requests):
+    placements = burst(router_tokenizer, "always", num_requests, prompt_len=40)
+    on_decode = collections.Counter(p.decode.instance for p in placements)
+    on_prefill = collections.Counter(p.prefill.instance for p in placements)
+    assert on_decode == {"d-0": num_requests // 2, "d-1": num_requests // 2}
+    assert on_prefill == {"p-0": num_requests // 2, "p-1": num_requests // 2}
+    assert all(p.choice.reason == "policy_always" for p in placements)
+
+
+def test_a_burst_of_local_prefills_splits_too(router_tokenizer):
+    placements = burst(router_tokenizer, "never", 7, prompt_len=40)
+    on_decode = collections.Counter(p.decode.instance for p in placements)
+    assert sorted(on_decode.values()) == [3, 4]
+    assert all(p.prefill is None and p.is_local for p in placements)
