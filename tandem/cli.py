@@ -1,5 +1,6 @@
 """The ``tandem`` command: ``serve`` (the cluster), ``generate`` (a gRPC client), ``chat``
-(one engine in this process), ``plan`` (KV capacity before loading) and ``bench``."""
+(one engine in this process), ``plan`` (KV capacity before loading), ``simulate`` (the cluster on a
+virtual clock) and ``bench``."""
 
 from __future__ import annotations
 
@@ -277,6 +278,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights-memory", type=auto_or_gib, default="auto", metavar="auto|GIB",
                    help="weights per rank in GiB (default auto: parameters from the shapes x dtype bytes / tp)")
     p.set_defaults(func=plan)
+
+    from tandem.sim import command as simulate_command
+
+    p = commands.add_parser("simulate", help="the cluster's router and schedulers on a virtual clock, steps priced "
+                            "by a model: the bench's report in seconds", description=simulate_command.__doc__)
+    simulate_command.add_args(p)
+    p.set_defaults(func=simulate_command.run)
 
     bench = commands.add_parser("bench", help="benchmarks (ratios measured side by side)")
     bench_commands = bench.add_subparsers(dest="bench", required=True)

@@ -178,7 +178,8 @@ def cluster_config(args: argparse.Namespace, cores: int) -> ClusterConfig:
 
     worker_args = {"model": args.model, "kv_cache_memory_gib": args.kv_cache_memory_gib,
                    "max_num_batched_tokens": args.max_num_batched_tokens, "num_threads": max(1, cores // 2)}
-    return ClusterConfig(num_prefill=1, num_decode=1, name_prefix="overload-", worker_args=worker_args)
+    return ClusterConfig(num_prefill=1, num_decode=1, name_prefix="overload-", worker_args=worker_args,
+                         disagg_policy="always")
 
 
 async def measure(args: argparse.Namespace, settings: Settings, cores: int) -> dict:

@@ -95,7 +95,7 @@ def over_same_workers(backend, policy: str):
     from tandem.router.ray_backend import RayBackend
 
     states = [[WorkerState(w.instance, w.handle) for w in ws] for ws in (backend.prefill, backend.decode)]
-    return RayBackend(*states, [], policy, backend.tokenizer_spec)
+    return RayBackend(*states, [], policy, backend.tokenizer_spec, disagg_policy="always")
 
 
 async def measure(s: Settings, args: argparse.Namespace) -> dict[str, dict[str, float]]:
@@ -106,7 +106,7 @@ async def measure(s: Settings, args: argparse.Namespace) -> dict[str, dict[str, 
     from tandem.router.server import bound_port, drain, serve
 
     worker_args = dict(model=args.model, kv_cache_memory_gib=s.kv_cache_memory_gib, num_threads=1)
-    first = await start_cluster(ClusterConfig(num_prefill=1, num_decode=2, policy=POLICIES[0],
+    first = await start_cluster(ClusterConfig(num_prefill=1, num_decode=2, policy=POLICIES[0], disagg_policy="always",
                                               worker_args=worker_args, name_prefix="bench-p-"))
     spec = first.tokenizer_spec
     pool = token_pool(Tokenizer.from_str(spec.tokenizer_json), spec.vocab_size, spec.eos_token)

@@ -28,7 +28,8 @@ NUM_LONG, LONG_TOKENS, NUM_SHORT, SHORT_TOKENS, MAX_TOKENS = 4, 400, 12, 20, 4
 
 @pytest.fixture(scope="module")
 def burst_cluster(clusters):
-    config = ClusterConfig(num_prefill=1, num_decode=1, worker_args=BURST_WORKER_ARGS, name_prefix="burst-")
+    config = ClusterConfig(num_prefill=1, num_decode=1, worker_args=BURST_WORKER_ARGS, name_prefix="burst-",
+                           disagg_policy="always")
     with running_clusters({"burst": config}, clusters["colocated"].loop) as started:
         yield started["burst"]
 

@@ -15,7 +15,7 @@ from completions_checks import by_index, completions, sampled_request
 from reference import english_token_ids, hf_beam_search
 from tandem.proto import generation_pb2 as pb
 from tandem.router.cluster import ClusterConfig
-from running_cluster import running_clusters
+from running_cluster import SameWorkers, running_clusters
 from worker_checks import assert_workers_empty
 
 pytestmark = pytest.mark.slow
@@ -108,11 +108,12 @@ SWAP_MAX_TOKENS = 48
 
 @pytest.fixture(scope="module")
 def swap_clusters(clusters):
-    """Both modes again, each worker's KV pool 8 blocks and preemption_mode="swap"."""
+    """Every mode again, each worker's KV pool 8 blocks and preemption_mode="swap"."""
     with running_clusters({
             "disaggregated": ClusterConfig(num_prefill=1, num_decode=1, worker_args=SWAP_WORKER_ARGS,
-                                           name_prefix="swap-d-"),
-            "colocated": ClusterConfig(colocated=1, worker_args=SWAP_WORKER_ARGS, name_prefix="swap-c-")},
+                                           name_prefix="swap-d-", disagg_policy="always"),
+            "colocated": ClusterConfig(colocated=1, worker_args=SWAP_WORKER_ARGS, name_prefix="swap-c-"),
+            "local": SameWorkers("disaggregated", disagg_policy="never")},
             clusters["colocated"].loop) as started:
         yield started
 
@@ -124,7 +125,7 @@ def swap_prompts(tokenizer) -> list[list[int]]:
 def swap_counters(cluster, mode: str) -> tuple[float, float]:
     """(blocks swapped out, preemptions) of the worker that decodes, from the router's /metrics."""
     samples = parse_samples(cluster.scrape())
-    role = "decode" if mode == "disaggregated" else "colocated"
+    role = "colocated" if mode == "colocated" else "decode"
     return (total(samples, "tandem_num_swapped_out_blocks_total", role=role),
             total(samples, "tandem_num_preemptions_total", role=role))
 

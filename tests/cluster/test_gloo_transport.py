@@ -37,7 +37,7 @@ def gloo_cluster():
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    cfg = ClusterConfig(num_prefill=1, num_decode=1, worker_args=WORKER_ARGS, name_prefix="gloo-",
+    cfg = ClusterConfig(num_prefill=1, num_decode=1, worker_args=WORKER_ARGS, name_prefix="gloo-", disagg_policy="always",
                         kv_transport="gloo")
     try:
         with running_clusters({"gloo": cfg}, loop) as running:
