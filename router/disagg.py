@@ -98,14 +98,13 @@ class DisaggPolicy(Protocol):
 
 
 class Always:
-    """Every prompt on the prefill pool (tandem's behaviour before per-request decisions)."""
+    """Every prompt on the prefill pool (tandem's behaviour before per-request decisions): with
+    no healthy prefill worker the request fails (UNAVAILABLE), as it always did."""
 
     def __init__(self, costs: PrefillCosts, max_local_stall_s: float) -> None:
         pass
 
     def decide(self, inputs: PrefillInputs) -> PrefillChoice:
-        if not inputs.has_prefill_worker:
-            return PrefillChoice(Where.LOCAL, "no_prefill_worker")
         return PrefillChoice(Where.REMOTE, "policy_always")
 
 
@@ -124,7 +123,8 @@ class Auto:
     at most ``max_local_stall_s`` in all (an idle decode worker has no stream to stall);
     otherwise remote.
 
-    reasons: ``no_prefill_worker``; local ``decode_idle`` or ``cheaper_local``; remote
+    reasons: ``no_prefill_worker`` (local: the prefill pool is down, the decode workers serve
+    on); local ``decode_idle`` or ``cheaper_local``; remote
     ``stalls_decode`` (local would be sooner but holds up running streams too long) or
     ``cheaper_remote``.
     """

@@ -6,8 +6,9 @@ wait for) until the prompt is prefilled. Torch-free."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
+from tandem.router.backend import NoHealthyWorker
 from tandem.router.disagg import DisaggPolicy, PrefillChoice, PrefillCosts, PrefillInputs, Where
 from tandem.router.policy import Router, Sent, WorkerState
 
@@ -51,6 +52,18 @@ class PrefillPlacement:
             worker.num_in_flight_tokens -= self._num_pending_tokens
 
 
+def place_colocated(worker: WorkerState, num_prompt_tokens: int) -> Callable[[], None]:
+    """Count a request on a colocated worker at once (its call queues the prompt on arrival) ->
+    a release to call when its first token comes, or it ends (idempotent)."""
+    worker.placed(worker.place(num_blocks_for(worker, num_prompt_tokens)), took=True)
+    worker.num_in_flight_tokens += num_prompt_tokens
+    held = [num_prompt_tokens]
+
+    def release() -> None:
+        worker.num_in_flight_tokens -= held.pop() if held else 0
+    return release
+
+
 def num_blocks_for(worker: WorkerState, num_tokens: int) -> int:
     """Blocks ``num_tokens`` (and the first output token) take on ``worker``."""
     block_size = worker.load.block_size if worker.load is not None else 16
@@ -77,9 +90,12 @@ def prefill_inputs(decode_router: Router, prefill_router: Router, decode: Worker
 def place(policy: DisaggPolicy, decode_router: Router, prefill_router: Router, decode: WorkerState,
           prefill: WorkerState | None, prompt_token_ids: list[int], cache_salt: str | None,
           now: float) -> PrefillPlacement:
-    """Decide where the prompt is prefilled and count the request on its workers at once."""
+    """Decide where the prompt is prefilled and count the request on its workers at once.
+    Raises NoHealthyWorker when the policy wants the prefill pool and none of it is healthy."""
     inputs = prefill_inputs(decode_router, prefill_router, decode, prefill, prompt_token_ids, cache_salt)
     choice = policy.decide(inputs)
+    if choice.where is Where.REMOTE and prefill is None:
+        raise NoHealthyWorker("no prefill worker is healthy")
     placement = PrefillPlacement(decode, choice, inputs, None if choice.where is Where.LOCAL else prefill,
                                  decode.place(num_blocks_for(decode, inputs.num_uncached_local)), now)
     placement.hold_prompt()

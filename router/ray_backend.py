@@ -16,7 +16,7 @@ from tandem.router.admission import AdmissionQueue
 from tandem.router.backend import NoHealthyWorker, WorkerFailed
 from tandem.router.disagg import DEFAULT_MAX_LOCAL_STALL_S, PrefillCosts, make_disagg_policy
 from tandem.router.policy import Router, WorkerState
-from tandem.router.prefill_placement import PrefillPlacement, learn, place
+from tandem.router.prefill_placement import PrefillPlacement, learn, place, place_colocated
 from tandem.router.worker_calls import WORKER_GONE, WorkerCalls, short_error
 from tandem.router.worker_health import WorkerHealth
 from tandem.router.worker_metrics import WorkerMetricsReport
@@ -132,9 +132,15 @@ class RayBackend:
             raise NoHealthyWorker("no colocated worker is healthy")
         worker = order[0]
         self.prefill_router.record(worker, request.prompt_token_ids, request.params.cache_salt)
-        async for delta in self._follow(worker, worker.handle.generate.options(num_returns="streaming").remote(request),
-                                        request, [worker]):
-            yield delta
+        release = place_colocated(worker, len(request.prompt_token_ids))  # a burst spreads
+        try:
+            async for delta in self._follow(worker, worker.handle.generate.options(
+                    num_returns="streaming").remote(request), request, [worker]):
+                if delta.token_ids:
+                    release()
+                yield delta
+        finally:
+            release()
 
     async def _disaggregated(self, request: WorkerRequest) -> AsyncIterator[StreamDelta]:
         placement = await self._reserve(request)

@@ -133,6 +133,12 @@ def plan(args: argparse.Namespace) -> int:
     """Print one rank's weights, KV memory and KV capacity, from the model's config alone."""
     from tandem.plan import make_plan
 
+    if args.slo is not None or args.distserve:
+        from tandem.sim.plan_command import run as plan_slo
+
+        return plan_slo(args)
+    if args.memory is None:
+        raise ValueError("tandem plan needs --memory GIB (or --slo KEY:MS ... to search placements)")
     weights = None if args.weights_memory == "auto" else float(args.weights_memory)
     try:
         result = make_plan(args.model, args.memory, tp=args.tp, dtype=args.dtype, block_size=args.block_size,
@@ -268,8 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = commands.add_parser("plan", help="KV capacity per rank for a memory budget, before loading anything",
                             description=plan.__doc__)
     p.add_argument("--model", default=None, help=MODEL_HELP)
-    p.add_argument("--memory", type=float, required=True, metavar="GIB",
-                   help="memory per rank for weights and KV, in GiB (with --gpu-memory-utilization: the GPU's memory)")
+    p.add_argument("--memory", type=float, default=None, metavar="GIB",
+                   help="memory per rank for weights and KV, in GiB (with --gpu-memory-utilization: the GPU's memory); "
+                        "required without --slo")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
     # As the engine would run: its flags and defaults.
     add_engine_options(p, ("device", "dtype", "block_size", "gpu_memory_utilization", "max_num_batched_tokens",
@@ -277,6 +284,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--weights-memory", type=auto_or_gib, default="auto", metavar="auto|GIB",
                    help="weights per rank in GiB (default auto: parameters from the shapes x dtype bytes / tp)")
+    from tandem.sim import plan_command
+
+    plan_command.add_args(p)  # --slo: search placements by simulation
     p.set_defaults(func=plan)
 
     from tandem.sim import command as simulate_command

@@ -78,6 +78,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--goodput", nargs="+", default=DEFAULT_SLO, metavar="KEY:MS", help="the SLO in ms, keys ttft tpot e2el "
       f"(default: {' '.join(DEFAULT_SLO)})")
     a("--json", default=None, metavar="FILE", help="also write every run's report here")
+    a("--validate", default=None, metavar="RESULTS_JSON", help="simulate each run of a `tandem bench serve` "
+      "results.json (same workload, cluster and policy; the CPU fit of its threads per worker) and print the "
+      "simulated TTFT and TPOT p50 and p90 beside the real ones")
 
 
 def model_shape(args: argparse.Namespace) -> ModelConfig:
@@ -181,8 +184,33 @@ def print_sim(report, spec: ClusterSpec) -> None:
     print(f"simulated {report.sim_s:.2f} s in {report.wall_s:.3f} s: {report.speed_factor:.0f}x real time")
 
 
+def validate(args: argparse.Namespace) -> int:
+    from tandem.sim.step_time import CpuStepModel, default_fit_path, load_or_measure
+    from tandem.sim.traces import bench_token_pool
+    from tandem.sim.validate import compare_runs, error_summary, table
+
+    with open(args.validate, encoding="utf-8") as f:
+        results = json.load(f)
+    shape = model_shape(args)
+    fits: dict[int, CpuStepModel] = {}
+
+    def fit_for(num_threads: int) -> CpuStepModel:
+        if num_threads not in fits:  # one kept file per thread count
+            path = default_fit_path().with_name(f"step_fit-{num_threads}t.json")
+            fits[num_threads] = load_or_measure(path, args.model, num_threads)
+        return fits[num_threads]
+    comparisons = compare_runs(results, shape, fit_for, bench_token_pool(args.model))
+    print(table(comparisons))
+    summary = error_summary(comparisons)
+    print(f"\n|error|: median {summary['median']:.1%}, max {summary['max']:.1%} over {summary['count']} values")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from tandem.bench.serving.load import parse_goodput, result_dicts
+
+    if args.validate is not None:
+        return validate(args)
     from tandem.bench.serving.plots import print_run
     from tandem.sim.run import simulate
 

@@ -24,22 +24,18 @@ from typing import Callable
 from tandem.engine.engine import LLMEngine
 from tandem.engine.sequence import Sequence
 from tandem.outputs import RequestDelta
-from tandem.router.admission import RECHECK_S
+from tandem.router.backend import NoHealthyWorker
 from tandem.router.disagg import PrefillCosts, make_disagg_policy
 from tandem.router.policy import Router, WorkerState
-from tandem.router.prefill_placement import PrefillPlacement, learn, place
+from tandem.router.prefill_placement import PrefillPlacement, learn, place, place_colocated
 from tandem.router.worker_health import LOAD_POLL_S, LOAD_TIMEOUT_S
 from tandem.sampling_params import SamplingParams
+from tandem.sim.admission_sim import SimAdmission
 from tandem.sim.cluster import Clock, SimCluster, SimWorker, transfer_done_s
 from tandem.sim.spec import ClusterSpec, SimRequest
 from tandem.worker.api import PoolFull
 
 logger = logging.getLogger(__name__)
-
-ADMISSION_TIMEOUT_S = 60.0
-MAX_QUEUED_REQUESTS = 1024
-"""RayBackend's defaults (admission_timeout_s, max_queued_requests)."""
-
 
 @dataclass
 class SimTrace:
@@ -79,94 +75,6 @@ class SimTrace:
     def params(self) -> SamplingParams:
         """As the bench sends: greedy, EOS ignored, exactly output_len tokens."""
         return SamplingParams(temperature=0.0, max_tokens=self.request.output_len, ignore_eos=True)
-
-
-@dataclass(eq=False)
-class _Turn:
-    ask: Callable[[Callable[[object], None]], None]
-    done: Callable[[object], None]
-    deadline: float
-    asking: bool = False
-    signalled: bool = False
-    timer: object = None
-
-
-class SimAdmission:
-    """AdmissionQueue on the clock: a request asks at once when none is queued; one refused
-    queues; only the head asks again, when room_freed signals it or every RECHECK_S; one
-    admitted (or given up) hands the head's turn on. A signal while the head asks is kept.
-    The deadline is checked between asks, as the real queue does."""
-
-    def __init__(self, clock: Clock, timeout_s: float = ADMISSION_TIMEOUT_S,
-                 max_waiting: int = MAX_QUEUED_REQUESTS) -> None:
-        self.clock, self.timeout_s, self.max_waiting = clock, timeout_s, max_waiting
-        self.num_waiting = 0
-        self._turns: collections.deque[_Turn] = collections.deque()
-
-    def room_freed(self) -> None:
-        if self._turns:
-            self._signal(self._turns[0])
-
-    def admit(self, ask: Callable[[Callable[[object], None]], None], done: Callable[[object], None]) -> None:
-        """ask(answer): answer(a placement, None for no room, or an exception); done(result)
-        gets the first placement, or the exception (Overloaded's message as a RuntimeError)."""
-        if self.num_waiting >= self.max_waiting:
-            done(RuntimeError(f"{self.num_waiting} requests already wait for KV room"))
-            return
-        self.num_waiting += 1
-        turn = _Turn(ask, done, self.clock.now + self.timeout_s)
-        if self._turns:
-            self._turns.append(turn)
-            self._wait(turn)
-        else:
-            self._ask(turn, first=True)
-
-    def _ask(self, turn: _Turn, first: bool = False) -> None:
-        turn.signalled, turn.asking = False, True  # NOTE: cleared before asking: a signal during it is kept
-        turn.ask(lambda result: self._answered(turn, result, first))
-
-    def _answered(self, turn: _Turn, result: object, first: bool) -> None:
-        turn.asking = False
-        if result is not None:
-            self._end(turn, result)
-            return
-        if first:
-            self._turns.append(turn)
-        self._wait(turn)
-
-    def _wait(self, turn: _Turn) -> None:
-        left = turn.deadline - self.clock.now
-        if left <= 0:
-            self._end(turn, RuntimeError(f"no decode worker had room within {self.timeout_s:g} s"))
-        elif turn.signalled:
-            self._ask(turn)
-        else:
-            head = self._turns[0] is turn
-            turn.timer = self.clock.after(min(RECHECK_S, left) if head else left, lambda: self._waited(turn))
-
-    def _waited(self, turn: _Turn) -> None:
-        turn.timer = None
-        if self._turns[0] is turn:
-            self._ask(turn)
-        else:
-            self._wait(turn)
-
-    def _signal(self, turn: _Turn) -> None:
-        if turn.timer is None:
-            turn.signalled = True
-            return
-        turn.timer.cancel()
-        turn.timer = None
-        self._ask(turn)
-
-    def _end(self, turn: _Turn, result: object) -> None:
-        self.num_waiting -= 1
-        was_head = bool(self._turns) and self._turns[0] is turn
-        if turn in self._turns:
-            self._turns.remove(turn)
-        if was_head and self._turns:
-            self._signal(self._turns[0])
-        turn.done(result)
 
 
 class SimRouter:
@@ -238,12 +146,19 @@ class SimRouter:
         workers = self.prefill_router.order([w.state for w in self.cluster.colocated], t.prompt)
         worker: SimWorker = workers[0].handle
         self.prefill_router.record(workers[0], t.prompt)
+        release = place_colocated(workers[0], len(t.prompt))
         t.admitted_s, t.where = self.clock.now, "colocated"
+
+        def on_delta(d: RequestDelta) -> None:
+            if d.new_token_ids or d.request_finished:
+                release()
+            self._delta(t, d, None)
 
         def generate() -> None:
             try:
-                worker.add(t.request_id, t.prompt, t.params, lambda d: self._delta(t, d, None))
+                worker.add(t.request_id, t.prompt, t.params, on_delta)
             except ValueError as e:
+                release()
                 self._fail(t, "INVALID_ARGUMENT", str(e))
         worker.call(generate)
 
@@ -258,8 +173,12 @@ class SimRouter:
             answer(None)
             return
         state, worker = candidates[0], candidates[0].handle
-        placement = place(self.disagg, self.decode_router, self.prefill_router, state, prefill, t.prompt, None,
-                          self.clock.now)
+        try:
+            placement = place(self.disagg, self.decode_router, self.prefill_router, state, prefill, t.prompt, None,
+                              self.clock.now)
+        except NoHealthyWorker as e:  # as the real try_once: the request ends, its turn with it
+            answer(e)
+            return
 
         def on_worker() -> None:
             listener = lambda d: self._delta(t, d, placement)  # noqa: E731
@@ -284,7 +203,8 @@ class SimRouter:
 
     def _admitted(self, t: SimTrace, result: object) -> None:
         if isinstance(result, BaseException):
-            code = "INVALID_ARGUMENT" if isinstance(result, ValueError) else "RESOURCE_EXHAUSTED"
+            code = ("INVALID_ARGUMENT" if isinstance(result, ValueError) else
+                    "UNAVAILABLE" if isinstance(result, NoHealthyWorker) else "RESOURCE_EXHAUSTED")
             self._fail(t, code, str(result))
             return
         assert isinstance(result, PrefillPlacement)

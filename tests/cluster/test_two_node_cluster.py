@@ -54,7 +54,7 @@ def test_pools_on_two_ray_nodes(make_llm, tokenizer):
         port, metrics_port = free_port(), free_port()
         serve = ray_nodes.popen("tandem-serve", [
             TANDEM, "serve", "--address", ray_nodes.address, "--pool-resources", "--kv-transfer-host", "node-ip",
-            "--prefill", "1", "--decode", "1", "--host", "127.0.0.1", "--port", str(port),
+            "--prefill", "1", "--decode", "1", "--disagg-policy", "always", "--host", "127.0.0.1", "--port", str(port),
             "--metrics-port", str(metrics_port), "--http-port", "-1", *LIGHT])
         # The reference while the workers load the model.
         expected = [o.token_ids for o in make_llm().generate(

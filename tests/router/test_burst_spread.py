@@ -10,7 +10,8 @@ import collections
 import pytest
 
 from test_worker_health import Handle
-from tandem.router.policy import WorkerState
+from tandem.router.policy import Router, WorkerState
+from tandem.router.prefill_placement import place_colocated
 from tandem.router.ray_backend import RayBackend
 from tandem.sampling_params import SamplingParams
 from tandem.worker.api import Role, WorkerLoad, WorkerRequest
@@ -67,3 +68,18 @@ def test_a_burst_of_local_prefills_splits_too(router_tokenizer):
     on_decode = collections.Counter(p.decode.instance for p in placements)
     assert sorted(on_decode.values()) == [3, 4]
     assert all(p.prefill is None and p.is_local for p in placements)
+
+
+def test_a_burst_on_colocated_workers_splits_and_is_released_at_the_first_token():
+    router = Router("least_loaded")
+    workers = [WorkerState(f"c-{i}", None, load=idle(Role.COLOCATED, f"c-{i}")) for i in range(2)]
+    releases = []
+    for _ in range(6):
+        worker = router.order(workers, list(range(30)))[0]
+        releases.append((worker.instance, place_colocated(worker, 30)))
+    assert collections.Counter(name for name, _ in releases) == {"c-0": 3, "c-1": 3}
+    assert [w.num_in_flight_tokens for w in workers] == [90, 90]
+    for _, release in releases:
+        release()
+        release()  # idempotent: its first token, then its end
+    assert [w.num_in_flight_tokens for w in workers] == [0, 0]

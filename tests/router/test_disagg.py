@@ -50,9 +50,10 @@ def test_a_prefix_the_decode_worker_holds_counts_for_local():
 
 
 @pytest.mark.parametrize("name", sorted(DISAGG_POLICIES))
-def test_without_a_prefill_worker_every_policy_prefills_locally(name):
+def test_without_a_prefill_worker_only_always_insists_on_the_pool(name):
     where, reason = decide(name, dataclasses.replace(IDLE, has_prefill_worker=False))
-    assert where == "local" and reason in ("no_prefill_worker", "policy_never")
+    assert (where, reason) == {"auto": ("local", "no_prefill_worker"), "never": ("local", "policy_never"),
+                               "always": ("remote", "policy_always")}[name]
 
 
 def test_always_and_never():

@@ -161,7 +161,7 @@ def test_a_prompt_that_could_never_fit_fails_at_once():
 
 @pytest.mark.parametrize("policy, num_prefill, decision", [
     ("never", 1, "local/policy_never"),
-    ("always", 0, "local/no_prefill_worker"),
+    ("auto", 0, "local/no_prefill_worker"),
     ("auto", 1, "local/decode_idle"),
 ])
 def test_a_local_prefill_runs_on_the_decode_worker(policy, num_prefill, decision):
@@ -170,6 +170,11 @@ def test_a_local_prefill_runs_on_the_decode_worker(policy, num_prefill, decision
     assert report.decisions == {decision: 1}
     assert report.results[0].ttft_ms == pytest.approx(steps.f(40, 0, 40) * 1e3)
     assert "prefill-0" not in report.workers or report.workers["prefill-0"]["steps"] == 0
+
+
+def test_always_without_a_prefill_worker_fails_unavailable():
+    report = simulate(disaggregated("always", 0), [SimRequest(0.0, prompt(40), 2, "short")], LinearSteps(), MODEL, {})
+    assert report.results[0].code == "UNAVAILABLE" and report.decisions == {}
 
 
 def test_decisions_are_counted_per_request():

@@ -239,7 +239,8 @@ def run_clusters(bench: Bench, cluster_configs: Callable[[int, int, dict], dict]
         m: {"prefill_workers": c.num_prefill if not c.colocated else 0,
             "decode_workers": c.num_decode if not c.colocated else 0, "colocated_workers": c.colocated,
             "threads_per_worker": c.worker_args["num_threads"],
-            "total_threads": c.worker_args["num_threads"] * c.num_workers}
+            "total_threads": c.worker_args["num_threads"] * c.num_workers,
+            **({"disagg_policy": c.disagg_policy} if not c.colocated else {})}
         for m, c in configs.items() if m in args.modes},
         "router": "in the benchmark's process, on the load generator's event loop",
         "clusters": "a fresh cluster for every run"}
