@@ -83,6 +83,13 @@ class WorkerState:
         free = (load.num_free_blocks if load else 0) - sum(s.num_blocks for s in self.unreported)
         return queued, num_seqs, -free
 
+    def decode_pressure(self) -> tuple[int, int, int]:
+        """A decode worker's order: fewer sequences first (each decode step's cost grows with
+        its batch, and a remote prefill's request adds a sequence but no prompt tokens here),
+        then queued prompt tokens (its local prefills), then more free blocks."""
+        queued, num_seqs, free = self.pressure()
+        return num_seqs, queued, free
+
     def place(self, num_blocks: int) -> Sent:
         """The router is placing a request holding about ``num_blocks`` here: count it until a
         load polled after it took effect shows it (``placed``, then ``load_reported``)."""
@@ -120,6 +127,8 @@ class Router:
     """
 
     policy: str
+    for_decode: bool = False
+    """Order decode workers (by WorkerState.decode_pressure), else prefill or colocated ones."""
     _turn: itertools.count = field(default_factory=itertools.count)
     _index: PrefixIndex = field(default_factory=PrefixIndex)
 
@@ -136,7 +145,7 @@ class Router:
         if self.policy == "round_robin":
             k = next(self._turn) % len(healthy)
             return healthy[k:] + healthy[:k]
-        by_load = sorted(healthy, key=WorkerState.pressure)
+        by_load = sorted(healthy, key=WorkerState.decode_pressure if self.for_decode else WorkerState.pressure)
         if self.policy == "least_loaded":
             return by_load
         return sorted(by_load, key=lambda w: w.pressure()[0] - self.num_cached_tokens(w, prompt_token_ids, cache_salt))

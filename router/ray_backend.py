@@ -45,7 +45,7 @@ class RayBackend:
             raise ValueError("a disaggregated cluster needs at least one prefill and one decode worker")
         self.prefill, self.decode, self.colocated = prefill, decode, colocated
         self.prefill_router = Router(policy)
-        self.decode_router = Router(policy)
+        self.decode_router = Router(policy, for_decode=True)
         self.tokenizer_spec = tokenizer_spec
         self.admission = AdmissionQueue(max_queued_requests, admission_timeout_s)
         self.prefill_costs = PrefillCosts()

@@ -81,6 +81,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--validate", default=None, metavar="RESULTS_JSON", help="simulate each run of a `tandem bench serve` "
       "results.json (same workload, cluster and policy; the CPU fit of its threads per worker) and print the "
       "simulated TTFT and TPOT p50 and p90 beside the real ones")
+    a("--calibrate", default=None, metavar="RESULTS_JSON", help="fit what a served step costs beyond the same "
+      "step alone (a scale and an overhead per thread count) on a `tandem bench serve` results.json and keep it "
+      "in the CPU fits; check it with --validate on another run's results")
 
 
 def model_shape(args: argparse.Namespace) -> ModelConfig:
@@ -187,19 +190,32 @@ def print_sim(report, spec: ClusterSpec) -> None:
 def validate(args: argparse.Namespace) -> int:
     from tandem.sim.step_time import CpuStepModel, default_fit_path, load_or_measure
     from tandem.sim.traces import bench_token_pool
-    from tandem.sim.validate import compare_runs, error_summary, table
+    from tandem.sim.validate import calibrate, compare_runs, error_summary, table
 
-    with open(args.validate, encoding="utf-8") as f:
+    with open(args.validate or args.calibrate, encoding="utf-8") as f:
         results = json.load(f)
     shape = model_shape(args)
+    token_ids = bench_token_pool(args.model)
     fits: dict[int, CpuStepModel] = {}
 
+    def fit_path(num_threads: int):
+        return default_fit_path().with_name(f"step_fit-{num_threads}t.json")  # one kept file per thread count
+
     def fit_for(num_threads: int) -> CpuStepModel:
-        if num_threads not in fits:  # one kept file per thread count
-            path = default_fit_path().with_name(f"step_fit-{num_threads}t.json")
-            fits[num_threads] = load_or_measure(path, args.model, num_threads)
+        if num_threads not in fits:
+            fits[num_threads] = load_or_measure(fit_path(num_threads), args.model, num_threads)
         return fits[num_threads]
-    comparisons = compare_runs(results, shape, fit_for, bench_token_pool(args.model))
+    if args.calibrate is not None:
+        for mode in results["config"]["modes"].values():
+            fit_for(mode["threads_per_worker"])
+        found = calibrate(results, shape, fits, token_ids)
+        for threads, serving in found.items():
+            fits[threads].meta["serving"] = {**serving, "from": os.path.abspath(args.calibrate)}
+            fits[threads].to_json(fit_path(threads))
+            print(f"{threads} thread(s) per worker: a served step = {serving['scale']:g} x the step alone + "
+                  f"{serving['step_overhead_s'] * 1e3:g} ms (median error {serving['median_error']:.1%} on these runs)")
+        return 0
+    comparisons = compare_runs(results, shape, fit_for, token_ids)
     print(table(comparisons))
     summary = error_summary(comparisons)
     print(f"\n|error|: median {summary['median']:.1%}, max {summary['max']:.1%} over {summary['count']} values")
@@ -209,7 +225,7 @@ def validate(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     from tandem.bench.serving.load import parse_goodput, result_dicts
 
-    if args.validate is not None:
+    if args.validate is not None or args.calibrate is not None:
         return validate(args)
     from tandem.bench.serving.plots import print_run
     from tandem.sim.run import simulate

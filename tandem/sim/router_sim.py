@@ -88,7 +88,7 @@ class SimRouter:
         self.kv_bytes_per_token, self.num_layers = kv_bytes_per_token, num_layers
         self.on_end = on_end
         self.prefill_router = Router(spec.routing_policy)
-        self.decode_router = Router(spec.routing_policy)
+        self.decode_router = Router(spec.routing_policy, for_decode=True)
         self.costs = PrefillCosts()
         self.disagg = make_disagg_policy(spec.disagg_policy, self.costs, spec.max_local_stall_s)
         self.admission = SimAdmission(self.clock)

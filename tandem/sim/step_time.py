@@ -123,7 +123,10 @@ class CpuStepModel:
     large_step_tokens: int | None = None
     """Rows above which a step's products take the large-step way (None: one way for all)."""
     meta: dict[str, Any] = field(default_factory=dict)
-    """What the fit holds for: machine, model, dtype, quantization, threads, its errors."""
+    """What the fit holds for: machine, model, dtype, quantization, threads, its errors; and,
+    once calibrated against served runs (validate.calibrate), "serving": {"scale",
+    "step_overhead_s"}, what a step costs in a serving worker beyond the same step alone
+    (the other processes on the cores, the engine loop's own work)."""
 
     def step_s(self, num_prefill_tokens: int, num_decode_seqs: int, num_context_tokens: int, tp: int = 1) -> float:
         """Seconds of one step (StepTimeModel); 0 for an empty one. Only tp 1 was measured."""
@@ -132,7 +135,9 @@ class CpuStepModel:
         if num_prefill_tokens == 0 and num_decode_seqs == 0:
             return 0.0
         row = features(num_prefill_tokens, num_decode_seqs, num_context_tokens, self.large_step_tokens)
-        return float(sum(self.coefficients[name] * x for name, x in zip(FEATURES, row)))
+        alone = float(sum(self.coefficients[name] * x for name, x in zip(FEATURES, row)))
+        serving = self.meta.get("serving")  # tandem simulate --calibrate: a served step's own costs
+        return alone if serving is None else alone * serving["scale"] + serving["step_overhead_s"]
 
     @classmethod
     def fit(cls, samples: Sequence[StepSample], kv_bytes_per_token: int, large_step_tokens: int | None = None,

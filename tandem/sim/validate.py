@@ -76,6 +76,35 @@ def compare_runs(results: dict, shape: ModelConfig, step_model_for: Callable[[in
     return out
 
 
+SCALES = (1.0, 1.1, 1.2, 1.3, 1.4, 1.5, 1.6)
+STEP_OVERHEADS_S = (0.0, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.03)
+
+
+def calibrate(results: dict, shape: ModelConfig, fits: dict, token_ids=None) -> dict[int, dict[str, float]]:
+    """For each thread count of ``fits`` (threads per worker -> CpuStepModel) the served
+    step's scale and overhead (over SCALES x STEP_OVERHEADS_S) that give the smallest median
+    error on the runs of ``results`` with that many threads per worker -> {threads:
+    {"scale", "step_overhead_s", "median_error"}}. Check it on other runs (other seeds)."""
+    import dataclasses
+
+    config = results["config"]
+    out = {}
+    for threads, fit in fits.items():
+        runs = [r for r in results["runs"] if config["modes"][r["mode"]]["threads_per_worker"] == threads]
+        if not runs:
+            continue
+        best = None
+        for scale in SCALES:
+            for overhead in STEP_OVERHEADS_S:
+                trial = dataclasses.replace(fit, meta={**fit.meta, "serving": {"scale": scale,
+                                                                                "step_overhead_s": overhead}})
+                errors = error_summary(compare_runs({**results, "runs": runs}, shape, lambda _: trial, token_ids))
+                if best is None or errors["median"] < best["median_error"]:
+                    best = {"scale": scale, "step_overhead_s": overhead, "median_error": errors["median"]}
+        out[threads] = best
+    return out
+
+
 def error_summary(comparisons: list[Comparison]) -> dict[str, float]:
     """The median and the largest |relative error| over every compared value."""
     errors = [abs(e) for c in comparisons for k in c.real if (e := c.error(k)) is not None]

@@ -100,7 +100,9 @@ def test_quick_run_end_to_end(tmp_path: Path):
     """Five fresh clusters (7 model loads): disaggregated and colocated at budgets 128 and 512,
     6 requests each at 2 req/s, then one max-SLO-rate probe per mode: about 1.5-2 min quiet."""
     out_dir = tmp_path / "serve"
-    cmd = [sys.executable, "-m", "tandem", "bench", "serve", "--quick", "--out-dir", str(out_dir), "--save-result"]
+    # Every prompt through the prefill pool: the breakdown's transfer parts are all there.
+    cmd = [sys.executable, "-m", "tandem", "bench", "serve", "--quick", "--out-dir", str(out_dir), "--save-result",
+           "--disagg-policy", "always"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for text in ("Successful requests:", "P99 TPOT (ms):", "disaggregated / best colocated",
@@ -149,6 +151,7 @@ def test_quick_run_end_to_end(tmp_path: Path):
         assert 0 < b["ttft_ms"] < m["ttft_ms"]["mean"] and 0 < b["e2e_ms"] < m["e2el_ms"]["mean"]
         assert b["prefill_ms"] > 0 and b["decode_ms"] > 0 and b["delivery_ms"] > 0
         assert (b["transfer_tail_ms"] is None) == (run["mode"] == "colocated")
+        assert b["prefill_decisions"] == ({"remote/policy_always": 6} if run["mode"] == "disaggregated" else {})
         assert 0 <= run["others_cpu"] <= 1
     # --save-result: each sweep run under vLLM's flat keys too.
     for run in runs:

@@ -38,15 +38,16 @@ def worker(role: Role, instance: str) -> WorkerState:
     return WorkerState(instance, handle)
 
 
-def burst(router_tokenizer, disagg_policy: str, num_requests: int, prompt_len: int):
+def burst(router_tokenizer, disagg_policy: str, num_requests: int, prompt_len: int | list[int]):
     prefill = [worker(Role.PREFILL, f"p-{i}") for i in range(2)]
     decode = [worker(Role.DECODE, f"d-{i}") for i in range(2)]
     backend = RayBackend(prefill, decode, [], "least_loaded", router_tokenizer.spec, disagg_policy=disagg_policy)
 
     async def body():
         await backend.health.refresh()  # every worker reported idle
-        requests = [WorkerRequest(f"r{i}", list(range(1, prompt_len + 1)), SamplingParams(max_tokens=8))
-                    for i in range(num_requests)]
+        lengths = prompt_len if isinstance(prompt_len, list) else [prompt_len] * num_requests
+        requests = [WorkerRequest(f"r{i}", list(range(1, n + 1)), SamplingParams(max_tokens=8))
+                    for i, n in enumerate(lengths)]
         return await asyncio.gather(*(backend._reserve(r) for r in requests))
     placements = asyncio.run(body())
     assert [p.destination for p in placements] == [f"destination of r{i}" for i in range(num_requests)]
@@ -68,6 +69,16 @@ def test_a_burst_of_local_prefills_splits_too(router_tokenizer):
     on_decode = collections.Counter(p.decode.instance for p in placements)
     assert sorted(on_decode.values()) == [3, 4]
     assert all(p.prefill is None and p.is_local for p in placements)
+
+
+def test_a_mixed_burst_under_auto_splits_the_decode_pool_by_sequences(router_tokenizer):
+    """Short prompts prefilled locally and long ones remotely: the decode pool is ordered by its
+    sequences first, so the remote ones (no prompt tokens queued there) do not all go to the
+    worker without local prefills."""
+    lengths = [1000 if i % 4 == 0 else 40 for i in range(32)]
+    placements = burst(router_tokenizer, "auto", 32, prompt_len=lengths)
+    assert collections.Counter(p.decode.instance for p in placements) == {"d-0": 16, "d-1": 16}
+    assert {p.is_local for p in placements} == {True, False}
 
 
 def test_a_burst_on_colocated_workers_splits_and_is_released_at_the_first_token():
