@@ -69,12 +69,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
       "once (default: %(default)s, the bench's)")
     a("--num-prompts", type=int, default=None, help=f"requests per run (default {FULL.num_prompts}, the bench's; "
       "with --trace: its first N, default all)")
-    a("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps: 1 Poisson, <1 burstier")
-    a("--short-prompt-len", type=int, nargs=2, default=FULL.short_prompt_len, metavar=("MIN", "MAX"))
-    a("--long-prompt-len", type=int, nargs=2, default=FULL.long_prompt_len, metavar=("MIN", "MAX"))
-    a("--output-len", type=int, nargs=2, default=FULL.output_len, metavar=("MIN", "MAX"))
-    a("--long-fraction", type=float, default=FULL.long_fraction, help="share of long prompts (default %(default)s)")
-    a("--seed", type=int, default=0)
+    add_mix_args(parser)
     a("--goodput", nargs="+", default=DEFAULT_SLO, metavar="KEY:MS", help="the SLO in ms, keys ttft tpot e2el "
       f"(default: {' '.join(DEFAULT_SLO)})")
     a("--json", default=None, metavar="FILE", help="also write every run's report here")
@@ -84,6 +79,26 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--calibrate", default=None, metavar="RESULTS_JSON", help="fit what a served step costs beyond the same "
       "step alone (a scale and an overhead per thread count) on a `tandem bench serve` results.json and keep it "
       "in the CPU fits; check it with --validate on another run's results")
+
+
+def add_mix_args(parser: argparse.ArgumentParser) -> None:
+    """The bench's mix and arrival flags, by its names and defaults (simulate and plan --slo)."""
+    from tandem.bench.serve import FULL
+
+    a = parser.add_argument
+    a("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps: 1 Poisson, <1 burstier")
+    a("--short-prompt-len", type=int, nargs=2, default=FULL.short_prompt_len, metavar=("MIN", "MAX"))
+    a("--long-prompt-len", type=int, nargs=2, default=FULL.long_prompt_len, metavar=("MIN", "MAX"))
+    a("--output-len", type=int, nargs=2, default=FULL.output_len, metavar=("MIN", "MAX"))
+    a("--long-fraction", type=float, default=FULL.long_fraction, help="share of long prompts (default %(default)s)")
+    a("--seed", type=int, default=0)
+
+
+def mix_of(args: argparse.Namespace):
+    """add_mix_args' flags as a tandem.bench.serving.load.Mix."""
+    from tandem.bench.serving.load import Mix
+
+    return Mix(tuple(args.short_prompt_len), tuple(args.long_prompt_len), tuple(args.output_len), args.long_fraction)
 
 
 def model_shape(args: argparse.Namespace) -> ModelConfig:
@@ -157,10 +172,9 @@ def workloads(args: argparse.Namespace, shape: ModelConfig) -> list[tuple[float,
         span = requests[-1].arrival_s - requests[0].arrival_s
         return [(len(requests) / span if span > 0 else float("inf"), requests)]
     from tandem.bench.serve import FULL
-    from tandem.bench.serving.load import Mix
     from tandem.sim.traces import bench_mix_requests, bench_token_pool
 
-    mix = Mix(tuple(args.short_prompt_len), tuple(args.long_prompt_len), tuple(args.output_len), args.long_fraction)
+    mix = mix_of(args)
     token_ids = None if args.model_config is not None else bench_token_pool(args.model)
     num = FULL.num_prompts if args.num_prompts is None else args.num_prompts
     return [(rate, bench_mix_requests(num, rate, args.burstiness, args.seed, mix,

@@ -37,7 +37,7 @@ DISTSERVE_PLACEMENTS = (Candidate("disaggregated", "always", 1, 2, 1, 1, 8192, 2
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     """The --slo search's flags, added to ``tandem plan``'s."""
-    from tandem.bench.serve import FULL
+    from tandem.sim.command import add_mix_args
     from tandem.sim.workloads import DATASETS
 
     a = parser.add_argument
@@ -53,12 +53,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--dataset", choices=DATASETS, default=None, help="--slo workload: chatbot = ShareGPT-like lengths "
       "(tandem/sim/workloads.py); default: the bench's mix (its flags below)")
     a("--num-prompts", type=int, default=150, help="requests per probe (default %(default)s)")
-    a("--short-prompt-len", type=int, nargs=2, default=FULL.short_prompt_len, metavar=("MIN", "MAX"))
-    a("--long-prompt-len", type=int, nargs=2, default=FULL.long_prompt_len, metavar=("MIN", "MAX"))
-    a("--output-len", type=int, nargs=2, default=FULL.output_len, metavar=("MIN", "MAX"))
-    a("--long-fraction", type=float, default=FULL.long_fraction, help="share of long prompts (default %(default)s)")
-    a("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps (default 1: Poisson)")
-    a("--seed", type=int, default=0)
+    add_mix_args(parser)
     a("--budgets", type=int, nargs="+", default=list(Settings.budgets), help="max_num_batched_tokens values to "
       "search (default %(default)s)")
     a("--batch-limits", type=int, nargs="+", default=list(Settings.max_seqs), help="max_num_seqs values to search "
@@ -82,9 +77,9 @@ def apply_preset(args: argparse.Namespace) -> None:
 def build_search(args: argparse.Namespace, on_probe: Callable[[Candidate, dict], None] | None = None,
                  ) -> tuple[PlanSearch, dict[str, float]]:
     """The flags -> the search (not run) and the SLO."""
-    from tandem.bench.serving.load import Mix, parse_goodput
+    from tandem.bench.serving.load import parse_goodput
     from tandem.config_names import AUTO, auto_dtype_name
-    from tandem.sim.command import model_shape
+    from tandem.sim.command import mix_of, model_shape
     from tandem.sim.gpus import gpu
     from tandem.sim.roofline import RooflineStepModel
     from tandem.sim import workloads
@@ -107,9 +102,8 @@ def build_search(args: argparse.Namespace, on_probe: Callable[[Candidate, dict],
     elif args.dataset == "chatbot":
         workload = workloads.chatbot_workload(args.num_prompts, shape.vocab_size, args.seed, args.burstiness)
     else:
-        mix = Mix(tuple(args.short_prompt_len), tuple(args.long_prompt_len), tuple(args.output_len),
-                  args.long_fraction)
-        workload = workloads.bench_mix_workload(args.num_prompts, shape.vocab_size, mix, args.seed, args.burstiness)
+        workload = workloads.bench_mix_workload(args.num_prompts, shape.vocab_size, mix_of(args), args.seed,
+                                                args.burstiness)
     settings = Settings(args.num_gpus, tuple(args.budgets), tuple(args.batch_limits), args.slo_attainment,
                         args.max_probes, tuple(args.modes))
     return PlanSearch(workload, RooflineStepModel(hw.gpu, shape, dtype), hw, slo, settings, on_probe), slo

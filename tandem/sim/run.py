@@ -9,7 +9,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from tandem.bench.serving.load import RequestResult, stats, summarize
+from tandem.bench.serving.load import RequestResult, conclude, stats, summarize
 from tandem.config import ModelConfig
 from tandem.sim.cluster import SimCluster
 from tandem.sim.router_sim import SimRouter, SimTrace
@@ -115,22 +115,7 @@ def request_result(t: SimTrace) -> RequestResult:
     if t.chunk_s:
         result.ttft_ms = (t.chunk_s[0] - send_s) * 1e3
         result.itl_ms = [(b - a) * 1e3 for a, b in zip(t.chunk_s, t.chunk_s[1:])]
-    return conclude_at(result, (t.end_s - send_s) * 1e3)
-
-
-def conclude_at(result: RequestResult, e2el_ms: float) -> RequestResult:
-    """tandem.bench.serving.load.conclude with the end given (conclude reads the wall clock):
-    success is a stop or length finish after a first token; TPOT over the tokens after it."""
-    result.e2el_ms = e2el_ms
-    if result.error is not None:
-        return result
-    if result.finish_reason in ("stop", "length") and result.ttft_ms is not None:
-        result.success = True
-        if result.output_tokens > 1:
-            result.tpot_ms = (result.e2el_ms - result.ttft_ms) / (result.output_tokens - 1)
-    else:
-        result.error = f"stream ended with finish_reason {result.finish_reason}"
-    return result
+    return conclude(result, send_s, t.end_s)
 
 
 def phase_ms(t: SimTrace) -> dict[str, float]:

@@ -164,10 +164,11 @@ async def send_one(stub: pb_grpc.GenerationStub, request: Request, index: int, r
     return conclude(result, start)
 
 
-def conclude(result: RequestResult, start: float) -> RequestResult:
-    """Stamp the end of a call sent at ``start`` (perf_counter): its E2EL and, unless it
-    failed already, success (a stop or length finish after a first token) with its TPOT."""
-    result.e2el_ms = (time.perf_counter() - start) * 1e3
+def conclude(result: RequestResult, start: float, end: float | None = None) -> RequestResult:
+    """Stamp the end of a call sent at ``start`` (perf_counter; ``end``: when it ended, default
+    now, e.g. a simulation's clock): its E2EL and, unless it failed already, success (a stop or
+    length finish after a first token) with its TPOT."""
+    result.e2el_ms = ((time.perf_counter() if end is None else end) - start) * 1e3
     if result.error is not None:
         return result
     if result.finish_reason in ("stop", "length") and result.ttft_ms is not None:
