@@ -27,16 +27,16 @@ import torch
 
 from tandem.decoding.beam_search import num_candidates
 from tandem.engine.engine import LLMEngine
+from tandem.engine.model_runner import private_pool
 from tandem.engine.sequence import Sequence
 from tandem.engine.snapshots import EngineInventory
-from tandem.kvtransfer.curve import CurveKeys
-from tandem.kvtransfer.protocol import Destination, TransferStatus
-from tandem.engine.model_runner import private_pool
-from tandem.kvtransfer.receiver import DEFAULT_ADDRESS, KVReceiver
 from tandem.kvtransfer.cuda_ipc import DevicePoolExport
+from tandem.kvtransfer.curve import CurveKeys
 from tandem.kvtransfer.handshake import SharedPool
 from tandem.kvtransfer.payload import layout_for
 from tandem.kvtransfer.placement import host_identity
+from tandem.kvtransfer.protocol import Destination, TransferStatus
+from tandem.kvtransfer.receiver import DEFAULT_ADDRESS, KVReceiver
 from tandem.kvtransfer.shared_pool import SHM_DIR, HostSharedPool
 from tandem.outputs import FirstSample
 from tandem.parallel.runner import TensorParallelRunner

@@ -38,7 +38,13 @@ import triton
 import triton.language as tl
 
 from tandem.kernels.int8_gemv_triton import (
-    NUM_STAGES, NUM_WARPS, TL_DTYPES, choose_split_k, dot_dtype, gemv_config, split_k_chunks,
+    NUM_STAGES,
+    NUM_WARPS,
+    TL_DTYPES,
+    choose_split_k,
+    dot_dtype,
+    gemv_config,
+    split_k_chunks,
 )
 
 INT4_BLOCK_K = 128

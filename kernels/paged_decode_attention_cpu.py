@@ -29,7 +29,6 @@ from tandem.kernels.attention_metadata import DecodeGroup
 from tandem.kernels.cpu_build import CpuExtension
 from tandem.kernels.paged_decode_attention import paged_decode_attention_torch
 
-
 CSRC = Path(__file__).with_name("csrc")
 # The torch binding (work split, threads, merge) and the hot loop (no torch headers), and the
 # header they share.

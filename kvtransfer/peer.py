@@ -14,8 +14,8 @@ import zmq
 from tandem.kvtransfer.cuda_ipc import DeviceTarget, IpcOffer
 from tandem.kvtransfer.curve import CurveKeys
 from tandem.kvtransfer.dist_pairs import RECEIVER_RANK, join_pair
-from tandem.kvtransfer.payload import DistPayload
 from tandem.kvtransfer.in_place import InPlaceTarget
+from tandem.kvtransfer.payload import DistPayload
 from tandem.kvtransfer.protocol import KVLayout, MessageKind, ProtocolError, TransferRefused, decode, encode
 from tandem.kvtransfer.shared_pool import MappedFence, MappedPool
 

@@ -31,8 +31,19 @@ from tandem.kvtransfer.handshake import SharedPool, answer_hello
 from tandem.kvtransfer.payload import TORCH_DTYPES, DistPayload, rows_of
 from tandem.kvtransfer.placement import host_identity
 from tandem.kvtransfer.protocol import (
-    MAX_HEADER_BYTES, Destination, KVLayout, LayerHeader, MessageKind, ProtocolError, TransferEvent, TransferStatus,
-    decode, encode, grant_of, layer_header, payload_crc32,
+    MAX_HEADER_BYTES,
+    Destination,
+    KVLayout,
+    LayerHeader,
+    MessageKind,
+    ProtocolError,
+    TransferEvent,
+    TransferStatus,
+    decode,
+    encode,
+    grant_of,
+    layer_header,
+    payload_crc32,
 )
 from tandem.kvtransfer.reservation import Reservation, check_layer, is_granted, layer_slots, new_grant
 from tandem.kvtransfer.sink import KVSink, PoolSink

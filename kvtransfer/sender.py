@@ -31,14 +31,27 @@ from tandem.kvtransfer.in_place import InPlaceWrites
 from tandem.kvtransfer.outgoing import Outgoing, StagedMessage, host_frames
 from tandem.kvtransfer.pair_facts import pair_facts
 from tandem.kvtransfer.path_choice import (
-    CUDA_IPC, IN_PLACE_PATHS, PAIR_PATHS, PathChoice, choose_path,
+    CUDA_IPC,
+    IN_PLACE_PATHS,
+    PAIR_PATHS,
+    PathChoice,
+    choose_path,
 )
 from tandem.kvtransfer.payload import DistPayload, frame_of, layer_rows, layout_of
 from tandem.kvtransfer.peer import Peer, connect_peer
 from tandem.kvtransfer.placement import host_identity
 from tandem.kvtransfer.protocol import (
-    KV_TRANSPORTS, Destination, KVLayout, MessageKind, ProtocolError, TransferEvent, TransferRefused, TransferStatus,
-    decode, encode, payload_crc32,
+    KV_TRANSPORTS,
+    Destination,
+    KVLayout,
+    MessageKind,
+    ProtocolError,
+    TransferEvent,
+    TransferRefused,
+    TransferStatus,
+    decode,
+    encode,
+    payload_crc32,
 )
 from tandem.kvtransfer.slots import covering_blocks, token_slots
 from tandem.kvtransfer.staging import Staging

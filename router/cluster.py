@@ -10,10 +10,17 @@ from typing import Any
 import ray
 from ray.util.placement_group import remove_placement_group
 
-from tandem.router.placement import (GPU, Placement, Pool, check_memory_share, gpus_per_rank, local_resources,
-                                     worker_device)
-from tandem.router.placement_wait import wait_placeable, wait_ready
 from tandem.router.disagg import DEFAULT_MAX_LOCAL_STALL_S
+from tandem.router.placement import (
+    GPU,
+    Placement,
+    Pool,
+    check_memory_share,
+    gpus_per_rank,
+    local_resources,
+    worker_device,
+)
+from tandem.router.placement_wait import wait_placeable, wait_ready
 from tandem.router.policy import WorkerState
 from tandem.router.ray_backend import RayBackend
 from tandem.worker.api import Role

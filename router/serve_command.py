@@ -19,10 +19,10 @@ from tandem.kvtransfer.protocol import KV_TRANSPORTS
 from tandem.model.generation_defaults import GENERATION_CONFIG_CHOICES_HELP
 from tandem.model_args import add_model_args, model_of
 from tandem.router.auth import API_KEYS_ENV, AUTH_TOKEN_ENV, api_keys_from_env
+from tandem.router.disagg import DEFAULT_MAX_LOCAL_STALL_S, DISAGG_POLICIES
 from tandem.router.limits import add_limit_args, limits_from_args
 from tandem.router.metrics_endpoint import DEFAULT_METRICS_PORT, METRICS_TOKEN_ENV
 from tandem.router.placement import add_placement_args, placement_options
-from tandem.router.disagg import DEFAULT_MAX_LOCAL_STALL_S, DISAGG_POLICIES
 from tandem.router.policy import POLICIES
 from tandem.router.pool_stats import log_pool_stats
 from tandem.router.tls import TLSFiles

@@ -21,7 +21,6 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from tandem.router.auth import ApiKeys, TokenAuthInterceptor
-from tandem.router.tls import TLSFiles
 from tandem.router.backend import Backend
 from tandem.router.limits import RequestLimits
 from tandem.router.metrics import RouterMetrics
@@ -29,6 +28,7 @@ from tandem.router.metrics_endpoint import MetricsEndpoint, start_metrics_endpoi
 from tandem.router.openai.app import OpenAIEndpoint, start_openai_endpoint
 from tandem.router.service import SERVICE_NAME, add_generation_service
 from tandem.router.servicer import GenerationServicer
+from tandem.router.tls import TLSFiles
 from tandem.router.tokenizer import RouterTokenizer
 from tandem.router.worker_metrics import WorkerMetricsCollector, WorkerMetricsReport
 

@@ -13,9 +13,9 @@ from tqdm.auto import tqdm
 from tandem.config import EngineConfig
 from tandem.device import resolve_device, resolve_dtype
 from tandem.engine.engine import LLMEngine
+from tandem.engine.setup import engine_config_and_weights
 from tandem.engine_options import ENGINE_DEFAULTS, from_vllm_keywords
 from tandem.model.dtypes import torch_dtype
-from tandem.engine.setup import engine_config_and_weights
 from tandem.model.loader import LoadedModel, load_model
 from tandem.model.source import ModelSource, resolve_model_source
 from tandem.outputs import RequestDelta, RequestOutput

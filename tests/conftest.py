@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from fault_report import FaultReport
+
 from tandem import LLM
 from tandem.model.loader import LoadedModel, load_hf_model, loaded_from_hf_model
 from tandem.model.source import resolve_model_source

@@ -7,9 +7,9 @@ import random
 
 import pytest
 import torch
-
 from engine_checks import assert_all_blocks_free
 from reference import english_token_ids
+
 from tandem import FinishReason, SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -29,9 +29,24 @@ if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
 from panels import (  # noqa: E402
-    DATASOURCE, ROUTER, batch, kv_cache_usage, kv_transfer_bytes, kv_transfer_failures, latency,
-    latency_by_instance, preemptions, prefix_cache_hit_rate, quantile, requests_per_instance, selector,
-    sum_rate, target, timeseries, worker, worker_up_stat,
+    DATASOURCE,
+    ROUTER,
+    batch,
+    kv_cache_usage,
+    kv_transfer_bytes,
+    kv_transfer_failures,
+    latency,
+    latency_by_instance,
+    preemptions,
+    prefix_cache_hit_rate,
+    quantile,
+    requests_per_instance,
+    selector,
+    sum_rate,
+    target,
+    timeseries,
+    worker,
+    worker_up_stat,
 )
 
 # The default of the DS_PROMETHEUS variable: the uid and name of the data source that

@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.proto import generation_pb2 as pb
-from tandem.router.openai.errors import APIError, invalid
 from tandem.router.openai.chat_messages import chat_messages
 from tandem.router.openai.constraints import BODY_FIELDS as CONSTRAINT_FIELDS
 from tandem.router.openai.constraints import output_constraint
+from tandem.router.openai.errors import APIError, invalid
 from tandem.router.openai.fields import boolean, int64, integer, json_kind, number, string
 from tandem.router.openai.logprobs import requested_logprobs
 from tandem.router.openai.prompts import Prompt, completion_prompts

@@ -122,8 +122,17 @@ def _check_complete(results: list[RequestResult], phase: str) -> None:
 async def run_phases(load: Load, watch: Watch, workers: list[WorkerState], settings: Settings,
                      args: argparse.Namespace) -> dict:
     """Warm-up, sustainable rate, baseline, overload, drain, baseline again -> their figures."""
-    from tandem.bench.overloading.summary import (LATENCIES, accepted_rate, baseline, closed_loop_rate,
-                                               last_accepted_end_s, outcomes, per_second, recovery, request_records)
+    from tandem.bench.overloading.summary import (
+        LATENCIES,
+        accepted_rate,
+        baseline,
+        closed_loop_rate,
+        last_accepted_end_s,
+        outcomes,
+        per_second,
+        recovery,
+        request_records,
+    )
     from tandem.bench.overloading.watch import wait_until_empty
     from tandem.bench.serving.load import stats
 

@@ -325,7 +325,9 @@ async def run_server(bench: Bench) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tandem.bench.serving import plots as serve_plots, report as serve_report, sweep_plots
+    from tandem.bench.serving import plots as serve_plots
+    from tandem.bench.serving import report as serve_report
+    from tandem.bench.serving import sweep_plots
 
     settings = settings_from_args(args)
     if args.api_key:  # what both clients send (router.auth.auth_token_from_env)

@@ -9,9 +9,9 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.decoding.draft_verify import sample_step
+from tandem.decoding.grammar_mask import apply_grammar_masks
 from tandem.engine import step_inputs
 from tandem.engine.device_random import draw_generator
-from tandem.decoding.grammar_mask import apply_grammar_masks
 from tandem.engine.logits_processors import apply_logits_processors
 from tandem.engine.sampler import Sampler, StepOutput
 from tandem.engine.scheduler import ScheduledBatch
@@ -23,7 +23,6 @@ from tandem.kernels.paged_decode_attention import decode_group_plan
 from tandem.kvcache.swap_copier import KVSwapper
 from tandem.model.llama import LlamaModel
 from tandem.model.quantization import pack_for_cpu_kernels
-
 
 KVAllocator = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 """(shape, dtype, device) -> a zeroed, contiguous KV pool tensor on device."""

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 from tandem.config import EngineConfig
 from tandem.decoding.beam_stepper import BeamStepper
 from tandem.decoding.speculation import Speculator
-from tandem.engine.prefill_policy import PrefillPacker
 from tandem.engine.preemption import Preemptor
+from tandem.engine.prefill_policy import PrefillPacker
 from tandem.engine.sampler import StepOutput, TargetSample
 from tandem.engine.sequence import Sequence, SequenceStatus, SequenceUpdate
-from tandem.logprobs import TopLogprobs
 from tandem.kvcache.block_manager import BlockManager
 from tandem.kvcache.swap_pool import SwapPool
+from tandem.logprobs import TopLogprobs
 
 logger = logging.getLogger(__name__)
 

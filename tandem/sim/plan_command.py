@@ -79,10 +79,10 @@ def build_search(args: argparse.Namespace, on_probe: Callable[[Candidate, dict],
     """The flags -> the search (not run) and the SLO."""
     from tandem.bench.serving.load import parse_goodput
     from tandem.config_names import AUTO, auto_dtype_name
+    from tandem.sim import workloads
     from tandem.sim.command import mix_of, model_shape
     from tandem.sim.gpus import gpu
     from tandem.sim.roofline import RooflineStepModel
-    from tandem.sim import workloads
 
     if args.gpu is None:
         raise ValueError("--slo needs --gpu NAME: the search prices steps by a GPU's roofline")

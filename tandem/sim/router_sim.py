@@ -31,7 +31,7 @@ from tandem.router.prefill_placement import PrefillPlacement, learn, place, plac
 from tandem.router.worker_health import LOAD_POLL_S, LOAD_TIMEOUT_S
 from tandem.sampling_params import SamplingParams
 from tandem.sim.admission_sim import SimAdmission
-from tandem.sim.cluster import Clock, SimCluster, SimWorker, transfer_done_s
+from tandem.sim.cluster import SimCluster, SimWorker, transfer_done_s
 from tandem.sim.spec import ClusterSpec, SimRequest
 from tandem.worker.api import PoolFull
 

@@ -15,14 +15,14 @@ from tandem.engine.engine import LLMEngine
 from tandem.engine.grammars import Grammars
 from tandem.engine.hooks import PrefillHooks
 from tandem.engine.model_runner import KVAllocator, ModelRunner, private_pool
+from tandem.engine.setup import engine_config_and_weights
 from tandem.engine.snapshots import EngineInventory
 from tandem.engine.step_threads import StepThreads
 from tandem.engine_options import ENGINE_DEFAULTS
 from tandem.model.dtypes import DTYPES
 from tandem.model.fingerprint import model_fingerprint
-from tandem.engine.setup import engine_config_and_weights
-from tandem.model.loader import LoadedModel, load_model
 from tandem.model.generation_defaults import sampling_defaults
+from tandem.model.loader import LoadedModel, load_model
 from tandem.model.source import resolve_model_source
 from tandem.parallel.launch import start_engine_model
 from tandem.worker import faults

@@ -12,8 +12,15 @@ from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tandem.kvtransfer.protocol import Destination
-from tandem.worker.api import (PrefillResult, Role, StreamDelta, TokenizerSpec, WorkerInventory, WorkerLoad,
-                               WorkerRequest)
+from tandem.worker.api import (
+    PrefillResult,
+    Role,
+    StreamDelta,
+    TokenizerSpec,
+    WorkerInventory,
+    WorkerLoad,
+    WorkerRequest,
+)
 
 WORKER_CLASSES = {
     Role.PREFILL: "tandem.prefill_node.worker:PrefillWorker",

@@ -13,9 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tandem.bench import decode_steps
+from tandem.bench import decode_steps, plots
 from tandem.bench import engine as bench_engine
-from tandem.bench import plots
 from tandem.bench.bandwidth import measure_copy_bandwidth
 from tandem.bench.workload import allowed_token_ids, excluded_token_ids, make_workload
 

@@ -15,9 +15,19 @@ from pathlib import Path
 import pytest
 
 from tandem.bench import overload as bench_overload
-from tandem.bench.overloading.summary import (accepted_rate, baseline, closed_loop_rate, complete, failures,
-                                           last_accepted_end_s, memory, other_cpu_by_phase, outcomes, per_second,
-                                           recovery)
+from tandem.bench.overloading.summary import (
+    accepted_rate,
+    baseline,
+    closed_loop_rate,
+    complete,
+    failures,
+    last_accepted_end_s,
+    memory,
+    other_cpu_by_phase,
+    outcomes,
+    per_second,
+    recovery,
+)
 from tandem.bench.overloading.watch import ROUTER, Sample, Watch
 from tandem.bench.serving.load import Mix, RequestResult, make_requests, with_fresh_tokens
 from tandem.bench.workload import allowed_token_ids

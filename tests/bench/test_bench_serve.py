@@ -16,7 +16,13 @@ import pytest
 
 from tandem.bench import serve as bench_serve
 from tandem.bench.serving.load import (
-    Mix, RequestResult, arrival_offsets, make_requests, meets_slo, parse_goodput, summarize,
+    Mix,
+    RequestResult,
+    arrival_offsets,
+    make_requests,
+    meets_slo,
+    parse_goodput,
+    summarize,
 )
 from tandem.bench.serving.sweep import best_key, compare
 from tandem.bench.serving.vllm_format import result_file_name

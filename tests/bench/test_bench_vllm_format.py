@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from tandem.bench.serving.load import RequestResult, summarize
-from tandem.bench.serving.vllm_format import flat_result, sharegpt_requests, result_file_name
+from tandem.bench.serving.vllm_format import flat_result, result_file_name, sharegpt_requests
 
 
 def test_flat_keys_are_vllms_and_carry_the_summary():

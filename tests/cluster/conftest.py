@@ -11,8 +11,8 @@ import threading
 
 import pytest
 import ray
-
 from running_cluster import SameWorkers, running_clusters
+
 from tandem.router.cluster import ClusterConfig
 
 # The float path (quantization none): its greedy output is token-exact with transformers.

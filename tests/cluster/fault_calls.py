@@ -7,8 +7,8 @@ import threading
 import time
 
 import grpc
-
 from reference import english_token_ids
+
 from tandem.proto import generation_pb2 as pb
 
 CLEAR = {grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.OK}

@@ -11,13 +11,13 @@ import concurrent.futures
 
 import grpc
 import pytest
-
 from reference import english_token_ids
 from running_cluster import running_clusters
+from worker_checks import assert_workers_empty
+
 from tandem import SamplingParams
 from tandem.proto import generation_pb2 as pb
 from tandem.router.cluster import ClusterConfig
-from worker_checks import assert_workers_empty
 
 pytestmark = pytest.mark.slow
 

@@ -7,12 +7,12 @@ import concurrent.futures
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from metrics_text import parse_samples, total
 from reference import english_token_ids
+from worker_checks import assert_workers_empty
+
 from tandem import SamplingParams
 from tandem.proto import generation_pb2 as pb
-from worker_checks import assert_workers_empty
 
 pytestmark = pytest.mark.slow
 

@@ -9,14 +9,14 @@ import concurrent.futures
 
 import pytest
 import torch
-
-from metrics_text import parse_samples, total
 from completions_checks import by_index, completions, sampled_request
+from metrics_text import parse_samples, total
 from reference import english_token_ids, hf_beam_search
-from tandem.proto import generation_pb2 as pb
-from tandem.router.cluster import ClusterConfig
 from running_cluster import SameWorkers, running_clusters
 from worker_checks import assert_workers_empty
+
+from tandem.proto import generation_pb2 as pb
+from tandem.router.cluster import ClusterConfig
 
 pytestmark = pytest.mark.slow
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from dashboards import dashboard_queries, metric_names_in
 from metrics_text import parse_samples
 

@@ -10,7 +10,6 @@ import time
 
 import grpc
 import pytest
-
 from fault_calls import assert_serves, awaited, read_to_end, request, wait_until
 from reference import english_token_ids
 from worker_checks import assert_workers_empty, num_leaked_blocks

@@ -8,11 +8,11 @@ import uuid
 
 import pytest
 import ray
-
 from reference import english_token_ids
+from worker_checks import assert_workers_empty
+
 from tandem.sampling_params import SamplingParams
 from tandem.worker.api import PrefillResult, WorkerRequest
-from worker_checks import assert_workers_empty
 
 pytestmark = pytest.mark.slow
 

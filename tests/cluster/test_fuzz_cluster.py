@@ -10,13 +10,13 @@ import time
 
 import grpc
 import pytest
+from fuzz_requests import check_outcome, generate_requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from fuzz_requests import check_outcome, generate_requests
-from tandem.proto import generation_pb2 as pb
 from worker_checks import assert_workers_empty, num_leaked_blocks
+
+from tandem.proto import generation_pb2 as pb
 
 pytestmark = pytest.mark.slow
 

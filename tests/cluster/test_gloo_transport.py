@@ -13,14 +13,14 @@ import threading
 import grpc
 import pytest
 import ray
-
 from fault_calls import awaited, decode_leaks, greedy, read_to_end, request, wait_until
 from metrics_text import parse_samples, total
 from reference import english_token_ids
 from running_cluster import running_clusters
+from worker_checks import assert_workers_empty, inventories
+
 from tandem import SamplingParams
 from tandem.router.cluster import ClusterConfig
-from worker_checks import assert_workers_empty, inventories
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,6 @@ import time
 import grpc
 import pytest
 import ray
-
 from fault_calls import decode_leaks, greedy, read_to_end, request, wait_until
 from reference import english_token_ids
 from worker_checks import assert_workers_empty, inventories, num_leaked_blocks

@@ -10,18 +10,18 @@ import msgpack
 import pytest
 import torch
 import zmq
-from zmq.utils.monitor import recv_monitor_message
-
 from fault_calls import assert_serves, awaited, wait_until
 from metrics_text import parse_samples, total
 from reference import english_token_ids
+from worker_checks import assert_workers_empty, num_leaked_blocks
+from zmq.utils.monitor import recv_monitor_message
+
 from tandem.kvtransfer.protocol import MAX_HEADER_BYTES, MessageKind, encode
 from tandem.model.fingerprint import model_fingerprint
 from tandem.model.loader import load_model
 from tandem.model.source import resolve_model_source
 from tandem.sampling_params import SamplingParams
 from tandem.worker.api import WorkerRequest
-from worker_checks import assert_workers_empty, num_leaked_blocks
 
 pytestmark = pytest.mark.slow
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import concurrent.futures
 
 import pytest
-
 from metrics_text import label_values, parse_samples, promtool_check_metrics, total
 from reference import english_token_ids
-from tandem.proto import generation_pb2 as pb
 from worker_checks import assert_workers_empty
+
+from tandem.proto import generation_pb2 as pb
 
 pytestmark = pytest.mark.slow
 

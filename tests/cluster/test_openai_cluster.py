@@ -9,10 +9,10 @@ import urllib.request
 
 import openai
 import pytest
+from worker_checks import assert_workers_empty
 
 from tandem import SamplingParams
 from tandem.proto import generation_pb2 as pb
-from worker_checks import assert_workers_empty
 
 pytestmark = pytest.mark.slow
 

@@ -5,13 +5,13 @@ that worker does not cache travels, and the output is the single-process engine'
 from __future__ import annotations
 
 import pytest
-
 from metrics_text import parse_samples, total
 from reference import english_token_ids
+from worker_checks import assert_workers_empty
+
 from tandem import SamplingParams
 from tandem.router.policy import WorkerState
 from tandem.router.ray_backend import RayBackend
-from worker_checks import assert_workers_empty
 
 pytestmark = pytest.mark.slow
 

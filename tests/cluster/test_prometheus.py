@@ -13,8 +13,8 @@ import urllib.parse
 import urllib.request
 
 import pytest
-
 from reference import english_token_ids
+
 from tandem.proto import generation_pb2 as pb
 
 pytestmark = pytest.mark.slow

@@ -8,12 +8,12 @@ import time
 
 import pytest
 import ray
-
 from fault_calls import greedy, request, wait_until
 from metrics_text import parse_samples, total
 from reference import english_token_ids
-from tandem.proto import generation_pb2 as pb
 from worker_checks import assert_workers_empty, inventories, num_leaked_blocks
+
+from tandem.proto import generation_pb2 as pb
 
 pytestmark = pytest.mark.slow
 

@@ -5,12 +5,12 @@ of one node), and the output is token for token the single-process engine's."""
 from __future__ import annotations
 
 import pytest
-
 from metrics_text import parse_samples, total
 from reference import english_token_ids
+from worker_checks import assert_workers_empty
+
 from tandem import SamplingParams
 from tandem.proto import generation_pb2 as pb
-from worker_checks import assert_workers_empty
 
 pytestmark = pytest.mark.slow
 

@@ -4,13 +4,13 @@ output stays transformers' token for token while drafts are accepted."""
 from __future__ import annotations
 
 import pytest
-
 from metrics_text import parse_samples, total
 from reference import english_token_ids, hf_greedy
 from running_cluster import running_clusters
+from worker_checks import assert_workers_empty
+
 from tandem.proto import generation_pb2 as pb
 from tandem.router.cluster import ClusterConfig
-from worker_checks import assert_workers_empty
 
 pytestmark = pytest.mark.slow
 

@@ -15,13 +15,13 @@ import grpc
 import pytest
 import ray
 import zmq
-
 from fault_calls import awaited, greedy, read_to_end, request, wait_until
 from reference import english_token_ids
+from worker_checks import assert_workers_empty, num_leaked_blocks
+
 from tandem.kvtransfer.protocol import Destination
 from tandem.sampling_params import SamplingParams
 from tandem.worker.api import WorkerRequest
-from worker_checks import assert_workers_empty, num_leaked_blocks
 
 pytestmark = pytest.mark.slow
 

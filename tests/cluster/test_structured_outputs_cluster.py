@@ -11,10 +11,10 @@ import grpc
 import jsonschema
 import openai
 import pytest
-
 from completions_checks import completions
-from tandem.proto import generation_pb2 as pb
 from worker_checks import assert_workers_empty
+
+from tandem.proto import generation_pb2 as pb
 
 pytestmark = pytest.mark.slow
 

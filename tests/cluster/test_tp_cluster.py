@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import pytest
 import ray
-
 from completions_checks import completions, sampled_request
 from reference import english_token_ids, hf_greedy
 from running_cluster import running_clusters
+from worker_checks import assert_workers_empty
+
 from tandem.proto import generation_pb2 as pb
 from tandem.router.cluster import ClusterConfig
-from worker_checks import assert_workers_empty
 
 pytestmark = pytest.mark.slow
 

@@ -18,19 +18,29 @@ import time
 
 import pytest
 import torch
-
 from metrics_text import parse_samples, total
 from reference import english_token_ids
+from two_node_ray import (
+    KV_SECRET,
+    SECOND_NODE_IP,
+    TANDEM,
+    free_port,
+    live_actors,
+    nodes,
+    scrape,
+    tcp_links,
+    two_node_ray,
+    wait_for_line,
+)
+
 from tandem import SamplingParams
+from tandem.kvtransfer.curve import CurveKeys
+from tandem.kvtransfer.protocol import TransferRefused
+from tandem.kvtransfer.sender import KVSender
 from tandem.proto import generation_pb2 as pb
 from tandem.router.client import GenerationClient
 from tandem.worker.api import Role
 from tandem.worker.host import pool_resource
-from tandem.kvtransfer.curve import CurveKeys
-from tandem.kvtransfer.protocol import TransferRefused
-from tandem.kvtransfer.sender import KVSender
-from two_node_ray import (KV_SECRET, SECOND_NODE_IP, TANDEM, free_port, live_actors, nodes, scrape, tcp_links,
-                          two_node_ray, wait_for_line)
 
 pytestmark = pytest.mark.slow
 

@@ -15,12 +15,12 @@ import time
 import grpc
 import pytest
 import ray
-
 from fault_calls import CLEAR, assert_serves, awaited, decode_leaks, greedy, read_to_end, request, wait_until
 from metrics_text import parse_samples, total
 from reference import english_token_ids
-from tandem.proto import generation_pb2 as pb
 from worker_checks import assert_workers_empty, inventories, num_leaked_blocks
+
+from tandem.proto import generation_pb2 as pb
 
 pytestmark = pytest.mark.slow
 

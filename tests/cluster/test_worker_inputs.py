@@ -8,14 +8,14 @@ import dataclasses
 
 import pytest
 import ray
-from ray.exceptions import RayTaskError
-
 from fault_calls import greedy, request
+from ray.exceptions import RayTaskError
 from reference import english_token_ids
+from worker_checks import assert_workers_empty
+
 from tandem.kvtransfer.protocol import Destination
 from tandem.sampling_params import SamplingParams
 from tandem.worker.api import PrefillResult, WorkerRequest
-from worker_checks import assert_workers_empty
 
 pytestmark = pytest.mark.slow
 

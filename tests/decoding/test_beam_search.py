@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from reference import english_token_ids, hf_beam_search
+
 from tandem import SamplingParams
 
 PROMPTS = (

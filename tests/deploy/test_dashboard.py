@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from dashboards import dashboard_queries, iter_panels, metric_names_in, vector_selectors
 from metrics_doc import documented_metrics, exposed_series, metric_tables
 

@@ -15,11 +15,22 @@ from pathlib import Path
 import helm_python
 import kubernetes_validate
 import pytest
-from packaging.version import Version
-
 from helm_render import (
-    CHART, HEAD, NAMESPACE, RELEASE, SCENARIOS, components, container, find, flag, gpu_values, manifests, render, router_args,
+    CHART,
+    HEAD,
+    NAMESPACE,
+    RELEASE,
+    SCENARIOS,
+    components,
+    container,
+    find,
+    flag,
+    gpu_values,
+    manifests,
+    render,
+    router_args,
 )
+from packaging.version import Version
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "dashboards" / "tandem.json"
 KUBE_VERSION = "1.28"  # the oldest Kubernetes the chart targets (gRPC probes are GA since 1.27)

@@ -7,16 +7,26 @@ import argparse
 import json
 
 import pytest
+from helm_render import (
+    GPU,
+    HEAD,
+    SCENARIOS,
+    components,
+    container,
+    find,
+    flag,
+    gpu_values,
+    manifests,
+    merged,
+    render,
+    router_args,
+)
 
 from tandem.cli import build_parser
 from tandem.model.source import DEFAULT_MODEL_NAME, resolve_model_source
 from tandem.router import serve_command
 from tandem.router.policy import POLICIES
 from tandem.router.server import LIVENESS_SERVICE
-
-from helm_render import (
-    GPU, HEAD, SCENARIOS, components, container, find, flag, gpu_values, manifests, merged, render, router_args,
-)
 
 
 def test_router_defaults():

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from dashboards import dashboard_queries
 
 ROOT = Path(__file__).resolve().parents[2]

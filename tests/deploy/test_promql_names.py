@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from dashboards import dashboard_queries, metric_names_in, vector_selectors
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "deploy/grafana/dashboards/tandem.json"

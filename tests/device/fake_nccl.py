@@ -30,7 +30,6 @@ too), the host is the machine's name.
 from __future__ import annotations
 
 import datetime
-import os
 import socket
 import sys
 import threading
@@ -38,9 +37,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
-
 from fake_nccl_watchdog import Watchdog
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from tandem.kvtransfer.dist_pairs import PairBackend
 from tandem.parallel.world import WorldBackend

@@ -22,6 +22,7 @@ from tandem.model import llama
 from tandem.plan import read_model_shape
 from tandem.sampling_params import SamplingParams
 
+
 def test_the_shapes_are_the_default_model_s() -> None:
     shape = read_model_shape(None)
     same = dict(name=SMOLLM2.name, eos_token_ids=SMOLLM2.eos_token_ids, rms_norm_eps=SMOLLM2.rms_norm_eps)

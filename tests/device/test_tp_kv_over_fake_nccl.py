@@ -12,7 +12,7 @@ import queue
 import socket
 
 from fake_cuda import SMOLLM2
-from tp_fake_ranks import SLOTS, TP, run_rank
+from tp_fake_ranks import SLOTS, run_rank
 
 
 def test_tp_decode_worker_takes_kv_received_on_the_device():

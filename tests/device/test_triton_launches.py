@@ -14,8 +14,14 @@ import pytest
 import torch
 from fake_cuda import BATCHES, CUDA, SMOLLM2, runner
 
-from tandem.kernels import (int4_gemv_triton, int8_gemv_triton, ops, paged_decode_attention_triton,
-                            prefill_attention_triton, store_kv_triton)
+from tandem.kernels import (
+    int4_gemv_triton,
+    int8_gemv_triton,
+    ops,
+    paged_decode_attention_triton,
+    prefill_attention_triton,
+    store_kv_triton,
+)
 
 KERNELS = {
     "store_kv": (store_kv_triton, "_store_kv_kernel"),

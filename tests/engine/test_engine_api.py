@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from scheduler_harness import MODEL
+
 from tandem.config import EngineConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.hooks import PrefillHooks

@@ -4,9 +4,9 @@ to the batch: continuous batching, preemption, chunked prefill, prefix-cache hit
 from __future__ import annotations
 
 import pytest
-
 from engine_checks import assert_all_blocks_free
 from reference import english_token_ids, hf_greedy
+
 from tandem import SamplingParams
 
 pytestmark = pytest.mark.slow

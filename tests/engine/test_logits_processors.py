@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from reference import english_token_ids
+
 from tandem import SamplingParams
 from tandem.engine.logits_processors import apply_logits_processors
 

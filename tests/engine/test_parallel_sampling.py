@@ -4,8 +4,8 @@ equal to the request with its seed alone."""
 from __future__ import annotations
 
 import pytest
-
 from reference import english_token_ids
+
 from tandem import SamplingParams
 
 

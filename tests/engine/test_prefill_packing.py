@@ -9,8 +9,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from scheduler_harness import MODEL, add_seq, all_free, make_scheduler, run_step
+
 from tandem.config import EngineConfig
 
 

@@ -5,9 +5,9 @@ step and a prefix-cache hit all keep greedy output token-exact against transform
 from __future__ import annotations
 
 import pytest
-
 from engine_checks import assert_all_blocks_free
 from reference import english_token_ids, hf_greedy
+
 from tandem import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -5,8 +5,8 @@ update with one sampled token per sampling entry). Pure Python: no model is load
 from __future__ import annotations
 
 import pytest
-
 from scheduler_harness import EOS, add_seq, all_free, make_scheduler, run_step
+
 from tandem.engine.sequence import SequenceStatus as St
 
 

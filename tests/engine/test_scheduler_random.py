@@ -8,11 +8,12 @@ import random
 from collections import defaultdict
 
 import pytest
-
 from scheduler_harness import EOS, add_seq, make_scheduler
+
 from tandem.engine.sampler import StepOutput
 from tandem.engine.scheduler import Scheduler
-from tandem.engine.sequence import Sequence, SequenceStatus as St
+from tandem.engine.sequence import Sequence
+from tandem.engine.sequence import SequenceStatus as St
 
 
 def _check_books(sched: Scheduler) -> None:

@@ -7,6 +7,7 @@ random-workload property test (test_scheduler_random.py), and end to end in test
 from __future__ import annotations
 
 from scheduler_harness import add_seq, all_free, make_scheduler
+
 from tandem.engine.sampler import StepOutput
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.sequence import SequenceStatus as St

@@ -9,8 +9,8 @@ import re
 
 import jsonschema
 import pytest
-
 from engine_checks import assert_all_blocks_free
+
 from tandem import SamplingParams
 from tandem.decoding.grammar import GrammarMatcher, new_bitmask
 from tandem.decoding.grammar_mask import unpack_bitmask

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from backends import TRITON_DEVICE, device_for
+
 from tandem.kernels import ops
 from tandem.kernels.int4_gemv import int4_gemv_torch
 from tandem.kernels.int4_gemv_triton import int4_gemv_triton

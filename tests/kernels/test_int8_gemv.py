@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from backends import TRITON_DEVICE, device_for
+
 from tandem.kernels import ops
 from tandem.kernels.int8_gemv import int8_gemv_torch
 from tandem.kernels.int8_gemv_triton import int8_gemv_triton

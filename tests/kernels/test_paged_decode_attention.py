@@ -6,9 +6,8 @@ import math
 
 import pytest
 import torch
-
-from backends import BACKENDS, decode_attention, device_for
 from attention_reference import naive_attention, paged, tolerance
+from backends import BACKENDS, decode_attention, device_for
 
 
 def check(backend: str, num_heads: int, num_kv_heads: int, context_lens: list[int], *, head_dim: int = 64,

@@ -9,8 +9,8 @@ import random
 
 import pytest
 import torch
-
 from attention_reference import naive_attention, paged, tolerance
+
 from tandem.kernels import cpu_build, ops
 from tandem.kernels import paged_decode_attention_cpu as cpu_kernel
 from tandem.kernels.paged_decode_attention import paged_decode_attention_torch

@@ -6,9 +6,8 @@ import math
 
 import pytest
 import torch
-
-from backends import BACKENDS, device_for, prefill_attention
 from attention_reference import naive_attention, paged, tolerance
+from backends import BACKENDS, device_for, prefill_attention
 
 
 def check(backend: str, num_heads: int, num_kv_heads: int, chunks: list[tuple[int, int]], *, head_dim: int = 64,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from backends import BACKENDS, device_for
 
 from tandem.kernels.store_kv import store_kv_torch
-from backends import BACKENDS, device_for
 
 
 def store(backend, k, v, k_cache, v_cache, slots):

@@ -8,11 +8,10 @@ Pure Python, no model: sequences are built by hand and "computed" by moving
 from __future__ import annotations
 
 import pytest
-
 from block_harness import BS, compute, free_list, make_seq, toks
+
 from tandem.engine.sequence import Sequence
 from tandem.kvcache.block_manager import BlockManager
-
 
 # -- allocation, free list, ref counts, slots -------------------------------------------
 

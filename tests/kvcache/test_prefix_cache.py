@@ -4,8 +4,8 @@ partly filled last block never shared, LRU eviction of cached free blocks."""
 from __future__ import annotations
 
 from block_harness import BS, compute, free_list, make_seq, toks
-from tandem.kvcache.block_manager import BlockManager, hash_block
 
+from tandem.kvcache.block_manager import BlockManager, hash_block
 
 # -- prefix caching -----------------------------------------------------------------------
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kv_pools import random_pool
-from tandem.kvtransfer.receiver import KVReceiver
 from raw_sender import BLOCK_SIZE, BLOCKS, DIM, HEADS, LAYERS
+
+from tandem.kvtransfer.receiver import KVReceiver
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ import uuid
 import msgpack
 import torch
 import zmq
-
 from kv_pools import random_pool
+
 from tandem.kvtransfer.payload import frame_of, layer_rows
 from tandem.kvtransfer.protocol import Destination, MessageKind, encode
 from tandem.kvtransfer.receiver import KVReceiver

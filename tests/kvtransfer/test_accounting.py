@@ -8,8 +8,8 @@ import time
 
 import pytest
 import torch
-
 from kv_pools import pair, random_pool, token_rows
+
 from tandem.kvtransfer.protocol import TransferStatus
 
 LAYERS = 3

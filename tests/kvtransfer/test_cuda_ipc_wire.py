@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
 from kv_pools import random_pool, token_rows
+
 from tandem.kvtransfer.cuda_ipc import MAX_HANDLE_BYTES, DeviceTarget, IpcHandle, IpcOffer, pool_view
 from tandem.kvtransfer.handshake import answer_hello
 from tandem.kvtransfer.in_place import InPlaceWrites, device_copier

@@ -8,13 +8,13 @@ import dataclasses
 
 import pytest
 import torch
-
 from kv_pools import random_pool, token_rows
+from tcp_tap import TcpTap
+
 from tandem.kvtransfer.curve import SECRET_ENV, CurveKeys
 from tandem.kvtransfer.protocol import TransferStatus
 from tandem.kvtransfer.receiver import KVReceiver
 from tandem.kvtransfer.sender import KVSender
-from tcp_tap import TcpTap
 
 SECRET = "a-cluster-secret-of-some-length"
 KEYS = CurveKeys.from_secret(SECRET)

@@ -10,9 +10,9 @@ import msgpack
 import pytest
 import torch
 import zmq
-
 from kv_pools import pair, random_pool, token_rows
 from raw_sender import BLOCKS, DIM, DST_BLOCKS, HEADS, LAYERS, NUM_TOKENS, RawSender
+
 from tandem.kvtransfer.protocol import MessageKind, TransferStatus
 from tandem.kvtransfer.receiver import KVReceiver
 from tandem.kvtransfer.sender import KVSender

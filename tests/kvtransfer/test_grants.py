@@ -8,11 +8,11 @@ import time
 
 import torch
 import zmq
+from kv_pools import token_rows
+from raw_sender import DST_BLOCKS, LAYERS, NUM_TOKENS, RawSender
 from zmq.utils.monitor import recv_monitor_message
 
-from kv_pools import token_rows
 from tandem.kvtransfer.protocol import MessageKind, TransferStatus, encode
-from raw_sender import DST_BLOCKS, LAYERS, NUM_TOKENS, RawSender
 
 
 def test_messages_without_the_grant_write_and_end_nothing(receiver):

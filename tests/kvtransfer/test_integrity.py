@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from kv_pools import random_pool, token_rows
+from raw_sender import BLOCK_SIZE, BLOCKS, DIM, DST_BLOCKS, HEADS, LAYERS, NUM_TOKENS, RawSender
+
 from tandem.kvtransfer.protocol import MessageKind, TransferRefused, TransferStatus, payload_crc32
 from tandem.kvtransfer.receiver import KVReceiver
 from tandem.kvtransfer.sender import KVSender
-from raw_sender import BLOCK_SIZE, BLOCKS, DIM, DST_BLOCKS, HEADS, LAYERS, NUM_TOKENS, RawSender
 
 SRC_BLOCKS = [1, 0]
 

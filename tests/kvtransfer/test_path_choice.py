@@ -15,8 +15,18 @@ import torch
 
 import tandem.kvtransfer.sender as sender_module
 from tandem.kvtransfer.path_choice import (
-    ALLOW_UNENCRYPTED_FLAG, CUDA_IPC, DEVICE_TYPES, IN_PLACE_PATHS, NCCL, PAIR_PATHS, PATHS, SHM, ZMQ, PairFacts,
-    PoolPlace, choose_path,
+    ALLOW_UNENCRYPTED_FLAG,
+    CUDA_IPC,
+    DEVICE_TYPES,
+    IN_PLACE_PATHS,
+    NCCL,
+    PAIR_PATHS,
+    PATHS,
+    SHM,
+    ZMQ,
+    PairFacts,
+    PoolPlace,
+    choose_path,
 )
 from tandem.kvtransfer.protocol import KV_TRANSPORTS, Destination, TransferRefused
 from tandem.kvtransfer.sender import KVSender

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 import torch
 import zmq
-
 from kv_pools import pick_blocks, random_pool, token_rows
+
 from tandem.kvtransfer import shared_pool as shared_pool_module
-from tandem.kvtransfer.row_copy import row_copier
 from tandem.kvtransfer.protocol import MessageKind, TransferStatus, decode, encode
 from tandem.kvtransfer.receiver import KVReceiver
+from tandem.kvtransfer.row_copy import row_copier
 from tandem.kvtransfer.sender import KVSender
 from tandem.kvtransfer.shared_pool import HostSharedPool
 from tandem.kvtransfer.slots import token_slots

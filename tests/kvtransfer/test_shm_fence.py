@@ -14,8 +14,8 @@ import time
 
 import pytest
 import torch
-
 from shm_processes import REFUSED, WRITES, hold_the_lock, own_a_pool, write_forever
+
 from tandem.kvtransfer.payload import layout_for
 from tandem.kvtransfer.receiver import KVReceiver
 from tandem.kvtransfer.shared_pool import SHM_DIR, HostSharedPool, MappedPool

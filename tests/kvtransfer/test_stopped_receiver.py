@@ -9,8 +9,8 @@ import time
 
 import torch
 import zmq
-
 from kv_pools import random_pool
+
 from tandem.kvtransfer import sender as sender_module
 from tandem.kvtransfer.protocol import Destination, KVLayout, MessageKind, TransferStatus, encode
 from tandem.kvtransfer.sender import KVSender

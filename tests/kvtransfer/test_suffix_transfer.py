@@ -8,8 +8,8 @@ import random
 
 import pytest
 import torch
-
 from kv_pools import pair, pick_blocks, random_pool, token_rows
+
 from tandem.kvtransfer.protocol import TransferStatus
 
 NUM_LAYERS, NUM_TOKENS = 3, 30

@@ -11,8 +11,8 @@ import random
 import numpy as np
 import pytest
 import torch
-
 from kv_pools import pick_blocks, random_pool, token_rows
+
 from tandem.kvtransfer.protocol import TransferRefused, TransferStatus
 from tandem.kvtransfer.receiver import KVReceiver
 from tandem.kvtransfer.sender import KVSender

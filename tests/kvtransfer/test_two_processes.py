@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
-
 from process_worker import DistSpec, Plan, PoolSpec, WorkerError, WorkerProcess
+
 from tandem.kvtransfer.protocol import Destination, TransferStatus
 
 Spawn = Callable[..., WorkerProcess]

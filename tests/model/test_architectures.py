@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import hf_greedy
 from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
-from reference import hf_greedy
 from tandem import LLM, SamplingParams
 from tandem.model.loader import load_hf_model
 from tandem.model.source import resolve_model_source

@@ -18,11 +18,19 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from quantized_checkpoints import (
+    AWQ_PACK_ORDER,
+    PROJECTIONS,
+    int4_form,
+    pack_eight,
+    read_tensors,
+    reference_int4,
+    set_checkpoint_weights,
+    write_quantized_checkpoint,
+)
+from reference import english_token_ids, hf_greedy
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from quantized_checkpoints import (AWQ_PACK_ORDER, PROJECTIONS, int4_form, pack_eight, read_tensors, reference_int4,
-                                   set_checkpoint_weights, write_quantized_checkpoint)
-from reference import english_token_ids, hf_greedy
 from tandem import LLM, SamplingParams
 from tandem.bench.quant import QUESTIONS, forced_agreement, perplexity, teacher_forced_logits
 from tandem.model.gptq_awq import load_quantized_checkpoint

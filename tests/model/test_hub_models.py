@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
-
 from hub_cache import add_snapshot
 from reference import hf_greedy
+from transformers import AutoModelForCausalLM, LlamaConfig
+
 from tandem import LLM, SamplingParams
 from tandem.model.loader import load_hf_model
 from tandem.model.source import resolve_model_source

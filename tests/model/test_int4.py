@@ -11,14 +11,21 @@ import textwrap
 
 import pytest
 import torch
-
 from reference import english_token_ids
+
 from tandem import SamplingParams
 from tandem.bench.quant import forced_agreement, perplexity
 from tandem.model import int4_matmul as int4_paths
 from tandem.model.int4 import Int4Weight, pack_int4, quantize_int4
-from tandem.model.quantization import (Int8Weight, linear, quantize_int8, quantize_weights, quantized_matmul,
-                                       weight_bytes, weight_key)
+from tandem.model.quantization import (
+    Int8Weight,
+    linear,
+    quantize_int8,
+    quantize_weights,
+    quantized_matmul,
+    weight_bytes,
+    weight_key,
+)
 
 U32 = 2.0 ** -24  # float32 unit roundoff
 BF16_U = 2.0 ** -8  # bfloat16's machine epsilon: twice its unit roundoff, for margin

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-
 from reference import english_token_ids
+
 from tandem import SamplingParams
 from tandem.bench.quant import forced_agreement, perplexity
 from tandem.config import EngineConfig

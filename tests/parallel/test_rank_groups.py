@@ -9,8 +9,8 @@ import socket
 
 import torch
 import torch.distributed as dist
-
 from step_peer import TINY_TP, serve_tiny_rank, tiny_config, tiny_loaded, tiny_rank
+
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence

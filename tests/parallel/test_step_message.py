@@ -11,14 +11,13 @@ import types
 
 import torch
 import torch.distributed as dist
-
 from step_peer import plain, receive_all
+
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
-from tandem.parallel.step_message import (HOST, ForwardInputs, KVWrites, StepMessage, StepOp, broadcast_step,
-                                          on_device)
+from tandem.parallel.step_message import HOST, ForwardInputs, KVWrites, StepMessage, StepOp, broadcast_step, on_device
 from tandem.sampling_params import SamplingParams
 
 TINY = ModelConfig(

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from router_harness import MAX_MODEL_LEN, VOCAB_SIZE
+
 from tandem.router.tokenizer import RouterTokenizer
 from tandem.worker.tokenizer_spec import tokenizer_spec_from
 

@@ -19,10 +19,10 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from tandem.logprobs import TopLogprobs
 from tandem.router.backend import WorkerFailed
 from tandem.router.metrics import RouterMetrics
 from tandem.router.tokenizer import RouterTokenizer
-from tandem.logprobs import TopLogprobs
 from tandem.router.worker_metrics import WorkerMetricsReport
 from tandem.sampling_params import SamplingParams
 from tandem.worker.api import StreamDelta, TokenizerSpec, WorkerLoad

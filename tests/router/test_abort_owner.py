@@ -8,9 +8,9 @@ import asyncio
 
 import grpc
 import pytest
-
 from fake_backend import FakeBackend
 from router_harness import serving
+
 from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc
 from tandem.router.auth import API_KEYS_ENV, AUTH_TOKEN_ENV, ApiKeys, api_keys_from_env

@@ -6,10 +6,10 @@ import asyncio
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from fake_backend import FakeBackend
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from router_harness import serving
+
 from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc
 

@@ -12,6 +12,7 @@ import time
 
 from fake_backend import FakeBackend
 from openai_harness import MODEL, openai_serving
+
 from tandem.router.limits import RequestLimits
 
 LIMITS = RequestLimits(max_prompt_chars=100_000, max_body_bytes_in_flight=10 * 2**20, body_read_timeout_s=1)

@@ -7,9 +7,9 @@ import asyncio
 
 import grpc
 import pytest
-
 from fake_backend import REPLY, FakeBackend
 from router_harness import serving
+
 from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc
 from tandem.router.buffered import MAX_RERUNS

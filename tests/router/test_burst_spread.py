@@ -8,8 +8,8 @@ import asyncio
 import collections
 
 import pytest
-
 from test_worker_health import Handle
+
 from tandem.router.policy import Router, WorkerState
 from tandem.router.prefill_placement import place_colocated
 from tandem.router.ray_backend import RayBackend

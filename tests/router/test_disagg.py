@@ -7,8 +7,14 @@ import dataclasses
 
 import pytest
 
-from tandem.router.disagg import (DECISION_REASONS, DISAGG_POLICIES, PrefillCosts, PrefillInputs, Where,
-                                  make_disagg_policy)
+from tandem.router.disagg import (
+    DECISION_REASONS,
+    DISAGG_POLICIES,
+    PrefillCosts,
+    PrefillInputs,
+    Where,
+    make_disagg_policy,
+)
 
 IDLE = PrefillInputs(num_prompt_tokens=50, num_uncached_remote=50, num_uncached_local=50, prefill_pending_tokens=0,
                      decode_pending_tokens=0, decode_num_running=0, has_prefill_worker=True)

@@ -14,13 +14,13 @@ import threading
 
 import grpc
 import pytest
+from fake_backend import FakeBackend
+from fuzz_requests import check_outcome, generate_requests
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from fake_backend import FakeBackend
-from fuzz_requests import check_outcome, generate_requests
 from router_harness import MAX_MODEL_LEN, VOCAB_SIZE
+
 from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc
 from tandem.router.server import bound_port, drain, serve

@@ -9,16 +9,16 @@ import asyncio
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from fake_backend import FakeBackend
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from router_harness import MAX_MODEL_LEN, serving
+from test_validation import request
+
 from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc
 from tandem.router import serve_command
 from tandem.router.limits import DEFAULT_MAX_PROMPT_CHARS, RequestLimits, limits_from_args
 from tandem.router.validation import validate_request
-from test_validation import request
 
 DEFAULTS = RequestLimits()
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from fake_backend import FakeBackend
 from openai_harness import MODEL, openai_serving
 from router_harness import MAX_MODEL_LEN

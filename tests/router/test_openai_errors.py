@@ -9,10 +9,10 @@ import asyncio
 import aiohttp
 import openai
 import pytest
-
 from fake_backend import FakeBackend
 from openai_harness import MODEL, openai_serving
 from router_harness import MAX_MODEL_LEN
+
 from tandem.router.backend import NoHealthyWorker, Overloaded
 from tandem.router.limits import RequestLimits
 from tandem.worker.api import PoolFull

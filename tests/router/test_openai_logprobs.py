@@ -12,9 +12,9 @@ import math
 
 import aiohttp
 import pytest
-
 from fake_backend import ALTERNATIVES, CHOSEN_LOGPROB, FakeBackend, top_logprobs_at
 from openai_harness import MODEL, openai_serving
+
 from tandem.logprobs import TopLogprobs
 from tandem.router.openai.logprobs import chat_logprobs, completion_logprobs
 

@@ -12,10 +12,10 @@ import json
 import aiohttp
 import openai
 import pytest
-
 from fake_backend import FakeBackend
 from openai_harness import MODEL, openai_serving
 from router_harness import VOCAB_SIZE
+
 from tandem.router.backend import Overloaded
 from tandem.router.limits import RequestLimits
 

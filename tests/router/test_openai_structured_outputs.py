@@ -11,9 +11,9 @@ import json
 import openai
 import pydantic
 import pytest
-
 from fake_backend import FakeBackend
 from openai_harness import MODEL, openai_serving
+
 from tandem.router.limits import RequestLimits
 from tandem.structured_outputs import StructuredOutputsParams
 

@@ -8,9 +8,9 @@ import importlib.metadata
 
 import aiohttp
 import openai
-
 from fake_backend import FakeBackend
 from openai_harness import MODEL, openai_serving
+
 from tandem.router.auth import ApiKeys
 from tandem.router.limits import RequestLimits
 from tandem.router.metrics import RouterMetrics

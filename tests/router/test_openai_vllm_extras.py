@@ -7,10 +7,10 @@ import asyncio
 import dataclasses
 
 import pytest
-from tokenizers import Tokenizer
-
 from fake_backend import FakeBackend
 from openai_harness import MODEL, openai_serving
+from tokenizers import Tokenizer
+
 from tandem.router.limits import RequestLimits
 from tandem.router.openai.errors import APIError
 from tandem.router.openai.protocol import CHAT, parse_request

@@ -7,9 +7,9 @@ import asyncio
 import time
 
 import grpc
-
 from fake_backend import FakeBackend
 from router_harness import serving
+
 from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc
 from tandem.router.limits import RequestLimits

@@ -9,8 +9,17 @@ import asyncio
 import pytest
 
 from tandem.router.cluster import ClusterConfig
-from tandem.router.placement import (CPU, GPU, Placement, PlacementError, Pool, check_memory_share, gpus_per_rank,
-                                     pool_resource, worker_device)
+from tandem.router.placement import (
+    CPU,
+    GPU,
+    Placement,
+    PlacementError,
+    Pool,
+    check_memory_share,
+    gpus_per_rank,
+    pool_resource,
+    worker_device,
+)
 from tandem.router.placement_wait import wait_ready
 from tandem.worker.api import Role
 from tandem.worker.host import pool_resource as host_pool_resource

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-
 from fake_backend import REPLY, FakeBackend
+
 from tandem.proto import generation_pb2 as pb
 from tandem.router.backend import NoHealthyWorker, Overloaded
 from tandem.router.limits import RequestLimits

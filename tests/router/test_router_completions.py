@@ -12,10 +12,13 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
-
 from fake_backend import FakeBackend
 from metrics_text import parse_samples, total
 from router_harness import serving
+from test_cli_generate import run_cli
+from test_server_metrics import scrape
+from test_validation import request
+
 from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc
 from tandem.router import serve_command
@@ -24,9 +27,6 @@ from tandem.router.limits import RequestLimits, limits_from_args
 from tandem.router.validation import validate_request
 from tandem.sampling_params import SamplingParams
 from tandem.worker.api import StreamDelta
-from test_cli_generate import run_cli
-from test_server_metrics import scrape
-from test_validation import request
 
 REASONS = {"stop": pb.FINISH_REASON_STOP, "length": pb.FINISH_REASON_LENGTH, "abort": pb.FINISH_REASON_ABORT}
 

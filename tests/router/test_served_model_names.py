@@ -7,7 +7,6 @@ import asyncio
 
 import openai
 import pytest
-
 from fake_backend import FakeBackend
 from openai_harness import MODEL, openai_serving
 
@@ -39,6 +38,7 @@ def test_chat_template_and_served_name_given_to_serve(router_tokenizer):
     --served-model-name): messages are rendered with the given template, and the router's
     metrics carry the served name."""
     from router_harness import serving
+
     from tandem.proto import generation_pb2 as pb
     from tandem.proto import generation_pb2_grpc as pb_grpc
 

@@ -8,9 +8,9 @@ import dataclasses
 
 import grpc
 import pytest
-
 from fake_backend import FakeBackend
 from router_harness import running_router
+
 from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc
 from tandem.router.tokenizer import RouterTokenizer

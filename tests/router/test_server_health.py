@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+from fake_backend import FakeBackend
 from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from fake_backend import FakeBackend
 from tandem.router.server import LIVENESS_SERVICE, bound_port, drain, serve
 
 SERVING = health_pb2.HealthCheckResponse.SERVING

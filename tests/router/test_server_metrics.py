@@ -8,10 +8,10 @@ import urllib.request
 
 import grpc
 import pytest
-
 from fake_backend import FakeBackend
 from metrics_text import label_values, parse_samples, promtool_check_metrics, total
 from router_harness import serving
+
 from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc
 from tandem.router.backend import Overloaded

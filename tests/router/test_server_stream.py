@@ -7,9 +7,9 @@ import math
 
 import grpc
 import pytest
-
 from fake_backend import FakeBackend
 from router_harness import MAX_MODEL_LEN, running_router
+
 from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc
 from tandem.router.backend import NoHealthyWorker, Overloaded

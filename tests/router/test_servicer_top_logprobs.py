@@ -9,9 +9,9 @@ import asyncio
 
 import grpc
 import pytest
-
 from fake_backend import CHOSEN_LOGPROB, FakeBackend, top_logprobs_at
 from router_harness import running_router
+
 from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc
 from tandem.router.client import build_request

@@ -8,6 +8,7 @@ import asyncio
 from fake_backend import FakeBackend
 from openai_harness import MODEL, openai_serving
 from router_harness import serving
+
 from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc
 from tandem.router.auth import ApiKeys

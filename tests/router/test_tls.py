@@ -12,9 +12,9 @@ import urllib.request
 import grpc
 import pytest
 import trustme
-
 from fake_backend import FakeBackend
 from router_harness import serving
+
 from tandem import cli
 from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc

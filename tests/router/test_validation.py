@@ -6,8 +6,8 @@ import math
 import re
 
 import pytest
-
 from router_harness import MAX_MODEL_LEN, VOCAB_SIZE
+
 from tandem.proto import generation_pb2 as pb
 from tandem.router.limits import RequestLimits
 from tandem.router.validation import validate_request

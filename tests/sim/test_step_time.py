@@ -13,7 +13,13 @@ from tandem.plan import read_hf_shape
 from tandem.sim import step_time
 from tandem.sim.roofline import RooflineStepModel
 from tandem.sim.step_time import (
-    FEATURES, CpuStepModel, StepSample, default_fit_path, fit_held_out, nonnegative_least_squares, relative_errors,
+    FEATURES,
+    CpuStepModel,
+    StepSample,
+    default_fit_path,
+    fit_held_out,
+    nonnegative_least_squares,
+    relative_errors,
 )
 
 LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 32,

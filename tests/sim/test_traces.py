@@ -14,7 +14,11 @@ import pytest
 
 from tandem.sim.spec import SimRequest
 from tandem.sim.traces import (
-    bench_mix_requests, bench_token_pool, example_trace_path, hash_block_tokens, read_mooncake_trace,
+    bench_mix_requests,
+    bench_token_pool,
+    example_trace_path,
+    hash_block_tokens,
+    read_mooncake_trace,
 )
 
 ROOT = Path(__file__).resolve().parents[2]

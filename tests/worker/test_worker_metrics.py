@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from metrics_text import parse_samples, promtool_check_metrics, total
 from reference import english_token_ids
+
 from tandem import SamplingParams
 from tandem.worker.api import Role
 from tandem.worker.metrics import WorkerMetrics, failure_kind

@@ -7,8 +7,15 @@ import math
 
 import numpy as np
 
-from tandem.bench.serving.load import (Mix, Request, RequestResult, arrival_offsets, make_requests, run_load,
-                                     with_fresh_tokens)
+from tandem.bench.serving.load import (
+    Mix,
+    Request,
+    RequestResult,
+    arrival_offsets,
+    make_requests,
+    run_load,
+    with_fresh_tokens,
+)
 
 PHASES = ("warm-up", "sustain", "before", "overload", "after")
 """Each phase draws its prompts and arrivals from a seed of its own ([--seed, phase index, ...]):
