@@ -13,9 +13,11 @@ A request's life here (the whole way: docs/architecture.md):
 4. streamed: each step's tokens go out through `stream`, until the last delta.
 Exits: a finish frees the blocks in the scheduler (a first token that ends the request
 frees them once the transfer has ended). `abort` (cancel, deadline, the prefill worker
-gone, a reader that leaves early) first stops the receiver writing, then frees them. KV
-that fails or times out aborts the request with an error delta. A dead worker's pool dies
-with its process.
+gone, a reader that leaves early) ends the stream at once and frees the blocks once the
+receiver writes no more into them: at once, or, when a same-node writer is inside a write
+(or stopped there), at the end of its revoke. KV that fails or times out aborts the request
+with an error delta. A dead worker's pool dies with its process.
+Each step of the way is a state of the worker's handoff table (handoff.py).
 """
 
 from __future__ import annotations
@@ -25,17 +27,18 @@ from typing import Any, AsyncIterator
 
 import torch
 
+from tandem.decode_node.handoff import DecodeHandoff as S
+from tandem.decode_node.handoff import Handoff, handoff_table
 from tandem.decoding.beam_search import num_candidates
 from tandem.engine.engine import LLMEngine
 from tandem.engine.model_runner import private_pool
-from tandem.engine.sequence import Sequence
 from tandem.engine.snapshots import EngineInventory
 from tandem.kvtransfer.cuda_ipc import DevicePoolExport
 from tandem.kvtransfer.curve import CurveKeys
 from tandem.kvtransfer.handshake import SharedPool
 from tandem.kvtransfer.payload import layout_for
 from tandem.kvtransfer.placement import host_identity
-from tandem.kvtransfer.protocol import Destination, TransferStatus
+from tandem.kvtransfer.protocol import AbortOutcome, Destination, TransferEvent, TransferStatus
 from tandem.kvtransfer.receiver import DEFAULT_ADDRESS, KVReceiver
 from tandem.kvtransfer.shared_pool import SHM_DIR, HostSharedPool
 from tandem.outputs import FirstSample
@@ -43,6 +46,7 @@ from tandem.parallel.runner import TensorParallelRunner
 from tandem.worker.api import PoolFull, PrefillResult, Role, StreamDelta, WorkerRequest, checked
 from tandem.worker.base import Worker
 from tandem.worker.engine_loop import EngineLoop
+from tandem.worker.state_table import StateTable
 
 logger = logging.getLogger(__name__)
 
@@ -82,19 +86,13 @@ class DecodeWorker(Worker):
                 self._shared_pool = (None if kv_shm_dir is None else DevicePoolExport.create(
                     pool, layout_for(shape, dtype), node_id or host_identity(), kv_shm_dir))
                 return pool
-            host = None if kv_transport != "auto" or kv_shm_dir is None else HostSharedPool.create(shape, dtype, kv_shm_dir)
+            host = (HostSharedPool.create(shape, dtype, kv_shm_dir)
+                    if kv_transport == "auto" and kv_shm_dir is not None else None)
             self._shared_pool = host
             return private_pool(shape, dtype, device) if host is None else host.kv_cache
 
-        self._arrived: set[str] = set()
-        """Requests whose KV is in their blocks, waiting for their first token."""
-        self._first_tokens: dict[str, PrefillResult] = {}
-        """First tokens that came before their KV and wait for it (n > 1, beam search)."""
-        self._streamed_first: set[str] = set()
-        """Requests whose first token went out before their KV arrived, still going."""
-        self._finished_first: dict[str, Sequence] = {}
-        """Requests that their first token ended before their KV arrived: their blocks are
-        freed when the transfer ends."""
+        self.handoffs: StateTable[S, Handoff] = handoff_table()
+        """Where each reserved request stands until it runs or is freed (the loop thread's)."""
         self._readers: set[str] = set()
         """Requests whose stream is being read (on the actor's event loop)."""
         super().__init__(instance, allocate_kv=allocate_kv, **kwargs)
@@ -114,9 +112,11 @@ class DecodeWorker(Worker):
         return EngineLoop(self.engine, tick=self._tick, on_down=self._engine_down)
 
     def _held(self, inventory: EngineInventory) -> dict[str, int]:
+        h = self.handoffs
         return dict(num_reserved=inventory.num_reserved,
-                    num_first_tokens=len(self._first_tokens) + len(self._streamed_first) + len(self._finished_first),
-                    num_arrived=len(self._arrived), num_pending_transfers=self.receiver.num_pending)
+                    num_first_tokens=h.count(S.FIRST_TOKEN_HELD, S.FIRST_TOKEN_SENT, S.ENDED_BEFORE_KV),
+                    num_arrived=h.count(S.READY), num_pending_transfers=self.receiver.num_pending,
+                    num_aborting=h.count(S.ABORTING))
 
     async def reserve(self, request: WorkerRequest) -> Destination:
         """Hold blocks for the request's prompt and wait for its KV. Raises PoolFull when the
@@ -176,93 +176,111 @@ class DecodeWorker(Worker):
 
     # -- on the loop thread -------------------------------------------------------------
     def _reserve(self, engine: LLMEngine, request: WorkerRequest) -> Destination:
-        block_ids = engine.reserve_prefilled(request.request_id, request.prompt_token_ids, request.params)
+        block_ids = engine.reserve_prefilled(request.request_id, request.prompt_token_ids, request.params,
+                                             request.priority)
         if block_ids is None:
             raise PoolFull(f"{self.instance}: no room for {len(request.prompt_token_ids)} prompt tokens now")
         # Only the KV after the prefix this pool caches already is sent.
-        num_cached = engine.get_sequence(request.request_id).num_cached_prompt_tokens
-        return self.receiver.expect(request.request_id, block_ids, len(request.prompt_token_ids),
+        seq = engine.get_sequence(request.request_id)
+        assert seq is not None  # (reserved just now)
+        num_cached = seq.num_cached_prompt_tokens
+        dest = self.receiver.expect(request.request_id, block_ids, len(request.prompt_token_ids),
                                     num_cached_tokens=num_cached)
+        self.handoffs.begin(request.request_id, Handoff())
+        return dest
 
     def _prefill_local(self, engine: LLMEngine, request: WorkerRequest) -> None:
         if not engine.may_add_request(request.prompt_token_ids, request.params):
             raise PoolFull(f"{self.instance}: no room for {len(request.prompt_token_ids)} prompt tokens now")
-        engine.add_request(request.request_id, request.prompt_token_ids, request.params)
+        engine.add_request(request.request_id, request.prompt_token_ids, request.params, priority=request.priority)
 
     def _start(self, engine: LLMEngine, first: PrefillResult) -> None:
-        seq = engine.get_sequence(first.request_id)
+        rid = first.request_id
+        seq, h = engine.get_sequence(rid), self.handoffs.get(rid)
         if seq is None:
             return  # aborted or failed meanwhile
-        if seq.num_output_tokens or first.request_id in self._first_tokens or seq.status.is_finished:
-            raise ValueError(f"{first.request_id} has its first token already")
+        if h is None or h.state not in (S.RESERVED, S.READY):
+            raise ValueError(f"{rid} has its first token already")
         params = seq.params
         num_expected = (num_candidates(params.beam_width, len(engine.config.model.eos_token_ids))
                         if params.use_beam_search else params.n)
         vocab_size = engine.config.model.vocab_size
         if not (isinstance(first.token_ids, list) and len(first.token_ids) == num_expected
                 and all(isinstance(t, int) and 0 <= t < vocab_size for t in first.token_ids)):
-            raise ValueError(f"{first.request_id}: token_ids must be {num_expected} token ids in the vocabulary, "
+            raise ValueError(f"{rid}: token_ids must be {num_expected} token ids in the vocabulary, "
                              f"got {first.token_ids!r}")
         num_tops = num_expected if params.top_logprobs else 0
         if len(first.logprobs) != num_expected or len(first.top_logprobs) != num_tops:
-            raise ValueError(f"{first.request_id}: need {num_expected} logprobs and {num_tops} top logprobs, "
+            raise ValueError(f"{rid}: need {num_expected} logprobs and {num_tops} top logprobs, "
                              f"got {len(first.logprobs)} and {len(first.top_logprobs)}")
-        rid = first.request_id
         self.receiver.all_sent(rid)
-        if rid in self._arrived or not engine.may_accept_first_sample(seq):
-            self._first_tokens[rid] = first
-            self._start_if_ready(engine, rid)
-            return
-        # The KV is still on its way: the first token need not wait for it.
-        for delta in engine.accept_first_sample(rid, _first_sample(first)):
-            self.loop.publish_engine_delta(delta)
-        if seq.status.is_finished:
-            self._finished_first[rid] = seq
-        else:
-            self._streamed_first.add(rid)
+        if h.state is S.READY:
+            self._run_prefilled(rid, first)
+        elif not engine.may_accept_first_sample(seq):
+            self.handoffs.move(rid, S.FIRST_TOKEN_HELD, first=first)
+        else:  # the KV is still on its way: the first token need not wait for it
+            for delta in engine.accept_first_sample(rid, _first_sample(first)):
+                self.loop.publish_engine_delta(delta)
+            if seq.status.is_finished:
+                self.handoffs.move(rid, S.ENDED_BEFORE_KV, seq=seq)
+            else:
+                self.handoffs.move(rid, S.FIRST_TOKEN_SENT)
 
-    def _start_if_ready(self, engine: LLMEngine, request_id: str) -> None:
-        if request_id not in self._arrived or request_id not in self._first_tokens:
-            return
-        self._arrived.discard(request_id)
-        first = self._first_tokens.pop(request_id)
-        for delta in engine.start_prefilled(request_id, _first_sample(first)):
+    def _run_prefilled(self, request_id: str, first: PrefillResult | None) -> None:
+        """KV and first token both here: the request joins the running batch (first None: the
+        token went out already)."""
+        self.handoffs.move(request_id, S.RUNNING)
+        for delta in self.engine.start_prefilled(request_id, None if first is None else _first_sample(first)):
             self.loop.publish_engine_delta(delta)
 
     def _tick(self) -> None:
         while (event := self.receiver.get_event(0)) is not None:
             rid = event.request_id
-            finished = self._finished_first.pop(rid, None)
-            seq = finished or self.engine.get_sequence(rid)
-            if seq is None:
+            h = self.handoffs.get(rid)
+            if h is None:
                 continue
-            self.metrics.transfer_ended(seq.arrival_time, None if event.status is TransferStatus.DONE else event.reason)
-            if finished is not None:
-                self.engine.release_blocks(finished)  # the receiver writes no more into them
-            elif event.status is TransferStatus.DONE and rid in self._streamed_first:
-                self._streamed_first.discard(rid)
-                self.engine.start_prefilled(rid)
-            elif event.status is TransferStatus.DONE:
-                self._arrived.add(rid)
-                self._start_if_ready(self.engine, rid)
-            else:
-                self._first_tokens.pop(rid, None)
-                self._streamed_first.discard(rid)
+            if h.state in (S.ABORTING, S.ENDED_BEFORE_KV):  # the receiver writes no more into its blocks
+                assert h.seq is not None
+                if h.state is S.ENDED_BEFORE_KV:
+                    self.metrics.transfer_ended(h.seq.arrival_time, _failure(event))
+                self.engine.release_blocks(h.seq)
+                self.handoffs.move(rid, S.FREED)
+                continue
+            seq = self.engine.get_sequence(rid)
+            assert seq is not None, f"{rid} is {h.state.name} with no sequence"
+            self.metrics.transfer_ended(seq.arrival_time, _failure(event))
+            if event.status is not TransferStatus.DONE:
+                self.handoffs.move(rid, S.FREED)
+                seq.keep_blocks = False  # (nothing writes into them any more)
                 delta = self.engine.abort_request(rid)
                 if delta is not None:
                     self.loop.publish_engine_delta(delta, error=f"the prompt's KV never arrived: {event.reason}")
+            elif h.state is S.RESERVED:
+                self.handoffs.move(rid, S.READY)
+            else:  # FIRST_TOKEN_SENT (its token is out) or FIRST_TOKEN_HELD
+                self._run_prefilled(rid, h.first)
 
     def _abort(self, engine: LLMEngine, request_id: str) -> bool:
-        # NOTE: after receiver.abort returns, nothing writes into the request's blocks.
-        self.receiver.abort(request_id)
-        self._arrived.discard(request_id)
-        self._first_tokens.pop(request_id, None)
-        self._streamed_first.discard(request_id)
-        finished = self._finished_first.pop(request_id, None)
-        if finished is not None:  # its stream has ended: only its blocks are left
-            engine.release_blocks(finished)
+        # Never waits: a same-node writer stopped inside a write keeps only this request's
+        # blocks, until the receiver's revoke returns (its event, in _tick).
+        outcome = self.receiver.abort(request_id)
+        h = self.handoffs.get(request_id)
+        if h is None:  # running, prefilled here, or unknown
+            delta = engine.abort_request(request_id)
+        elif h.state is S.ABORTING:
             return False
-        delta = engine.abort_request(request_id)
+        else:
+            revoking = outcome is AbortOutcome.REVOKING
+            seq = h.seq if h.state is S.ENDED_BEFORE_KV else engine.get_sequence(request_id)
+            assert seq is not None, f"{request_id} is {h.state.name} with no sequence"
+            seq.keep_blocks = revoking  # NOTE: the blocks stay held until the revoke has returned
+            if h.state is S.ENDED_BEFORE_KV:  # its stream has ended: only its blocks are left
+                delta = None
+                if not revoking:
+                    engine.release_blocks(seq)
+            else:
+                delta = engine.abort_request(request_id)
+            self.handoffs.move(request_id, S.ABORTING if revoking else S.FREED, seq=seq if revoking else None)
         if delta is not None:
             self.loop.publish_engine_delta(delta)
         return delta is not None
@@ -276,3 +294,8 @@ class DecodeWorker(Worker):
 
 def _first_sample(first: PrefillResult) -> FirstSample:
     return FirstSample(first.token_ids, first.logprobs, first.top_logprobs)
+
+
+def _failure(event: TransferEvent) -> str | None:
+    """The transfer-time metric's failure reason (None: it arrived)."""
+    return None if event.status is TransferStatus.DONE else event.reason

@@ -1,4 +1,5 @@
-"""The operations the model calls (attention, the KV store, weight-only GEMVs): the one place that picks an implementation.
+"""The operations the model calls (attention, the KV store, weight-only GEMVs): the one place
+that picks an implementation.
 
 `TANDEM_ATTENTION_BACKEND` chooses: `auto` (the default: Triton on CUDA tensors; on CPU
 tensors the compiled CPU decode-attention kernel for the dtypes in AUTO_CPU_KERNEL_DTYPES

@@ -136,7 +136,9 @@ def export_pool(kv_cache: torch.Tensor) -> IpcHandle:
 def pool_view(storage: torch.UntypedStorage, layout: KVLayout) -> torch.Tensor:
     """The pool tensor over `storage` ([layers, 2, blocks, block_size, kv_heads, head_dim])."""
     shape = (layout.num_layers, 2, layout.num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-    return torch.empty(0, dtype=TORCH_DTYPES[layout.dtype], device=storage.device).set_(storage, 0, shape)
+    # torch's stubs want a stride alongside the size; set_ takes the size alone (contiguous).
+    return torch.empty(0, dtype=TORCH_DTYPES[layout.dtype], device=storage.device).set_(  # type: ignore[call-overload]
+        storage, 0, shape)
 
 
 def open_pool(ipc: IpcHandle, layout: KVLayout, device_index: int) -> torch.Tensor:

@@ -63,7 +63,7 @@ class PairBackend:
 
 
 def _gloo(store: dist.Store, rank: int, timeout: datetime.timedelta, host: str) -> Any:
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's stubs call it Options
     # Gloo's own sockets: on the address the peer reaches, not whatever the hostname resolves to.
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
     options._timeout = timeout
@@ -296,5 +296,6 @@ def join_pair(address: str, offer: dict[str, Any], timeout_s: float) -> DistPayl
         raise
     # The sender's close tells the receiver, whose side is destroyed at its next handshake.
     prefixed = dist.PrefixStore(f"kv-pair/{key}/", store)
-    pair.on_close = lambda: prefixed.set(CLOSED_KEY, b"1")
+    # torch's stubs type Store.set's value as str; the store takes bytes too.
+    pair.on_close = lambda: prefixed.set(CLOSED_KEY, b"1")  # type: ignore[arg-type]
     return pair

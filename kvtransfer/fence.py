@@ -12,7 +12,10 @@ receiver in one process are fenced alike.
 
 NOTE: the fence. Revoking takes the slot's lock, so it waits for a layer being written to
 finish; a sender that takes the lock afterwards finds its token gone and writes nothing.
-Once `revoke` returns, no byte lands in those blocks again (until a new grant).
+Once `revoke` returns, no byte lands in those blocks again (until a new grant). A writer
+stopped inside a write (SIGSTOP) holds the lock as long as it is stopped: the receiver tries
+`try_revoke` first and leaves a revoke that must wait to a thread of its own (revoker.py),
+keeping the blocks out of its pool until then.
 """
 
 from __future__ import annotations
@@ -78,19 +81,35 @@ class GrantFence:
         self.fd = fd
         self.table = table
         self.table_offset = table_offset
-        # NOTE: threads sharing one descriptor share its OFD locks: this makes them take turns.
-        self._mutex = threading.Lock()
+        # NOTE: threads sharing one descriptor share its OFD locks: a mutex per slot makes them
+        # take turns on it (one for all would let a revoke waiting on a stopped writer's slot
+        # hold up the grants of every other slot).
+        self._mutexes: dict[int, threading.Lock] = {}
+        self._mutexes_guard = threading.Lock()
         self._tokens = itertools.count(1)  # the receiver's: unique for the pool's life
 
+    def _mutex(self, slot: int) -> threading.Lock:
+        with self._mutexes_guard:
+            return self._mutexes.setdefault(slot, threading.Lock())
+
     @contextmanager
-    def _holding(self, slot: int) -> Iterator[None]:
+    def _holding(self, slot: int, wait: bool = True) -> Iterator[bool]:
+        """Hold the slot's lock; -> False (holding nothing) when `wait` is off and someone has it."""
         start = self.table_offset + slot * self.table.itemsize
-        with self._mutex:
-            ofd_lock(self.fd, start, self.table.itemsize)
+        mutex = self._mutex(slot)
+        if not mutex.acquire(blocking=wait):
+            yield False
+            return
+        try:
+            if not ofd_lock(self.fd, start, self.table.itemsize, wait=wait):
+                yield False
+                return
             try:
-                yield
+                yield True
             finally:
                 ofd_unlock(self.fd, start, self.table.itemsize)
+        finally:
+            mutex.release()
 
     def grant(self, blocks: Sequence[int]) -> int:
         """Let the holder of the returned token write `blocks` (the receiver, at reservation)."""
@@ -108,8 +127,15 @@ class GrantFence:
         if waited >= SLOW_REVOKE_S:
             logger.warning("kv fence: revoking blocks %s waited %.1f s for a writer", blocks[:4], waited)
 
+    def try_revoke(self, blocks: Sequence[int]) -> bool:
+        """`revoke` if no write is under way in `blocks` now; -> False (nothing done) when one is."""
+        with self._holding(blocks[0], wait=False) as held:
+            if held:
+                self.table[list(blocks)] = 0
+        return held
+
     @contextmanager
-    def writing(self, slot: int, token: int, blocks: Sequence[int]) -> Iterator[bool]:
+    def writing(self, slot: int, token: int, blocks: Sequence[int] | np.ndarray) -> Iterator[bool]:
         """Hold the slot's lock; -> whether `blocks` are all still granted to `token` (write
         them only then, inside the with block)."""
         with self._holding(slot):

@@ -17,19 +17,39 @@ class SharedPool(Protocol):
     """A receiver's pool offered to same-node senders to write in place: in host shared
     memory (shared_pool.HostSharedPool) or on a GPU by CUDA IPC (cuda_ipc.DevicePoolExport)."""
 
-    path: str
-    """"shm" or "cuda_ipc": the path a sender names in its HELLO (`in_place`) to take it."""
-    device: str
-    """The pool's CUDA device identity ("" in host memory)."""
-    name: str
-    """Its file in shared memory (the pool and its grant table, or the grant table alone)."""
-    num_bytes: int
-    """That file's size, which the sender's offer must name."""
-    kv_cache: Any
-    fence: GrantFence
+    @property
+    def path(self) -> str:
+        """"shm" or "cuda_ipc": the path a sender names in its HELLO (`in_place`) to take it."""
+        ...
+
+    @property
+    def device(self) -> str:
+        """The pool's CUDA device identity ("" in host memory)."""
+        ...
+
+    @property
+    def name(self) -> str:
+        """Its file in shared memory (the pool and its grant table, or the grant table alone)."""
+        ...
+
+    @property
+    def num_bytes(self) -> int:
+        """That file's size, which the sender's offer must name."""
+        ...
+
+    @property
+    def kv_cache(self) -> Any: ...
+
+    @property
+    def fence(self) -> GrantFence: ...
 
     def export(self) -> dict[str, Any]:
         """The HELLO_OK fields a sender needs to open the pool (besides its name)."""
+        ...
+
+    def close(self) -> None:
+        """Release the pool's file (and, for host memory, its mapping)."""
+        ...
 
 
 def in_place_reply(hello: dict[str, Any], pool: SharedPool) -> dict[str, Any] | None:

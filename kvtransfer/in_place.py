@@ -22,13 +22,23 @@ from tandem.kvtransfer.slots import contiguous_runs, covering_blocks, token_slot
 class InPlaceTarget(Protocol):
     """A receiver's pool that this process writes into itself."""
 
-    path: str
-    """The data path it makes ("shm" or "cuda_ipc", path_choice.IN_PLACE_PATHS)."""
-    layout: KVLayout
-    kv_cache: torch.Tensor
-    """The receiver's pool as this process sees it: in host memory, or on a GPU."""
-    fence: GrantFence
-    """The receiver's grant table: a write happens only inside fence.writing."""
+    @property
+    def path(self) -> str:
+        """The data path it makes ("shm" or "cuda_ipc", path_choice.IN_PLACE_PATHS)."""
+        ...
+
+    @property
+    def layout(self) -> KVLayout: ...
+
+    @property
+    def kv_cache(self) -> torch.Tensor:
+        """The receiver's pool as this process sees it: in host memory, or on a GPU."""
+        ...
+
+    @property
+    def fence(self) -> GrantFence:
+        """The receiver's grant table: a write happens only inside fence.writing."""
+        ...
 
     def owner_alive(self) -> bool:
         """Whether the receiver still holds the pool (its grant table's owner lock)."""

@@ -57,6 +57,7 @@ def check(store: dist.Store, pair: bytes, key: bytes, timeout: datetime.timedelt
     try:
         store.wait([GRANT_KEY], timeout)
     except RuntimeError:  # (torch's DistStoreError: no proof came)
-        raise PairRefused(f"no grant proof for the torch.distributed pair within {timeout.total_seconds():.0f} s") from None
+        raise PairRefused("no grant proof for the torch.distributed pair within "
+                          f"{timeout.total_seconds():.0f} s") from None
     if not hmac.compare_digest(store.get(GRANT_KEY), proof(key, pair).encode()):
         raise PairRefused("the torch.distributed pair's grant proof is wrong: not joined")

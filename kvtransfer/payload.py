@@ -26,12 +26,14 @@ _DTYPE_NAMES: Mapping[torch.dtype, str] = MappingProxyType({v: k for k, v in TOR
 def layout_of(kv_cache: torch.Tensor) -> KVLayout:
     """kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]"""
     if not kv_cache.is_contiguous():
-        raise ValueError(f"kv_cache must be a contiguous [layers, 2, blocks, block_size, heads, dim], got {tuple(kv_cache.shape)}")
+        raise ValueError("kv_cache must be a contiguous [layers, 2, blocks, block_size, heads, dim], "
+                         f"got {tuple(kv_cache.shape)}")
     return layout_for(tuple(kv_cache.shape), kv_cache.dtype)
 
 
 def layout_for(shape: tuple[int, ...], dtype: torch.dtype) -> KVLayout:
-    """The layout of a pool of `shape` [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim] and `dtype`."""
+    """The layout of a pool of `shape` [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    and `dtype`."""
     num_layers, two, num_blocks, block_size, num_kv_heads, head_dim = shape
     if two != 2:
         raise ValueError(f"kv_cache must be a contiguous [layers, 2, blocks, block_size, heads, dim], got {shape}")
@@ -48,7 +50,8 @@ def layer_rows(kv_cache: torch.Tensor, layer: int, kv: int) -> torch.Tensor:
 def frame_of(rows: torch.Tensor) -> memoryview:
     """Raw bytes of contiguous rows, without a copy when they are in host memory."""
     host = rows if rows.device.type == "cpu" else rows.cpu()  # the one copy a socket needs
-    return memoryview(host.contiguous().view(torch.uint8).numpy()).cast("B")
+    # numpy's stubs give ndarray __buffer__ only for Python 3.12+ (the buffer protocol is older).
+    return memoryview(host.contiguous().view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def rows_of(frame: memoryview, dtype: str, row_shape: tuple[int, int]) -> torch.Tensor:
@@ -123,7 +126,8 @@ class DistPayload:
             work = self._own.send([t], peer, 0) if self._own is not None else dist.isend(t, dst=peer, group=self.group)
             self._finish(work, f"send to rank {peer}")
 
-    def recv(self, peer: int, num_tokens: int, row_shape: tuple[int, int], dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def recv(self, peer: int, num_tokens: int, row_shape: tuple[int, int], dtype: str
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> K and V rows [num_tokens, *row_shape] from `peer`, on this payload's device.
         Raises RuntimeError (PeerLost past the deadline) when it is gone."""
         out = []

@@ -77,7 +77,7 @@ def connect_peer(address: str, hello: dict[str, Any], timeout_s: float, shm_pool
     Raises TransferRefused when the receiver refuses (or the pair cannot be made),
     TimeoutError when it does not answer.
     """
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
     # Queue nothing for a receiver that is gone (sends fail at once instead), and allow

@@ -146,7 +146,8 @@ def decode(frame: bytes | memoryview) -> tuple[MessageKind, str, dict[str, Any]]
     if msg.get("v") != PROTOCOL_VERSION:
         raise ProtocolError("version", f"protocol version {msg.get('v')!r}, expected {PROTOCOL_VERSION}")
     try:
-        kind = MessageKind(msg.get("kind"))
+        raw_kind: Any = msg.get("kind")  # (whatever came: MessageKind refuses what is no kind)
+        kind = MessageKind(raw_kind)
     except ValueError:
         raise ProtocolError("malformed", f"unknown message kind {msg.get('kind')!r}") from None
     request_id = msg.get("request_id")
@@ -229,6 +230,17 @@ class TransferStatus(enum.IntEnum):
     PENDING = 0
     DONE = 1
     FAILED = 2
+    ABORTED = 3  # by the receiver's owner (reported only after a revoke that had to wait)
+
+
+class AbortOutcome(enum.IntEnum):
+    """What a receiver's `abort` did (see KVReceiver.abort)."""
+
+    NOT_PENDING = 0
+    FENCED = 1
+    """Nothing writes into the request's blocks any more: they may go back to the pool."""
+    REVOKING = 2
+    """A same-node writer holds them: they go back only at the request's ABORTED event."""
 
 
 @dataclass(frozen=True)

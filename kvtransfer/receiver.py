@@ -32,6 +32,7 @@ from tandem.kvtransfer.payload import TORCH_DTYPES, DistPayload, rows_of
 from tandem.kvtransfer.placement import host_identity
 from tandem.kvtransfer.protocol import (
     MAX_HEADER_BYTES,
+    AbortOutcome,
     Destination,
     KVLayout,
     LayerHeader,
@@ -46,6 +47,7 @@ from tandem.kvtransfer.protocol import (
     payload_crc32,
 )
 from tandem.kvtransfer.reservation import Reservation, check_layer, is_granted, layer_slots, new_grant
+from tandem.kvtransfer.revoker import Revoker
 from tandem.kvtransfer.sink import KVSink, PoolSink
 
 logger = logging.getLogger(__name__)
@@ -86,11 +88,15 @@ class KVReceiver:
         """ZMQ identities of the senders that negotiated the shared-memory path (the I/O thread's)."""
         self.model = model
         self.kv_cache = kv_cache
-        self.sink: KVSink = sink if sink is not None else PoolSink(kv_cache)
+        if sink is None:
+            assert kv_cache is not None, "a receiver without a sink writes into kv_cache"
+            sink = PoolSink(kv_cache)
+        self.sink: KVSink = sink
         self.layout: KVLayout = self.sink.layout
         self.timeout_s = timeout_s
         self.dist_payload = dist_payload
-        self.max_frame_bytes = max(MAX_HEADER_BYTES, self.layout.num_blocks * self.layout.block_size * self.layout.row_bytes)
+        layout = self.layout
+        self.max_frame_bytes = max(MAX_HEADER_BYTES, layout.num_blocks * layout.block_size * layout.row_bytes)
         """The largest frame taken: a header, or one layer's K (or V) rows for the whole pool."""
         self.dropped: collections.Counter[str] = collections.Counter()
         """Messages dropped, by reason (malformed, unknown_request, wrong_dtype, ...)."""
@@ -114,6 +120,7 @@ class KVReceiver:
         self.address: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
         self._pairs = ReceiverPairs(self.address, timeout_s)
         """torch.distributed pairs, with the senders that asked for one (the I/O thread's)."""
+        self._revoker = None if shared_pool is None else Revoker(shared_pool.fence, self._events)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-receiver", daemon=True)
         self._thread.start()
@@ -139,22 +146,31 @@ class KVReceiver:
                 raise ValueError(f"{request_id}: already expected")
             self._ended.pop(request_id, None)
             dest = Destination(request_id, self.address, tuple(block_ids), num_tokens, num_cached_tokens, self.node_id,
-                               "" if pool is None else pool.name, 0 if pool is None else pool.fence.grant(granted),
+                               "" if pool is None else pool.name,
+                               0 if pool is None or granted is None else pool.fence.grant(granted),
                                grant=new_grant(), device=self.device)
             self._expected[request_id] = Reservation(dest, timeout_s, [num_cached_tokens] * self.layout.num_layers,
                                                      granted)
         return dest
 
-    def abort(self, request_id: str) -> bool:
-        """Stop waiting for a request and tell its sender; no event follows. -> whether it was pending.
+    def abort(self, request_id: str) -> AbortOutcome:
+        """Stop waiting for a request and tell its sender at once (never waits for a writer).
 
-        NOTE: once this returns, no byte is written into the request's blocks any more.
+        -> NOT_PENDING (nothing to do), FENCED (no byte is written into its blocks any more,
+        no event follows), or REVOKING: a same-node writer is inside a write (or stopped
+        there); its ABORTED event comes once its grant is revoked, and until then the blocks
+        must stay out of the pool.
         """
-        with self._lock:  # the writer holds the lock while it writes (a same-node sender: see _close)
-            exp = self._close(request_id)
-        if exp is not None and exp.sender is not None:
+        with self._lock:
+            exp = self._expected.get(request_id)
+            fenced = exp is not None and self._close(request_id, TransferEvent(request_id, TransferStatus.ABORTED,
+                                                                               "aborted by its owner"))
+        if exp is None:  # (ended already: its end may still wait for a revoke)
+            revoking = self._revoker is not None and self._revoker.is_revoking(request_id)
+            return AbortOutcome.REVOKING if revoking else AbortOutcome.NOT_PENDING
+        if exp.sender is not None:
             self._outbox.put((exp.sender, encode(MessageKind.ABORT, request_id)))
-        return exp is not None
+        return AbortOutcome.FENCED if fenced else AbortOutcome.REVOKING
 
     def all_sent(self, request_id: str) -> None:
         """The sender has sent every layer (e.g. the prompt's first token, sampled after its
@@ -178,6 +194,8 @@ class KVReceiver:
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
+        if self._revoker is not None:
+            self._revoker.close()
         self._socket.close()
         self._pairs.close()
         if self._auth is not None:
@@ -225,9 +243,8 @@ class KVReceiver:
                 exp = self._expected.get(request_id)
                 if exp is not None and not is_granted(exp, grant_of(msg)):
                     raise ProtocolError("no_grant", f"ABORT of {request_id} without its grant")
-                exp = self._close(request_id)
-            if exp is not None:
-                self._events.put(TransferEvent(request_id, TransferStatus.FAILED, "aborted by the sender"))
+                if exp is not None:
+                    self._report(request_id, TransferEvent(request_id, TransferStatus.FAILED, "aborted by the sender"))
         else:
             raise ProtocolError("malformed", f"a receiver does not expect {kind.name}")
 
@@ -284,10 +301,9 @@ class KVReceiver:
             self.num_bytes_received += 2 * h.num_tokens * self.layout.row_bytes
             complete = all(n == exp.destination.num_tokens for n in exp.received)
             if complete:  # nothing more may be written: its blocks are the decoder's now
-                self._close(h.request_id)
+                self._report(h.request_id, TransferEvent(h.request_id, TransferStatus.DONE))
         if complete:
             self._socket.send_multipart([sender, encode(MessageKind.DONE, h.request_id)])
-            self._events.put(TransferEvent(h.request_id, TransferStatus.DONE))
 
     def _payload(self, sender: bytes, h: LayerHeader, frames: list[zmq.Frame], dist_rank: object, granted: bool
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -306,6 +322,7 @@ class KVReceiver:
                 if sender in self._pairs:
                     payload, dist_rank = self._pairs.payload(sender), SENDER_RANK
                 else:
+                    assert self.dist_payload is not None  # (not a pair's: this receiver's own payload)
                     payload = self.dist_payload
                 k, v = payload.recv(dist_rank, h.num_tokens, h.row_shape, h.dtype)
             except Exception as e:  # the peer died between header and tensors (or never joined its pair)
@@ -341,9 +358,8 @@ class KVReceiver:
         with self._lock:
             if request_id not in self._expected:
                 return
-            self._close(request_id)
-        self._socket.send_multipart([sender, encode(MessageKind.FAILED, request_id, reason=reason)])
-        self._events.put(TransferEvent(request_id, TransferStatus.FAILED, reason))
+            self._socket.send_multipart([sender, encode(MessageKind.FAILED, request_id, reason=reason)])
+            self._report(request_id, TransferEvent(request_id, TransferStatus.FAILED, reason))
 
     def _fail_sender(self, sender: bytes, request_id: str | None, reason: str) -> None:
         """Fail `request_id` and every pending request of a sender whose data path broke
@@ -351,31 +367,37 @@ class KVReceiver:
         with self._lock:
             lost = [rid for rid, e in self._expected.items() if e.sender == sender or rid == request_id]
             for rid in lost:
-                self._close(rid)
-        for rid in lost:
-            self._events.put(TransferEvent(rid, TransferStatus.FAILED, reason))
+                self._report(rid, TransferEvent(rid, TransferStatus.FAILED, reason))
 
     def _sweep_deadlines(self) -> None:
         now = time.monotonic()
         with self._lock:
             expired = [rid for rid, e in self._expected.items() if e.deadline is not None and e.deadline <= now]
-            ended = [(rid, self._close(rid)) for rid in expired]
+            ended = [(rid, self._expected[rid]) for rid in expired]
+            for rid, exp in ended:
+                logger.warning("kv transfer %s timed out: nothing for %.1f s", rid, exp.timeout_s)
+                self.dropped["timeout"] += 1
+                self._report(rid, TransferEvent(rid, TransferStatus.FAILED, "timed out waiting for KV"))
         for rid, exp in ended:
-            logger.warning("kv transfer %s timed out: nothing for %.1f s", rid, exp.timeout_s)
-            self.dropped["timeout"] += 1
             if exp.sender is not None:
                 self._socket.send_multipart([exp.sender, encode(MessageKind.FAILED, rid, reason="timeout")])
-            self._events.put(TransferEvent(rid, TransferStatus.FAILED, "timed out waiting for KV"))
 
-    def _close(self, request_id: str) -> Reservation | None:
-        """Under self._lock: the request is expected no more; -> its reservation, if any.
-        NOTE: the fence: revoking waits for a layer a same-node sender is writing; after it,
-        not a byte of that sender lands in the blocks."""
+    def _report(self, request_id: str, event: TransferEvent) -> None:
+        """Under self._lock: close the request and report its end, once its grant is revoked."""
+        if self._close(request_id, event):
+            self._events.put(event)
+
+    def _close(self, request_id: str, event: TransferEvent) -> bool:
+        """Under self._lock: the request is expected no more. -> whether its blocks are fenced
+        now; else `event` is reported once a same-node writer inside a write lets go.
+        NOTE: the fence: frames are written under self._lock, so none lands after this; an
+        in-place write lands only under its grant, which the revoke takes back."""
         exp = self._expected.pop(request_id, None)
         self._remember_ended(request_id)
-        if exp is not None and exp.granted is not None:
-            self.shared_pool.fence.revoke(exp.granted)
-        return exp
+        if exp is None or exp.granted is None:
+            return True
+        assert self._revoker is not None  # (a grant comes only with a shared pool)
+        return self._revoker.close_then_report(exp.granted, event)
 
     def _remember_ended(self, request_id: str) -> None:
         self._ended[request_id] = None

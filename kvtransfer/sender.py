@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import logging
 import time
+from typing import Any, Sequence
 
 import torch
 import zmq
@@ -145,7 +146,7 @@ class KVSender:
         choice = self.choose(destination)
         if choice.refused:
             raise TransferRefused(f"KV to {address}: {choice.reason}")
-        hello = {"layout": self.layout.as_dict()}
+        hello: dict[str, Any] = {"layout": self.layout.as_dict()}
         if self.model is not None:
             hello["model"] = self.model
         if self.dist_payload is not None:
@@ -174,7 +175,7 @@ class KVSender:
         self._peers[address] = peer
         return peer.layout
 
-    def begin(self, destination: Destination, src_block_ids: list[int] = ()) -> str:
+    def begin(self, destination: Destination, src_block_ids: Sequence[int] = ()) -> str:
         """Start sending a request's KV (held in `src_block_ids` here, or given to each
         `send_layer` as the blocks come) to its destination (shaking hands first, unless a
         handshake was `adopt`ed).
@@ -272,6 +273,7 @@ class KVSender:
     def _send_dist(self, request_id: str, address: str, peer: Peer, header: dict, src_slots, rows, num_bytes: int
                    ) -> bool:
         """The header by ZMQ, then K and V by torch.distributed (blocking until handed over)."""
+        assert peer.dist is not None and peer.dist_rank is not None  # (a torch.distributed peer: its path)
         header.update(frame_tokens=[], dist_rank=peer.dist.rank)
         if not self._send(request_id, peer, [encode(MessageKind.LAYER, request_id, **header)]):
             return False
@@ -304,6 +306,7 @@ class KVSender:
             logger.warning("kv transfer %s: the receiver is not accepting messages", request_id)
             self._end(request_id, TransferEvent(request_id, TransferStatus.FAILED, "receiver not accepting messages"))
             return False
+        assert tracker is not None  # (track=True: always a tracker)
         self._outgoing[request_id].trackers.append(tracker)
         return True
 
@@ -367,12 +370,15 @@ class KVSender:
         for request_id, out in self._outgoing.items():
             if out.ended is None and out.deadline is not None and out.deadline <= now:
                 logger.warning("kv transfer %s: no ack within %.1f s", request_id, self.timeout_s)
-                self._end(request_id, TransferEvent(request_id, TransferStatus.FAILED, "timed out waiting for the receiver"))
+                self._end(request_id,
+                          TransferEvent(request_id, TransferStatus.FAILED, "timed out waiting for the receiver"))
         self._drop_pinning_peers(now)
         released = [r for r, o in self._outgoing.items()
                     if o.ended is not None and not o.num_staged and all(t.done for t in o.trackers)]
         for request_id in released:
-            self._events.append(self._outgoing.pop(request_id).ended)
+            ended = self._outgoing.pop(request_id).ended
+            assert ended is not None  # (released: only ended ones)
+            self._events.append(ended)
         events, self._events = self._events, []
         return events
 

@@ -195,7 +195,9 @@ class _MappedFile(_PoolFile):
         size = os.fstat(fd).st_size
         if size != file_bytes:
             raise ValueError(f"{name} holds {size} bytes, a pool of {layout} needs {file_bytes}")
-        if os.pread(fd, _TAG_BYTES, tag_offset).hex() != NAME.fullmatch(name)["tag"]:
+        match = NAME.fullmatch(name)
+        assert match is not None, f"not a KV pool name: {name!r}"  # (open_fd took the fd by this name)
+        if os.pread(fd, _TAG_BYTES, tag_offset).hex() != match["tag"]:
             raise ValueError(f"{name}: the file there is another one (its tag differs)")
         super().__init__(name, fd, layout, populate=False)
 

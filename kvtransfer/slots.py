@@ -7,7 +7,8 @@ from typing import Sequence
 import numpy as np
 
 
-def token_slots(block_ids: Sequence[int], block_size: int, start: int, end: int, first_block: int = 0) -> np.ndarray:
+def token_slots(block_ids: Sequence[int] | np.ndarray, block_size: int, start: int, end: int,
+                first_block: int = 0) -> np.ndarray:
     """Slots (block_id * block_size + offset) of tokens [start, end).
 
     block_ids[i] holds tokens [(first_block + i) * block_size, ...): a whole block table

@@ -11,6 +11,7 @@ A request's life here (the whole way: docs/architecture.md):
 Exits: `abort` (cancel, deadline, the decode worker gone) or a transfer that fails or times
 out ends the sequence at once, but its blocks are freed only in `_tick`, once the sender
 says ZMQ no longer reads them. A dead worker's pool dies with its process.
+Each step of the way is a state of the worker's handoff table (handoff.py).
 """
 
 from __future__ import annotations
@@ -37,9 +38,12 @@ from tandem.kvtransfer.sender import KVSender
 from tandem.kvtransfer.slots import token_slots
 from tandem.outputs import RequestDelta
 from tandem.parallel.runner import TensorParallelRunner
+from tandem.prefill_node.handoff import TRANSITIONS, PrefillHandoff
+from tandem.prefill_node.handoff import PrefillHandoff as P
 from tandem.worker.api import EngineDown, PrefillResult, Role, WorkerRequest, checked
 from tandem.worker.base import Worker
 from tandem.worker.engine_loop import EngineLoop
+from tandem.worker.state_table import StateTable
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +53,7 @@ class _Prefill:
     seq: Sequence
     result: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    state: PrefillHandoff = P.PREFILLING
     started: float = dataclasses.field(default_factory=time.monotonic)
     """When the transfer began (for the transfer time metric)."""
     num_sent_tokens: int = 0
@@ -73,7 +78,8 @@ class PrefillWorker(Worker):
         self._transfer_timeout_s = transfer_timeout_s
         self._kv_checksum = kv_checksum
         self._node_id = node_id
-        self._prefills: dict[str, _Prefill] = {}
+        self.handoffs: StateTable[PrefillHandoff, _Prefill] = StateTable(P.PREFILLING, TRANSITIONS)
+        """Where each admitted request stands until its blocks are free (the loop thread's)."""
         super().__init__(instance, **kwargs)
 
     def _prefill_hooks(self, runner: ModelRunner) -> PrefillHooks:
@@ -84,8 +90,9 @@ class PrefillWorker(Worker):
 
     def _start_loop(self) -> EngineLoop:
         runner = self.engine.runner
+        layout = None if self._tp_runner is None else self._tp_runner.layout
         self.sender = KVSender(runner.kv_cache, timeout_s=self._transfer_timeout_s, model=self.fingerprint,
-                               checksum=self._kv_checksum, layout=None if self._tp_runner is None else runner.layout,
+                               checksum=self._kv_checksum, layout=layout,
                                node_id=self._node_id, transport=self._kv_transport, curve=CurveKeys.from_env(),
                                allow_unencrypted_pairs=self._kv_allow_unencrypted_pairs)
         self.metrics.kv_bytes["sent"] = lambda: self.sender.num_bytes_sent
@@ -93,7 +100,7 @@ class PrefillWorker(Worker):
         return EngineLoop(self.engine, tick=self._tick, on_down=self._engine_down)
 
     def _held(self, inventory: EngineInventory) -> dict[str, int]:
-        return dict(num_pending_transfers=self.sender.num_pending, num_kept=len(self._prefills))
+        return dict(num_pending_transfers=self.sender.num_pending, num_kept=len(self.handoffs))
 
     async def prefill(self, request: WorkerRequest, destination: Destination) -> PrefillResult:
         """Prefill `request` into `destination`; -> its first token once sampled (the KV is
@@ -101,12 +108,14 @@ class PrefillWorker(Worker):
         request = checked(request, WorkerRequest, "request")
         destination = checked(destination, Destination, "destination")
         if destination.request_id != request.request_id:
-            raise ValueError(f"the destination is for {destination.request_id!r}, the request is {request.request_id!r}")
+            raise ValueError(f"the destination is for {destination.request_id!r}, "
+                             f"the request is {request.request_id!r}")
         await self.compile_grammar(request)
         result = asyncio.get_running_loop().create_future()
         peer = None
         if not self.sender.is_connected(destination.address):
-            await self.loop.call(lambda engine: self._check(engine, request, destination))  # refused before any handshake
+            # Refused before any handshake.
+            await self.loop.call(lambda engine: self._check(engine, request, destination))
             # NOTE: off the engine loop: a receiver that answers late stalls only this request.
             peer = await asyncio.to_thread(self.sender.handshake, destination.address, destination=destination)
         try:
@@ -133,9 +142,11 @@ class PrefillWorker(Worker):
         path = self.sender.begin(destination)  # first: a refused handshake must leave no sequence behind
         self.metrics.transfer_began(path)
         # Its blocks are freed once the decode worker has the KV (see _tick).
-        seq = engine.add_request(request.request_id, request.prompt_token_ids, params, keep_blocks=True)
+        seq = engine.add_request(request.request_id, request.prompt_token_ids, params, keep_blocks=True,
+                                 priority=request.priority)
         # The receiver's cached prefix is never sent: start counting after it.
-        self._prefills[request.request_id] = _Prefill(seq, result, result.get_loop(), num_sent_tokens=destination.num_cached_tokens)
+        self.handoffs.begin(request.request_id, _Prefill(seq, result, result.get_loop(),
+                                                         num_sent_tokens=destination.num_cached_tokens))
 
     def _check(self, engine: LLMEngine, request: WorkerRequest, destination: Destination) -> None:
         """ValueError for a request (or destination) the engine cannot take."""
@@ -146,14 +157,14 @@ class PrefillWorker(Worker):
         if not (isinstance(num_cached, int) and 0 <= num_cached < destination.num_tokens):
             raise ValueError(f"{request.request_id}: the destination's num_cached_tokens {num_cached!r} is not "
                              f"in [0, {destination.num_tokens})")
-        engine.check_request(request.request_id, request.prompt_token_ids)
+        engine.check_request(request.request_id, request.prompt_token_ids, request.priority)
 
     def _sends(self, batch: ScheduledBatch) -> list[tuple[_Prefill, int]]:
         """The step's prefills whose KV goes out, each with the end of the tokens it sends
         (from its num_sent_tokens)."""
         sends = []
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            p = self._prefills.get(seq.request_id)
+            p = self.handoffs.get(seq.request_id)
             end = seq.num_computed_tokens + n  # a cached prefix goes out with the first chunk
             if p is not None and end > p.num_sent_tokens:
                 sends.append((p, end))
@@ -169,6 +180,8 @@ class PrefillWorker(Worker):
         offset = 0
         sends = self._sends(batch)
         for p, end in sends:
+            if p.state is P.PREFILLING:
+                self.handoffs.move(p.seq.request_id, P.SENDING)
             rows = None
             if self._tp_runner is not None:
                 rows = self._tp_runner.gathered_rows(offset, end - p.num_sent_tokens)
@@ -181,22 +194,26 @@ class PrefillWorker(Worker):
                 p.num_sent_tokens = end
 
     def _on_delta(self, d: RequestDelta) -> None:
-        p = self._prefills.get(d.request_id)
-        if p is None or p.result.done():
+        p = self.handoffs.get(d.request_id)
+        # (PREFILLING here is a bug the move asserts: the last chunk always sends KV.)
+        if p is None or p.state not in (P.PREFILLING, P.SENDING):
             return
         sample = LLMEngine.first_sample(p.seq)
         if sample is None:
             return
+        self.handoffs.move(d.request_id, P.SENT)
         result = PrefillResult(d.request_id, sample.token_ids, sample.logprobs, d.num_cached_tokens,
                                sample.top_logprobs)
         p.loop.call_soon_threadsafe(_resolve, p.result, result, None)
 
     def _tick(self) -> None:
         for event in self.sender.poll():
-            p = self._prefills.pop(event.request_id, None)
+            p = self.handoffs.get(event.request_id)
             if p is None:
                 continue
-            if event.status is not TransferStatus.DONE:
+            ended = p.state is P.ABORTED
+            self.handoffs.move(event.request_id, P.FREED)
+            if event.status is not TransferStatus.DONE and not ended:
                 self.engine.abort_request(event.request_id)
             # The KV has arrived, or never will; ZMQ has let go of the blocks either way.
             self.engine.release_blocks(p.seq)
@@ -206,9 +223,10 @@ class PrefillWorker(Worker):
                 p.loop.call_soon_threadsafe(_resolve, p.result, None, error)
 
     def _abort(self, engine: LLMEngine, request_id: str) -> bool:
-        p = self._prefills.get(request_id)
-        if p is None:
+        p = self.handoffs.get(request_id)
+        if p is None or p.state is P.ABORTED:
             return False
+        self.handoffs.move(request_id, P.ABORTED)
         engine.abort_request(request_id)
         # NOTE: the blocks are freed in _tick when the sender reports the end, never here:
         # ZMQ may still be reading them.
@@ -217,7 +235,7 @@ class PrefillWorker(Worker):
         return True
 
     def _fail_waiting(self, down: EngineDown) -> None:
-        for p in self._prefills.values():
+        for _, p in self.handoffs.items():
             p.loop.call_soon_threadsafe(_resolve, p.result, None, down)
 
 

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtandem/proto/generation.proto\x12\ttandem.v1\"\xd6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x04 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08\x62uffered\x18\x06 \x01(\x08\x42\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x88\x08\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x07\x88\x01\x01\x12\x0e\n\x01n\x18\x0b \x01(\x05H\x08\x88\x01\x01\x12\x1c\n\x0fuse_beam_search\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x17\n\nbeam_width\x18\r \x01(\x05H\n\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x0e \x01(\x01H\x0b\x88\x01\x01\x12\x17\n\ncache_salt\x18\x0f \x01(\tH\x0c\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x10 \x01(\x01H\r\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x11 \x01(\x01H\x0e\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x12 \x01(\x01H\x0f\x88\x01\x01\x12<\n\nlogit_bias\x18\x13 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x14 \x01(\x05H\x10\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x15 \x01(\x08H\x11\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x16 \x01(\x08H\x12\x88\x01\x01\x12\x38\n\x12structured_outputs\x18\x17 \x01(\x0b\x32\x1c.tandem.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x04\n\x02_nB\x12\n\x10_use_beam_searchB\r\n\x0b_beam_widthB\x11\n\x0f_length_penaltyB\r\n\x0b_cache_saltB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x16\n\x14_skip_special_tokensB\x1d\n\x1b_include_stop_str_in_output\"\x8c\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12*\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x18.tandem.v1.StringChoicesH\x00\x42\x0c\n\nconstraint\" \n\rStringChoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xe7\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12\r\n\x05index\x18\x07 \x01(\r\x12,\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x16.tandem.v1.TopLogprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x8f\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dtandem/proto/generation.proto\x12\ttandem.v1\"\xe8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12(\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x13.tandem.v1.TokenIdsH\x00\x12+\n\x08messages\x18\x04 \x01(\x0b\x32\x17.tandem.v1.ChatMessagesH\x00\x12+\n\x08sampling\x18\x05 \x01(\x0b\x32\x19.tandem.v1.SamplingParams\x12\x10\n\x08\x62uffered\x18\x06 \x01(\x08\x12\x10\n\x08priority\x18\x07 \x01(\x05\x42\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"8\n\x0c\x43hatMessages\x12(\n\x08messages\x18\x01 \x03(\x0b\x32\x16.tandem.v1.ChatMessage\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\x88\x08\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x03H\x05\x88\x01\x01\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\x05\x12\x17\n\nignore_eos\x18\t \x01(\x08H\x06\x88\x01\x01\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x07\x88\x01\x01\x12\x0e\n\x01n\x18\x0b \x01(\x05H\x08\x88\x01\x01\x12\x1c\n\x0fuse_beam_search\x18\x0c \x01(\x08H\t\x88\x01\x01\x12\x17\n\nbeam_width\x18\r \x01(\x05H\n\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x0e \x01(\x01H\x0b\x88\x01\x01\x12\x17\n\ncache_salt\x18\x0f \x01(\tH\x0c\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x10 \x01(\x01H\r\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x11 \x01(\x01H\x0e\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x12 \x01(\x01H\x0f\x88\x01\x01\x12<\n\nlogit_bias\x18\x13 \x03(\x0b\x32(.tandem.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x14 \x01(\x05H\x10\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x15 \x01(\x08H\x11\x88\x01\x01\x12\'\n\x1ainclude_stop_str_in_output\x18\x16 \x01(\x08H\x12\x88\x01\x01\x12\x38\n\x12structured_outputs\x18\x17 \x01(\x0b\x32\x1c.tandem.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_ignore_eosB\x0b\n\t_logprobsB\x04\n\x02_nB\x12\n\x10_use_beam_searchB\r\n\x0b_beam_widthB\x11\n\x0f_length_penaltyB\r\n\x0b_cache_saltB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x16\n\x14_skip_special_tokensB\x1d\n\x1b_include_stop_str_in_output\"\x8c\x01\n\x11StructuredOutputs\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12*\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x18.tandem.v1.StringChoicesH\x00\x42\x0c\n\nconstraint\" \n\rStringChoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xe7\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12.\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x17.tandem.v1.FinishReason\x12\x1f\n\x05usage\x18\x05 \x01(\x0b\x32\x10.tandem.v1.Usage\x12\x10\n\x08logprobs\x18\x06 \x03(\x02\x12\r\n\x05index\x18\x07 \x01(\r\x12,\n\x0ctop_logprobs\x18\x08 \x03(\x0b\x32\x16.tandem.v1.TopLogprobs\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"#\n\x0c\x41\x62ortRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\",\n\rAbortResponse\x12\x1b\n\x13\x61\x62orted_request_ids\x18\x01 \x03(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x8f\x01\n\nGeneration\x12\x45\n\x08Generate\x12\x1a.tandem.v1.GenerateRequest\x1a\x1b.tandem.v1.GenerateResponse0\x01\x12:\n\x05\x41\x62ort\x12\x17.tandem.v1.AbortRequest\x1a\x18.tandem.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,34 +33,34 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2030
-  _globals['_FINISHREASON']._serialized_end=2150
+  _globals['_FINISHREASON']._serialized_start=2048
+  _globals['_FINISHREASON']._serialized_end=2168
   _globals['_GENERATEREQUEST']._serialized_start=45
-  _globals['_GENERATEREQUEST']._serialized_end=259
-  _globals['_TOKENIDS']._serialized_start=261
-  _globals['_TOKENIDS']._serialized_end=284
-  _globals['_CHATMESSAGES']._serialized_start=286
-  _globals['_CHATMESSAGES']._serialized_end=342
-  _globals['_CHATMESSAGE']._serialized_start=344
-  _globals['_CHATMESSAGE']._serialized_end=388
-  _globals['_SAMPLINGPARAMS']._serialized_start=391
-  _globals['_SAMPLINGPARAMS']._serialized_end=1423
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1066
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1114
-  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1426
-  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1566
-  _globals['_STRINGCHOICES']._serialized_start=1568
-  _globals['_STRINGCHOICES']._serialized_end=1600
-  _globals['_GENERATERESPONSE']._serialized_start=1603
-  _globals['_GENERATERESPONSE']._serialized_end=1834
-  _globals['_TOPLOGPROBS']._serialized_start=1836
-  _globals['_TOPLOGPROBS']._serialized_end=1886
-  _globals['_USAGE']._serialized_start=1888
-  _globals['_USAGE']._serialized_end=1945
-  _globals['_ABORTREQUEST']._serialized_start=1947
-  _globals['_ABORTREQUEST']._serialized_end=1982
-  _globals['_ABORTRESPONSE']._serialized_start=1984
-  _globals['_ABORTRESPONSE']._serialized_end=2028
-  _globals['_GENERATION']._serialized_start=2153
-  _globals['_GENERATION']._serialized_end=2296
+  _globals['_GENERATEREQUEST']._serialized_end=277
+  _globals['_TOKENIDS']._serialized_start=279
+  _globals['_TOKENIDS']._serialized_end=302
+  _globals['_CHATMESSAGES']._serialized_start=304
+  _globals['_CHATMESSAGES']._serialized_end=360
+  _globals['_CHATMESSAGE']._serialized_start=362
+  _globals['_CHATMESSAGE']._serialized_end=406
+  _globals['_SAMPLINGPARAMS']._serialized_start=409
+  _globals['_SAMPLINGPARAMS']._serialized_end=1441
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1084
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1132
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=1444
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=1584
+  _globals['_STRINGCHOICES']._serialized_start=1586
+  _globals['_STRINGCHOICES']._serialized_end=1618
+  _globals['_GENERATERESPONSE']._serialized_start=1621
+  _globals['_GENERATERESPONSE']._serialized_end=1852
+  _globals['_TOPLOGPROBS']._serialized_start=1854
+  _globals['_TOPLOGPROBS']._serialized_end=1904
+  _globals['_USAGE']._serialized_start=1906
+  _globals['_USAGE']._serialized_end=1963
+  _globals['_ABORTREQUEST']._serialized_start=1965
+  _globals['_ABORTREQUEST']._serialized_end=2000
+  _globals['_ABORTRESPONSE']._serialized_start=2002
+  _globals['_ABORTRESPONSE']._serialized_end=2046
+  _globals['_GENERATION']._serialized_start=2171
+  _globals['_GENERATION']._serialized_end=2314
 # @@protoc_insertion_point(module_scope)

@@ -79,8 +79,9 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, keys: ApiKeys) -> None:
         self._keys = keys
 
-    async def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-                                handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+    async def intercept_service(
+            self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+            handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
         method = handler_call_details.method
         if method.startswith(OPEN_SERVICES):
             return await continuation(handler_call_details)
@@ -95,7 +96,8 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
 def _refusing(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that answers UNAUTHENTICATED."""
     async def refuse(request, context: grpc.aio.ServicerContext):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong 'authorization: Bearer <token>' metadata")
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                            "missing or wrong 'authorization: Bearer <token>' metadata")
 
     async def refuse_stream(request, context: grpc.aio.ServicerContext):
         await refuse(request, context)

@@ -4,7 +4,7 @@ an engine in this process."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, AsyncGenerator, Protocol
+from typing import TYPE_CHECKING, AsyncIterator, Protocol
 
 from tandem.router.worker_metrics import WorkerMetricsReport
 from tandem.sampling_params import SamplingParams
@@ -28,17 +28,25 @@ class WorkerFailed(NoHealthyWorker):
 
 
 class Backend(Protocol):
-    tokenizer_spec: TokenizerSpec
+    @property
+    def tokenizer_spec(self) -> TokenizerSpec:
+        """The tokenizer the workers use (the router tokenizes with it)."""
+        ...
+
     metrics: RouterMetrics | None
     """Set by the router (serve): where the backend records admission queue times."""
-    num_admitting: int
-    """Requests waiting in the backend's admission queue now."""
 
-    def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams) -> AsyncGenerator[StreamDelta, None]:
+    @property
+    def num_admitting(self) -> int:
+        """Requests waiting in the backend's admission queue now."""
+        ...
+
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 priority: int = 0) -> AsyncIterator[StreamDelta]:
         """Stream a request's deltas until the one with ``request_finished``. With n > 1 the
         completions' deltas interleave (``StreamDelta.index``), each completion's last one
-        with its own finish_reason.
+        with its own finish_reason. ``priority``: vLLM's request priority, for workers that
+        schedule by it (WorkerRequest.priority).
 
         Raises Overloaded or NoHealthyWorker (WorkerFailed when a worker serving it died or
         hung: deltas never carry `error` out of a backend); ValueError for a request the

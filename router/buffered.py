@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable
-from typing import TypeVar
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Iterable
+from typing import TypeVar, cast
 
 from tandem.router.backend import Backend, WorkerFailed
 from tandem.sampling_params import SamplingParams
@@ -56,13 +56,15 @@ def merged_by_index(deltas: list[StreamDelta]) -> list[StreamDelta]:
 
 
 async def generate_buffered(backend: Backend, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                            on_rerun: Callable[[], None]) -> AsyncIterator[StreamDelta]:
+                            on_rerun: Callable[[], None], priority: int = 0) -> AsyncIterator[StreamDelta]:
     """backend.generate, yielding one merged delta per completion (see merged_by_index) once
     the request finished. WorkerFailed runs it again (up to MAX_RERUNS times, while the
-    backend is ready); on_rerun counts it."""
+    backend is ready, each run with the same ``priority``); on_rerun counts it."""
     for run in range(MAX_RERUNS + 1):
         deltas: list[StreamDelta] = []
-        stream = backend.generate(request_id, prompt_token_ids, params)
+        # Backend.generate's streams have aclose() (see its docstring): async generators.
+        stream = cast(AsyncGenerator[StreamDelta, None],
+                      backend.generate(request_id, prompt_token_ids, params, priority=priority))
         try:
             async for delta in stream:
                 deltas.append(delta)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Protocol
 
 import grpc
 
@@ -12,6 +13,16 @@ from tandem.router.auth import auth_token_from_env
 from tandem.router.tls import client_channel
 
 DEFAULT_SERVER = "127.0.0.1:50051"
+
+
+class ResponseStream(Protocol):
+    """A streaming call's responses, as grpc returns them: an iterator that can be cancelled."""
+
+    def __iter__(self) -> Iterator[pb.GenerateResponse]: ...
+
+    def __next__(self) -> pb.GenerateResponse: ...
+
+    def cancel(self) -> bool: ...
 
 
 def build_request(prompt: str, *, chat: bool = False, request_id: str = "", max_tokens: int | None = None,
@@ -49,7 +60,7 @@ class GenerationClient:
         token = auth_token if auth_token is not None else auth_token_from_env()
         self._metadata = (("authorization", f"Bearer {token}"),) if token else ()
 
-    def generate(self, request: pb.GenerateRequest, timeout: float | None = None) -> Iterator[pb.GenerateResponse]:
+    def generate(self, request: pb.GenerateRequest, timeout: float | None = None) -> ResponseStream:
         """Stream the responses as they arrive. Raises grpc.RpcError (see ``describe_error``).
         Stopping the iteration early does not cancel the call: use ``cancel`` on the iterator."""
         return self._stub.Generate(request, timeout=timeout, metadata=self._metadata)

@@ -100,7 +100,8 @@ _FLAGS = (
     ("--max-prompt-tokens", "max_prompt_tokens",
      "most prompt tokens per request (default: the model's max_model_len - 1)"),
     ("--max-prompt-chars", "max_prompt_chars",
-     f"most characters of prompt or chat text per request, checked before tokenizing (default {DEFAULT_MAX_PROMPT_CHARS})"),
+     "most characters of prompt or chat text per request, checked before tokenizing "
+     f"(default {DEFAULT_MAX_PROMPT_CHARS})"),
     ("--max-messages", "max_messages", "most chat messages per request (default 512)"),
     ("--max-stop-strings", "max_stop_strings", "most stop strings per request (default 16)"),
     ("--max-stop-string-length", "max_stop_string_length", "most characters per stop string (default 256)"),

@@ -114,6 +114,7 @@ class RequestTimer:
             self.first_token = now
             self.metrics.ttft.observe(now - self.arrival)
         else:
+            assert self.last_token is not None  # set with first_token
             self.metrics.itl.observe(now - self.last_token)
         self.last_token = now
         self.metrics.generation_tokens_total.inc(num_tokens)

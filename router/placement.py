@@ -197,6 +197,8 @@ def local_resources(num_ranks: int) -> dict[str, float] | None:
         from ray._private.accelerators import get_accelerator_manager_for_resource
 
         manager = get_accelerator_manager_for_resource(GPU)
+        if manager is None:  # no detector for GPUs in this Ray
+            return None
         gpus = manager.get_current_node_num_accelerators()
         visible = manager.get_current_process_visible_accelerator_ids()
     except Exception:  # noqa: BLE001 - another Ray version: Ray's own start tells

@@ -102,13 +102,13 @@ class RayBackend:
         return any(r is True for rs in results for r in rs)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[StreamDelta]:
+                       params: SamplingParams, priority: int = 0) -> AsyncIterator[StreamDelta]:
         # The workers know the call by an id of the router's own, never the client's: a
         # client reusing an id (e.g. right after its deadline, while the workers still clean
         # up the earlier call) must not meet the earlier call's state.
         worker_id = uuid.uuid4().hex
         self._worker_ids.setdefault(request_id, set()).add(worker_id)
-        request = WorkerRequest(worker_id, prompt_token_ids, params)
+        request = WorkerRequest(worker_id, prompt_token_ids, params, priority)
         stream = self._colocated(request) if self.colocated else self._disaggregated(request)
         try:
             async for delta in stream:
@@ -272,8 +272,9 @@ class RayBackend:
                     raise WorkerFailed(f"{request.request_id}: {delta.error}")
                 if delta.finish_reason == "abort" and died:
                     raise WorkerFailed(f"{request.request_id}: the prefill worker is gone: {short_error(died[0])}")
-                if delta.finish_reason == "abort" and phase is not None and phase.done() and phase.exception():
-                    raise NoHealthyWorker(f"{request.request_id}: prefill failed: {short_error(phase.exception())}")
+                if (delta.finish_reason == "abort" and phase is not None and phase.done()
+                        and (prefill_error := phase.exception())):
+                    raise NoHealthyWorker(f"{request.request_id}: prefill failed: {short_error(prefill_error)}")
                 finished = delta.request_finished  # with n > 1, each completion finishes on its own
                 yield delta
                 if finished:

@@ -160,13 +160,15 @@ class RequestRelay:
         counts as cancelled, or as deadline exceeded when ``deadline_passed()``; those
         exceptions propagate unchanged.
         """
-        request_id, prompt_token_ids, params = request
+        request_id, prompt_token_ids, params, priority = request
         failure: RequestFailed | None = None
         deltas: RelayedStream | None = None
         try:
             deltas = RelayedStream(
-                generate_buffered(self._backend, request_id, prompt_token_ids, params, self._metrics.reruns.inc)
-                if buffered else self._backend.generate(request_id, prompt_token_ids, params), request_id, timer)
+                generate_buffered(self._backend, request_id, prompt_token_ids, params, self._metrics.reruns.inc,
+                                  priority=priority)
+                if buffered else self._backend.generate(request_id, prompt_token_ids, params, priority=priority),
+                request_id, timer)
             yield deltas
             if deltas.finished is None and deltas.ended_early:
                 failure = RequestFailed(grpc.StatusCode.INTERNAL,
@@ -193,9 +195,11 @@ class RequestRelay:
         if failure is not None:
             self._metrics.ended(failure.code, rejected=timer.first_token is None)
             raise failure
+        assert deltas is not None  # only None when RelayedStream() raised: then failure is set
         finished = deltas.finished
         if finished is None:
             return  # the block stopped before the end: counted as cancelled above
+        assert finished.finish_reason is not None  # the request's last delta, with no error
         self._metrics.ended(grpc.StatusCode.OK, rejected=False)
         self._metrics.finished(finished.finish_reason, finished.num_prompt_tokens, finished.num_output_tokens)
         timer.finished(finished.num_output_tokens // params.n)  # TPOT is per sequence: n decode side by side

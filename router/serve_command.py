@@ -58,7 +58,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="the router's address (default: loopback only)")
     parser.add_argument("--port", type=int, default=50051)
     parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
-                        help=f"Prometheus /metrics on --host (default {DEFAULT_METRICS_PORT}): the router's and every worker's")
+                        help=f"Prometheus /metrics on --host (default {DEFAULT_METRICS_PORT}): "
+                             "the router's and every worker's")
     parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
                         help=f"the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, "
                              f"/health) on --host (default {DEFAULT_HTTP_PORT}; -1: off)")
@@ -80,8 +81,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                         help="accepted for vLLM's command lines; tandem always runs eagerly (no CUDA graphs)")
     parser.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
     parser.add_argument("--pool-resources", action="store_true",
-                        help="each worker asks Ray for the custom resource tandem_prefill/tandem_decode/tandem_colocated, "
-                             "so it runs on a node started for its pool")
+                        help="each worker asks Ray for the custom resource "
+                             "tandem_prefill/tandem_decode/tandem_colocated, so it runs on a node started for its pool")
     add_placement_args(parser)  # --gpus-per-worker, --placement-timeout, --start-timeout
     parser.add_argument("--kv-transfer-host", default=None, metavar="HOST",
                         help="address decode workers receive KV on (default loopback; 'node-ip': the Ray node's "
@@ -96,8 +97,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                              "which are NOT encrypted; without it such pairs are refused (auto then sends "
                              "CurveZMQ-encrypted frames between GPUs)")
     parser.add_argument("--kv-checksum", action="store_true",
-                        help="a CRC-32 with every layer of KV sent: corrupted KV fails its request instead of its output")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch threads per worker (default: cores / workers)")
+                        help="a CRC-32 with every layer of KV sent: "
+                             "corrupted KV fails its request instead of its output")
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="torch threads per worker (default: cores / workers)")
     add_engine_options(parser)  # each worker's engine: the same options as tandem chat's and LLM(...)'s
     add_limit_args(parser)
 
@@ -175,7 +178,8 @@ async def _serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-local-stall-ms must be >= 0, got {args.max_local_stall_ms:g}")
     cfg = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, colocated=args.colocated,
                         policy=args.policy, disagg_policy=args.disagg_policy,
-                        max_local_stall_s=args.max_local_stall_ms / 1e3, address=args.address, worker_args=worker_args(args),
+                        max_local_stall_s=args.max_local_stall_ms / 1e3, address=args.address,
+                        worker_args=worker_args(args),
                         pool_resources=args.pool_resources, prefill_tp=prefill_tp, decode_tp=decode_tp,
                         log_level=args.log_level, kv_transport=args.kv_transport,
                         kv_allow_unencrypted_pairs=args.kv_allow_unencrypted_pairs,
@@ -195,7 +199,8 @@ async def _serve(args: argparse.Namespace) -> int:
     print(f"tandem: serving {backend.tokenizer_spec.model_name} on {where} (gRPC tandem.v1.Generation)"
           f"{f', a key from ${AUTH_TOKEN_ENV} or ${API_KEYS_ENV} required' if keys else ''}\n"
           f"  metrics: http://{args.host}:{metrics_port(server)}/metrics\n"
-          + (f"  OpenAI API: {scheme}://{args.host}:{http_port(server)}/v1 (e.g. openai.OpenAI(base_url=..., api_key=...))\n"
+          + (f"  OpenAI API: {scheme}://{args.host}:{http_port(server)}/v1 "
+             "(e.g. openai.OpenAI(base_url=..., api_key=...))\n"
              if http_port(server) is not None else "") +
           f"  try:  tandem generate --server {where}{'' if tls is None else ' --tls-ca CA.pem'} "
           "\"What is the capital of France?\" --chat\n"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from typing import NoReturn
 
 import grpc
 
@@ -53,7 +54,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         if isinstance(request, Unparsable):
             self._relay.count_invalid()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.describe())
         try:
             with self._relay.admitted() as timer:
                 try:
@@ -63,7 +64,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 except ValueError as e:
                     logger.info("rejected request %s: %s", shown(request.request_id), e)
                     self._relay.count_invalid()
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+                    await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
                 logger.debug("request %s: %d prompt tokens, %s", valid.request_id, len(valid.prompt_token_ids),
                              valid.params)
                 # grpc.aio ends a call early by cancelling this task (client cancel, deadline)
@@ -76,19 +77,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     async for delta in deltas:
                         yield _response(valid.request_id, delta)
         except RequestFailed as failure:  # AdmissionRefused included
-            await context.abort(failure.code, failure.message)
+            await _abort(context, failure.code, failure.message)
 
     async def Abort(self, request: pb.AbortRequest | Unparsable, context: grpc.aio.ServicerContext) -> pb.AbortResponse:
         if isinstance(request, Unparsable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.describe())
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, request.describe())
         if len(request.request_ids) > MAX_ABORT_IDS:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"request_ids: at most {MAX_ABORT_IDS} ids per call, got {len(request.request_ids)}")
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                         f"request_ids: at most {MAX_ABORT_IDS} ids per call, got {len(request.request_ids)}")
         try:
             for i, request_id in enumerate(request.request_ids):
                 check_request_id(request_id, f"request_ids[{i}]")
         except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
         aborted: list[str] = []
         error: RequestFailed | None = None
         try:
@@ -100,7 +101,7 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except Exception as e:  # noqa: BLE001
             error = failure_of("(abort)", e)
         if error is not None:
-            await context.abort(error.code, error.message)
+            await _abort(context, error.code, error.message)
         logger.info("abort: %d of %d requests were running: %s", len(aborted), len(request.request_ids), aborted)
         return pb.AbortResponse(aborted_request_ids=aborted)
 
@@ -138,6 +139,12 @@ def _response(request_id: str, delta: StreamDelta) -> pb.GenerateResponse:
         response.usage.prompt_tokens = delta.num_prompt_tokens
         response.usage.completion_tokens = delta.num_output_tokens
     return response
+
+
+async def _abort(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> NoReturn:
+    """``context.abort``, which always raises (grpc.aio's AbortError), typed as such."""
+    await context.abort(code, details)
+    raise AssertionError("grpc.aio's ServicerContext.abort returned")
 
 
 def _deadline_passed(context: grpc.aio.ServicerContext) -> bool:

@@ -15,8 +15,9 @@ import dataclasses
 import re
 import uuid
 from collections.abc import Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+from tandem.engine_options import PRIORITY_POLICY
 from tandem.proto import generation_pb2 as pb
 from tandem.router.limits import RequestLimits
 from tandem.router.tokenizer import ChatTemplateError, RouterTokenizer
@@ -43,6 +44,8 @@ class ValidRequest(NamedTuple):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int = 0
+    """vLLM's request priority (nonzero only when the workers schedule by priority)."""
 
 
 def invalid(field: str, message: str) -> ValueError:
@@ -69,6 +72,7 @@ def validate_request(request: pb.GenerateRequest, tokenizer: RouterTokenizer,
     more variables for the chat template (the OpenAI API's chat_template_kwargs).
     """
     request_id = check_request_id(request.request_id) if request.request_id else uuid.uuid4().hex
+    priority = check_priority(request.priority, tokenizer.spec.scheduling_policy)
     params = sampling_params_from(request.sampling, tokenizer.vocab_size, limits,
                                   dict(tokenizer.spec.sampling_defaults))
     max_model_len = tokenizer.max_model_len
@@ -78,7 +82,8 @@ def validate_request(request: pb.GenerateRequest, tokenizer: RouterTokenizer,
     if num_prompt > prompt_limit:
         # One position must stay free for the first output token (the engine refuses
         # num_tokens >= max_model_len too).
-        raise invalid(field, f"the prompt is {num_prompt} tokens, more than the limit {_prompt_limit_text(limits, max_model_len)}")
+        raise invalid(field, f"the prompt is {num_prompt} tokens, "
+                             f"more than the limit {_prompt_limit_text(limits, max_model_len)}")
     room = max_model_len - num_prompt
     if not request.sampling.HasField("max_tokens"):
         if params.max_tokens > room:
@@ -89,7 +94,17 @@ def validate_request(request: pb.GenerateRequest, tokenizer: RouterTokenizer,
                       f"the prompt's {num_prompt} tokens plus max_tokens {params.max_tokens} make "
                       f"{num_prompt + params.max_tokens} tokens, more than the model's maximum context length "
                       f"(max_model_len={max_model_len}): ask for at most {room} tokens, or shorten the prompt")
-    return ValidRequest(request_id, prompt_token_ids, params)
+    return ValidRequest(request_id, prompt_token_ids, params, priority)
+
+
+def check_priority(priority: int, scheduling_policy: str) -> int:
+    """``priority`` if the workers' scheduling policy takes it: any int32 under priority, only
+    0 under any other policy (vLLM refuses it the same way)."""
+    if priority != 0 and scheduling_policy != PRIORITY_POLICY:
+        raise invalid("priority", f"is {priority}, but this server schedules requests {scheduling_policy} "
+                                  f"(--scheduling-policy {scheduling_policy}), where every request has priority 0: "
+                                  f"leave it unset, or start the server with --scheduling-policy {PRIORITY_POLICY}")
+    return priority
 
 
 def _prompt_limit_text(limits: RequestLimits, max_model_len: int) -> str:
@@ -117,9 +132,10 @@ def sampling_params_from(sampling: pb.SamplingParams, vocab_size: int, limits: R
     if sampling.HasField("logprobs") and not 0 <= sampling.logprobs <= MAX_LOGPROBS:
         raise invalid("sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}] (0: each chosen token's log-probability, "
                                            f"N: also the N most likely tokens), got {sampling.logprobs}")
-    kwargs: dict[str, object] = {
-        name: getattr(sampling, name) if sampling.HasField(name) else defaults[name]
-        for name in _OPTIONAL_SAMPLING_FIELDS if sampling.HasField(name) or name in (defaults or {})
+    model_defaults = defaults or {}
+    kwargs: dict[str, Any] = {
+        name: getattr(sampling, name) if sampling.HasField(name) else model_defaults[name]
+        for name in _OPTIONAL_SAMPLING_FIELDS if sampling.HasField(name) or name in model_defaults
     }
     kwargs["stop"] = tuple(sampling.stop)
     kwargs["stop_token_ids"] = tuple(sampling.stop_token_ids)

@@ -245,9 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--n", type=int, default=None, help="completions to return (default 1); with --beam-search the n best")
-    p.add_argument("--beam-search", action="store_true", help="beam search instead of sampling (temperature 0 unless set)")
-    p.add_argument("--beam-width", type=int, default=None, help="beams kept per step with --beam-search (default: the server's)")
+    p.add_argument("--n", type=int, default=None,
+                   help="completions to return (default 1); with --beam-search the n best")
+    p.add_argument("--beam-search", action="store_true",
+                   help="beam search instead of sampling (temperature 0 unless set)")
+    p.add_argument("--beam-width", type=int, default=None,
+                   help="beams kept per step with --beam-search (default: the server's)")
     p.add_argument("--chat", action="store_true", help="send the prompt as a user message through the chat template")
     p.add_argument("--timeout", type=float, default=None, help="deadline of the call in seconds")
     p.set_defaults(func=generate)
@@ -264,7 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", default=None, help="a branch, tag or commit (default: main)")
     p.set_defaults(func=download)
 
-    p = commands.add_parser("heartbeat-check", help="exit 1 when a worker's engine loop on this host is stuck (for probes)")
+    p = commands.add_parser("heartbeat-check",
+                            help="exit 1 when a worker's engine loop on this host is stuck (for probes)")
     p.add_argument("directory", help="the workers' TANDEM_HEARTBEAT_DIR")
     p.add_argument("--max-age", type=float, default=180.0,
                    help="seconds without a beat that count as stuck (default 180: above the router's own "

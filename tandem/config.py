@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from tandem.config_names import DTYPE_BYTES, PREEMPTION_MODES, QUANTIZATION_CHOICES
 from tandem.engine_options import ENGINE_DEFAULTS as DEFAULTS
+from tandem.engine_options import SCHEDULING_POLICIES
 
 if TYPE_CHECKING:
     import torch
@@ -89,7 +90,7 @@ class ModelConfig:
         where: what to name in errors (default: name). KeyError: a required field is missing.
         """
         where = where or name
-        fallback = ARCHITECTURE_OF_MODEL_TYPE.get(cfg.get("model_type"), "?")
+        fallback = ARCHITECTURE_OF_MODEL_TYPE.get(cfg.get("model_type", ""), "?")
         architecture = (cfg.get("architectures") or [fallback])[0]
         check_architecture(architecture, where)
         rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
@@ -199,6 +200,8 @@ class EngineConfig:
     """Ranks the model is split over (each holds its heads' KV: the pool sizes are per rank)."""
     seed: int | None = None
     """The engine's random numbers start from it (unseeded requests repeat across restarts); None: unseeded."""
+    scheduling_policy: str = "fcfs"
+    """The order requests are served in: fcfs or priority (tandem/engine/waiting_queue.py)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -245,6 +248,7 @@ class EngineConfig:
         quantization: str | None = DEFAULTS["quantization"],
         tensor_parallel_size: int = DEFAULTS["tensor_parallel_size"],
         seed: int | None = DEFAULTS["seed"],
+        scheduling_policy: str = DEFAULTS["scheduling_policy"],
     ) -> EngineConfig:
         """The defaults of the engine options are tandem.engine_options' (the CLI flags' too).
         device and dtype may be ``auto`` (resolved here: see tandem/device.py)."""
@@ -268,6 +272,8 @@ class EngineConfig:
             _require(swap_space_gib >= 0, "swap_space_gib", swap_space_gib, ">= 0")
             num_swap_blocks = gib_to_bytes(swap_space_gib) // block_bytes
         _require(num_swap_blocks >= 0, "num_swap_blocks", num_swap_blocks, ">= 0")
+        _require(scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy", scheduling_policy,
+                 f"one of {', '.join(SCHEDULING_POLICIES)}")
         _require(num_speculative_tokens >= 0, "num_speculative_tokens", num_speculative_tokens, ">= 0")
         _require(prompt_lookup_min >= 1, "prompt_lookup_min", prompt_lookup_min, ">= 1")
         _require(prompt_lookup_max >= prompt_lookup_min, "prompt_lookup_max", prompt_lookup_max,
@@ -313,6 +319,7 @@ class EngineConfig:
             quantization=quantization,
             tensor_parallel_size=tp,
             seed=seed,
+            scheduling_policy=scheduling_policy,
         )
 
 

@@ -53,6 +53,13 @@ class EngineOption:
                             choices=self.choices, metavar=self.metavar)
 
 
+PRIORITY_POLICY = "priority"
+"""The scheduling policy under which requests' priorities count (any other takes only 0)."""
+SCHEDULING_POLICIES: tuple[str, ...] = ("fcfs", PRIORITY_POLICY)
+"""``--scheduling-policy``'s choices, vLLM's names: the keys of the waiting-queue registry
+(tandem/engine/waiting_queue.py's WAITING_QUEUES; named here, beneath the engine, so that
+the router and ``tandem plan`` read them without loading torch)."""
+
 ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("device", check_device_name, "auto",
                  "where weights, KV pool and every step's tensors live: auto (CUDA when this process sees a "
@@ -81,6 +88,10 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("preemption_mode", str, "auto",
                  "when blocks run out: swap (when the host pool has room), recompute, or auto (swap long "
                  "sequences, recompute short ones) (default %(default)s)", choices=PREEMPTION_MODES),
+    EngineOption("scheduling_policy", str, "fcfs",
+                 "the order requests are served in: fcfs (arrival order) or priority (each request's priority, "
+                 "lower first, then arrival order; a nonzero priority is refused under fcfs) (default %(default)s)",
+                 choices=SCHEDULING_POLICIES),
     EngineOption("quantization", str, "auto",
                  "weights' format: auto (the model's own: a GGUF file's Q4_1 projections kept as int4, Q8_0 "
                  "ones as int8; float checkpoints stay float), none (float weights, a GGUF file dequantized), "

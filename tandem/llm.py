@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterator, Sequence
-from typing import Any, Union
+from typing import Any, TypeGuard, Union, cast
 
 import torch
 from tqdm.auto import tqdm
@@ -28,6 +28,10 @@ Message = dict[str, str]
 """A chat message: {"role": ..., "content": ...}."""
 Prompt = Union[str, Sequence[int], dict[str, Any]]
 """Text, token ids, or {"prompt": text} / {"prompt_token_ids": ids}."""
+
+
+def _is_token_ids(prompt: object) -> TypeGuard[Sequence[int]]:
+    return isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt)
 
 
 class LLM:
@@ -97,8 +101,9 @@ class LLM:
             else:
                 raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, str):
+            assert self.tokenizer is not None, "this model has no tokenizer: prompts must be token ids"
             return self.tokenizer.encode(prompt), prompt
-        if isinstance(prompt, Sequence) and all(isinstance(t, int) for t in prompt):
+        if _is_token_ids(prompt):
             return list(prompt), None
         raise TypeError(f"a prompt is text, a list of token ids or a dict, got {type(prompt).__name__}")
 
@@ -106,6 +111,7 @@ class LLM:
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"a chat message is {{'role': str, 'content': str}}, got {m!r}")
+        assert self.tokenizer is not None, "this model has no tokenizer: prompts must be token ids"
         text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
         return self.tokenizer.encode(text, add_special_tokens=False)
 
@@ -116,11 +122,11 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Run every prompt to the end in one continuous batch; outputs in prompt order."""
-        if isinstance(prompts, (str, dict)) or (
+        one = isinstance(prompts, (str, dict)) or (
             isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts)
-        ):
-            prompts = [prompts]  # type: ignore[list-item]
-        encoded = [self.encode(p) for p in prompts]  # type: ignore[union-attr]
+        )
+        batch = [cast(Prompt, prompts)] if one else cast(Sequence[Prompt], prompts)
+        encoded = [self.encode(p) for p in batch]
         return self._run(encoded, sampling_params, use_tqdm)
 
     def chat(
@@ -130,8 +136,9 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """One conversation, or a list of them, rendered with the model's chat template."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        encoded = [(self.apply_chat_template(c), None) for c in conversations]  # type: ignore[arg-type]
+        one = messages and isinstance(messages[0], dict)
+        conversations = [cast(Sequence[Message], messages)] if one else cast(Sequence[Sequence[Message]], messages)
+        encoded: list[tuple[list[int], str | None]] = [(self.apply_chat_template(c), None) for c in conversations]
         return self._run(encoded, sampling_params, use_tqdm)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[RequestDelta]:

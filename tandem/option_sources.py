@@ -70,7 +70,7 @@ def _value(action: argparse.Action, value: Any, where: str) -> Any:
 
 
 def _one(action: argparse.Action, value: Any, where: str) -> Any:
-    if action.type is not None:
+    if callable(action.type):  # (argparse's types here are all callables)
         try:
             value = action.type(value if isinstance(value, str) else str(value))
         except (TypeError, ValueError, argparse.ArgumentTypeError) as e:

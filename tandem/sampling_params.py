@@ -120,7 +120,8 @@ class SamplingParams:
         _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 and _is_real(b)
                    and -MAX_LOGIT_BIAS <= b <= MAX_LOGIT_BIAS for t, b in self.logit_bias)
                and len({t for t, _ in self.logit_bias}) == len(self.logit_bias),
-               "logit_bias", f"must map distinct token ids >= 0 to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+               "logit_bias",
+               f"must map distinct token ids >= 0 to numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         _check(isinstance(self.min_tokens, int) and not isinstance(self.min_tokens, bool)
                and 0 <= self.min_tokens <= self.max_tokens,
                "min_tokens", f"must be an integer in [0, max_tokens ({self.max_tokens})], got {self.min_tokens!r}")

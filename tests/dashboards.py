@@ -96,7 +96,7 @@ def vector_selectors(expr: str) -> list[tuple[str, list[tuple[str, str, str]]]]:
 def _tokenize(expr: str) -> list[tuple[str, str]]:
     tokens = []
     for m in _TOKEN.finditer(expr):
-        if m.lastgroup not in ("space", "comment"):
+        if m.lastgroup is not None and m.lastgroup not in ("space", "comment"):
             tokens.append((m.lastgroup, m.group()))
     return tokens
 

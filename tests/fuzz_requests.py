@@ -62,7 +62,8 @@ def generate_requests(draw, max_model_len: int, vocab_size: int, cheap: bool = F
     def pick(name: str, good, bad):
         return draw(bad if name in hostile else good)
 
-    req = pb.GenerateRequest(request_id=pick("request_id", st.just("") | st.from_regex(r"[A-Za-z0-9._:\-]{1,40}", fullmatch=True),
+    req = pb.GenerateRequest(request_id=pick("request_id",
+                                             st.just("") | st.from_regex(r"[A-Za-z0-9._:\-]{1,40}", fullmatch=True),
                                              st.sampled_from(WEIRD_IDS) | st.text(max_size=40)))
     kind = pick("input", st.sampled_from(["prompt", "token_ids", "messages"]),
                 st.sampled_from(["none", "prompt", "token_ids", "messages"]))
@@ -99,7 +100,8 @@ def generate_requests(draw, max_model_len: int, vocab_size: int, cheap: bool = F
                  st.sampled_from([-2, vocab_size, vocab_size + 1, *INT32]) | st.integers(*INT32))
     if top_k is not None:
         s.top_k = top_k
-    if (seed := pick("seed", _optional(st.integers(0, 2**32)), st.sampled_from([-1, *INT64]) | st.integers(*INT64))) is not None:
+    seed = pick("seed", _optional(st.integers(0, 2**32)), st.sampled_from([-1, *INT64]) | st.integers(*INT64))
+    if seed is not None:
         s.seed = seed
     s.stop.extend(pick("stop", st.lists(st.text(min_size=1, max_size=8), max_size=3),
                        st.lists(_text(20), max_size=20)
@@ -117,7 +119,8 @@ def generate_requests(draw, max_model_len: int, vocab_size: int, cheap: bool = F
 def _draw_completions(draw, s: pb.SamplingParams, hostile: set[str]) -> None:
     """n, and (rarely) beam search. A plausible beam search request is made valid: temperature
     0, the filters and stop strings off (unless those fields are the hostile ones)."""
-    n = draw(st.integers(1, 3) if "n" not in hostile else st.sampled_from([0, -1, 17, 1000, *INT32]) | st.integers(*INT32))
+    n = draw(st.integers(1, 3) if "n" not in hostile
+             else st.sampled_from([0, -1, 17, 1000, *INT32]) | st.integers(*INT32))
     if n != 1 or draw(st.booleans()):  # 1 both set and unset
         s.n = n
     if "beam" in hostile:

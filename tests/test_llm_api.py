@@ -65,7 +65,8 @@ def test_seeded_sampling_repeats_whatever_else_is_in_the_batch(llm):
     others = [SamplingParams(temperature=1.0, max_tokens=m, seed=None) for m in (5, 30, 17)]
     batch = llm.generate(["Hi", "Once upon a time", "List some fruits:", "Why?"], [others[0], params, *others[1:]])
     assert batch[1].token_ids == alone
-    different_seed = llm.generate("Once upon a time", SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, seed=99))
+    different_seed = llm.generate("Once upon a time",
+                                  SamplingParams(temperature=0.9, top_p=0.95, max_tokens=20, seed=99))
     assert different_seed[0].token_ids != alone  # the seed matters
 
 

@@ -43,6 +43,7 @@ def test_default_shape_from_gguf_metadata_is_the_loaded_config(default_shape, lo
     from gguf import GGUFReader
 
     source = resolve_model_source(None)
+    assert source.gguf_file is not None
     tensors = GGUFReader(os.path.join(source.path, source.gguf_file)).tensors
     assert default_shape.num_parameters == sum(int(t.n_elements) for t in tensors)
 
@@ -56,8 +57,8 @@ def test_plan_has_the_kv_numbers_the_worker_logs(default_shape, loaded, dtype: s
                                  shape=default_shape)
                 assert plan.weight_bytes == default_shape.num_parameters * {"float32": 4, "bfloat16": 2}[dtype]
                 assert plan.kv_memory_bytes == int(memory * 2**30) - plan.weight_bytes
-                config = EngineConfig.build(loaded.config, dtype=dtype, block_size=block_size, max_model_len=max_model_len,
-                                            kv_cache_memory_gib=plan.kv_cache_memory_gib)
+                config = EngineConfig.build(loaded.config, dtype=dtype, block_size=block_size,
+                                            max_model_len=max_model_len, kv_cache_memory_gib=plan.kv_cache_memory_gib)
                 assert plan.capacity == KVCapacity.of_engine_config(config)
                 assert plan.capacity.num_blocks == config.num_kv_blocks
                 assert plan.capacity.max_model_len == config.max_model_len
@@ -160,7 +161,8 @@ def test_tandem_plan_command(default_shape, tp: int) -> None:
     assert lines == make_plan(None, 1.0, tp=tp, shape=default_shape).lines()
     assert lines[0] == "model: SmolLM2-135M-Instruct (LlamaForCausalLM)"
     per_token = {1: 46080, 2: 30720}[tp]
-    assert f"KV bytes per token: {per_token} = 2 x 30 layers x {3 if tp == 1 else 2} KV heads x 64 head dim x 4 bytes" in lines
+    kv_heads = 3 if tp == 1 else 2
+    assert f"KV bytes per token: {per_token} = 2 x 30 layers x {kv_heads} KV heads x 64 head dim x 4 bytes" in lines
     assert any(line.startswith("max concurrency: ") and "at max_model_len 8192" in line for line in lines)
     assert ("same pool: --kv-cache-memory-gib" in done.stdout) == (tp == 1)
 

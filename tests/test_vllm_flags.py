@@ -42,7 +42,8 @@ def test_vllm_engine_flags_reach_every_worker():
                                                "gpu_memory_utilization": 0.5}
 
 
-@pytest.mark.parametrize(("argv", "tp"), [((), (1, 1)), (("-tp", "2"), (2, 2)), (("--tensor-parallel-size", "4"), (4, 4)),
+@pytest.mark.parametrize(("argv", "tp"), [((), (1, 1)), (("-tp", "2"), (2, 2)),
+                                          (("--tensor-parallel-size", "4"), (4, 4)),
                                           (("-tp", "2", "--decode-tp", "1"), (2, 1))])
 def test_tensor_parallel_size_is_both_pools_unless_one_says_otherwise(argv, tp):
     args = serve(*argv)
@@ -51,7 +52,8 @@ def test_tensor_parallel_size_is_both_pools_unless_one_says_otherwise(argv, tp):
 
 
 def test_api_key_is_the_default_tenants():
-    assert api_keys_from_env(serve("--api-key", "k1").api_key).tenants == {"k1": DEFAULT_TENANT}
+    keys = api_keys_from_env(serve("--api-key", "k1").api_key)
+    assert keys is not None and keys.tenants == {"k1": DEFAULT_TENANT}
 
 
 def test_chat_template_from_a_file_or_inline(tmp_path):

@@ -64,7 +64,8 @@ def overview() -> list[dict]:
             target(sum_rate("tandem_request_status_total", s), "Generate calls"),
             target(sum_rate("tandem_request_success_total", s), "finished"),
         ], unit="reqps"),
-        timeseries("Token throughput", "Prompt tokens of finished requests and tokens streamed to clients, per second.", [
+        timeseries("Token throughput",
+                   "Prompt tokens of finished requests and tokens streamed to clients, per second.", [
             target(sum_rate("tandem_prompt_tokens_total", s), "prompt"),
             target(sum_rate("tandem_generation_tokens_total", s), "generation"),
         ], unit="suffix: tok/s"),

@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from tandem.router.auth import ApiKeys
 from tandem.router.backend import Backend
@@ -92,7 +93,7 @@ async def start_openai_endpoint(backend: Backend, tokenizer: RouterTokenizer, me
 
 def _application(generation: Generation, backend: Backend, keys: ApiKeys | None, client_max_size: int,
                  open_paths: tuple[str, ...]) -> web.Application:
-    middlewares = [_errors] + ([_auth(keys, open_paths)] if keys else [])
+    middlewares: list[Middleware] = [_errors] + ([_auth(keys, open_paths)] if keys else [])
     app = web.Application(middlewares=middlewares, client_max_size=client_max_size)
     created = int(time.time())
     names = generation.model_names
@@ -148,7 +149,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
                                         headers=headers))
 
 
-def _auth(keys: ApiKeys, open_paths: tuple[str, ...]) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def _auth(keys: ApiKeys, open_paths: tuple[str, ...]) -> Middleware:
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
         if request.path in open_paths:

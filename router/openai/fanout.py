@@ -71,6 +71,7 @@ class PromptRuns:
                 self._num_running -= 1
                 self.finished[index] = item
                 continue
+            assert item is not None  # a delta: it comes with its taken future
             self._taken = taken
             return index, item
         raise StopAsyncIteration

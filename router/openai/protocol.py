@@ -117,7 +117,7 @@ _SAMPLING: dict[str, tuple[str, Callable[[str, object], Any]]] = {
     "include_stop_str_in_output": ("include_stop_str_in_output", boolean),
 }
 _COMMON = {"model", "stream", "stream_options", "max_tokens", "stop", "stop_token_ids", "logprobs", "logit_bias",
-           *_SAMPLING, *CONSTRAINT_FIELDS}
+           "priority", *_SAMPLING, *CONSTRAINT_FIELDS}
 # Identifiers for the caller's own bookkeeping: accepted, and without effect on the output.
 _IGNORED = {"user", "safety_identifier", "prompt_cache_key"}
 _ALLOWED = {COMPLETION: _COMMON | _IGNORED | {"prompt", "echo"},
@@ -177,6 +177,8 @@ def _parse(kind: str, body: object, model_names: tuple[str, ...], request_id: st
         raise APIError(404, f"The model {shown_model} does not exist: this server serves {model_names[0]!r}",
                        param="model", code="model_not_found")
     request = pb.GenerateRequest(request_id=request_id)
+    if "priority" in given:  # vLLM's extra field (GenerateRequest.priority; validation checks the policy)
+        request.priority = integer("priority", given["priority"])
     sampling = request.sampling
     for name, (field, read) in _SAMPLING.items():
         if name in given:
@@ -207,8 +209,8 @@ def _parse(kind: str, body: object, model_names: tuple[str, ...], request_id: st
     else:
         request.messages.messages.extend(chat_messages(given.get("messages")))
     template_kwargs = _template_kwargs(given.get("chat_template_kwargs")) if kind == CHAT else None
-    return ParsedRequest(kind, request, prompts, stream, include_usage, logprobs, max_tokens_param, echo, template_kwargs,
-                         continuous_usage, constraint.field if constraint is not None else None)
+    return ParsedRequest(kind, request, prompts, stream, include_usage, logprobs, max_tokens_param, echo,
+                         template_kwargs, continuous_usage, constraint.field if constraint is not None else None)
 
 
 def _check_parameter_names(kind: str, body: dict[str, Any]) -> None:

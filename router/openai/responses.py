@@ -101,8 +101,9 @@ class Responses:
     # -- streaming -------------------------------------------------------------------------
 
     def _chunk(self, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        chunk = {"id": self.id, "object": "text_completion" if self.kind == COMPLETION else "chat.completion.chunk",
-                 "created": self.created, "model": self.model, "choices": choices}
+        chunk: dict[str, Any] = {
+            "id": self.id, "object": "text_completion" if self.kind == COMPLETION else "chat.completion.chunk",
+            "created": self.created, "model": self.model, "choices": choices}
         if self._include_usage:
             chunk["usage"] = None  # only the last chunk carries the usage, as OpenAI streams it
         return chunk

@@ -65,7 +65,9 @@ def _validated(parsed: ParsedRequest, request: pb.GenerateRequest, prompt_index:
 
 def _from_validation(message: str, parsed: ParsedRequest, prompt_index: int | None = None) -> APIError:
     field, _, rest = message.partition(": ")
-    name, suffix = _FIELD_RE.match(field).groups()
+    match = _FIELD_RE.match(field)
+    assert match is not None  # the pattern matches every string
+    name, suffix = match.groups()
     if name == "structured_outputs" and parsed.constraint_field is not None and rest:
         # Named as the body gave it: response_format.json_schema.schema, guided_choice[3], ...
         shown_field = parsed.constraint_field + _CONSTRAINT_KIND_RE.sub("", suffix)

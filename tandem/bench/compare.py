@@ -94,9 +94,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         modes=list(dict.fromkeys(pick(args.modes, base.modes))), rate=pick(args.rate, base.rate),
         num_prompts=pick(args.num_prompts, base.num_prompts), burst_size=pick(args.burst_size, base.burst_size),
         seeds=list(dict.fromkeys(pick(args.seeds, base.seeds))),
-        short_prompt_len=tuple(pick(args.short_prompt_len, base.short_prompt_len)),  # type: ignore[arg-type]
-        long_prompt_len=tuple(pick(args.long_prompt_len, base.long_prompt_len)),  # type: ignore[arg-type]
-        output_len=tuple(pick(args.output_len, base.output_len)),  # type: ignore[arg-type]
+        short_prompt_len=tuple(pick(args.short_prompt_len, base.short_prompt_len)),
+        long_prompt_len=tuple(pick(args.long_prompt_len, base.long_prompt_len)),
+        output_len=tuple(pick(args.output_len, base.output_len)),
         long_fraction=pick(args.long_fraction, base.long_fraction),
     )
     if not s.rate > 0 or s.num_prompts < 1 or s.burst_size < 1:

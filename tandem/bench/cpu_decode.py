@@ -66,10 +66,14 @@ def bench_cpu_decode(batch: int, ctx: int, dtype: torch.dtype, timed, copy_bw: f
         return lambda: fn(q, *next(it), tables, lens, scale)
 
     it_contiguous = itertools.cycle(contiguous)
-    sdpa = lambda: F.scaled_dot_product_attention(q.unsqueeze(2), *next(it_contiguous), scale=scale, enable_gqa=True)
+
+    def sdpa():
+        k, v = next(it_contiguous)
+        return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True)
+
     fns = {"reference": cycling(paged_decode_attention_torch), "kernel": cycling(paged_decode_attention_cpu),
            "sdpa": sdpa}
-    row = {"batch": batch, "context_len": ctx, "kv_bytes": kv_bytes, "cache_copies": copies}
+    row: dict[str, float] = {"batch": batch, "context_len": ctx, "kv_bytes": kv_bytes, "cache_copies": copies}
     for name, fn in fns.items():
         t = timed(fn)
         row[f"{name}_s"] = t
@@ -94,7 +98,8 @@ def print_cpu_decode(rows: list[dict], dtype: str) -> None:
     print(f"{'batch':>6} {'context':>8} {'ref ms':>8} {'ref bw':>7} {'kernel ms':>10} {'kernel bw':>10} "
           f"{'speedup':>8} {'sdpa ms':>8} {'sdpa bw':>8}")
     for r in rows:
-        print(f"{r['batch']:>6} {r['context_len']:>8} {r['reference_s'] * 1e3:>8.3f} {r['reference_bw_fraction']:>7.0%} "
+        print(f"{r['batch']:>6} {r['context_len']:>8} {r['reference_s'] * 1e3:>8.3f} "
+              f"{r['reference_bw_fraction']:>7.0%} "
               f"{r['kernel_s'] * 1e3:>10.3f} {r['kernel_bw_fraction']:>10.0%} {r['speedup_vs_reference']:>7.2f}x "
               f"{r['sdpa_s'] * 1e3:>8.3f} {r['sdpa_bw_fraction']:>8.0%}")
 

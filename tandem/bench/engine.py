@@ -18,6 +18,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -55,16 +56,21 @@ QUICK = Settings([1, 2], 2, (16, 64), (4, 16), 32, 16, 512, 3)
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     """Options of ``tandem bench engine``; unset ones take FULL's (or QUICK's) value."""
-    parser.add_argument("--model", default=None, help="local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch threads for both engines (default: all cores)")
+    parser.add_argument("--model", default=None,
+                        help="local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="torch threads for both engines (default: all cores)")
     parser.add_argument("--quick", action="store_true", help="tiny run: concurrency 1 2, short prompts and outputs")
     parser.add_argument("--concurrency", type=int, nargs="+", default=None, help="requests in flight (default: 1 8 32)")
-    parser.add_argument("--min-requests", type=int, default=None, help="requests per concurrency: max(c, this) (default: 8)")
-    parser.add_argument("--prompt-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"), help="default: 32 1024")
+    parser.add_argument("--min-requests", type=int, default=None,
+                        help="requests per concurrency: max(c, this) (default: 8)")
+    parser.add_argument("--prompt-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
+                        help="default: 32 1024")
     parser.add_argument("--output-len", type=int, nargs=2, default=None, metavar=("MIN", "MAX"), help="default: 16 256")
     parser.add_argument("--tpot-prompt-len", type=int, default=None, help="single-stream prompt tokens (default: 128)")
     parser.add_argument("--tpot-output-len", type=int, default=None, help="single-stream output tokens (default: 128)")
-    parser.add_argument("--copy-mib", type=int, default=None, help="bandwidth probe tensor size, >= 512 (default: 1024)")
+    parser.add_argument("--copy-mib", type=int, default=None,
+                        help="bandwidth probe tensor size, >= 512 (default: 1024)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024, help="tandem's token budget per step")
     decode_steps.add_args(parser)
     parser.add_argument("--seed", type=int, default=0)
@@ -77,8 +83,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     s = Settings(
         concurrency=list(pick(args.concurrency, base.concurrency)),
         min_requests=pick(args.min_requests, base.min_requests),
-        prompt_len=tuple(pick(args.prompt_len, base.prompt_len)),  # type: ignore[arg-type]
-        output_len=tuple(pick(args.output_len, base.output_len)),  # type: ignore[arg-type]
+        prompt_len=tuple(pick(args.prompt_len, base.prompt_len)),
+        output_len=tuple(pick(args.output_len, base.output_len)),
         tpot_prompt_len=pick(args.tpot_prompt_len, base.tpot_prompt_len),
         tpot_output_len=pick(args.tpot_output_len, base.tpot_output_len),
         copy_mib=pick(args.copy_mib, base.copy_mib),
@@ -250,7 +256,7 @@ def bench_single_stream(loaded: LoadedModel, hf_model, settings: Settings, token
     run_transformers(hf_model, request, 1, pad_id, "transformers single stream", clock)
     hf_steps = np.diff(clock.times).tolist()
     floor = weight_bytes / bandwidth
-    result = {"prompt_len": p, "output_len": o, "weight_bytes": weight_bytes, "floor_s": floor}
+    result: dict[str, Any] = {"prompt_len": p, "output_len": o, "weight_bytes": weight_bytes, "floor_s": floor}
     for name, steps in (("tandem", tandem_steps), ("transformers", hf_steps)):
         tpot = float(np.mean(steps))
         result[name] = {"tpot_s": tpot, "median_s": float(np.median(steps)),
@@ -282,7 +288,8 @@ def run(args: argparse.Namespace) -> int:
     rows = bench_throughput(loaded, hf_model, settings, token_ids, pad_id, args.seed, args.max_num_batched_tokens)
     # Measured right before the single-stream TPOT, so that both see the same machine state.
     bw = measure_copy_bandwidth(settings.copy_mib, settings.copy_repeats)
-    single = bench_single_stream(loaded, hf_model, settings, token_ids, pad_id, args.seed, weights.num_bytes, bw.bytes_per_s)
+    single = bench_single_stream(loaded, hf_model, settings, token_ids, pad_id, args.seed, weights.num_bytes,
+                                 bw.bytes_per_s)
     formats = decode_steps.load_formats(loaded, step_settings.formats, source)
     step_bw = measure_copy_bandwidth(settings.copy_mib, settings.copy_repeats)  # the machine as the steps see it
     step_rows = decode_steps.bench_decode_steps(formats, step_settings, token_ids, args.seed, step_bw.bytes_per_s)

@@ -295,7 +295,8 @@ def print_table(results: list[Result], budget_ms: float) -> None:
     best = min(overall.values())
     print(f"\nmask + accept per token, mean over the cases (budget {budget_ms} ms a token):")
     for name, us in sorted(overall.items(), key=lambda kv: kv[1]):
-        print(f"  {name:<14} {us:8.1f} us  {us / best:5.2f}x the fastest  {100 * us / (budget_ms * 1e3):5.2f}% of budget")
+        print(f"  {name:<14} {us:8.1f} us  {us / best:5.2f}x the fastest  "
+              f"{100 * us / (budget_ms * 1e3):5.2f}% of budget")
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:

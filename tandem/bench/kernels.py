@@ -18,7 +18,7 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +52,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
                         help="decode batch sizes (default: 1 8 64 128 256 on cuda, 1 8 32 on cpu)")
     parser.add_argument("--context-lens", type=int, nargs="+", default=None,
-                        help="decode context lengths (default: 128 1024 4096 16384 32768 on cuda, 128 1024 4096 on cpu)")
+                        help="decode context lengths "
+                             "(default: 128 1024 4096 16384 32768 on cuda, 128 1024 4096 on cpu)")
     parser.add_argument("--max-kv-tokens", type=int, default=None,
                         help="skip decode shapes with more cached tokens (default: 4M on cuda, 64k on cpu)")
     parser.add_argument("--out-dir", default="bench-results/kernels", help="where results.json and the PNG go")
@@ -66,7 +67,7 @@ def timer(device: torch.device) -> Callable[[Callable[[], object]], float]:
 
     def median_s(fn: Callable[[], object]) -> float:
         fn()
-        times = []
+        times: list[float] = []
         deadline = time.perf_counter() + 1.0
         while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 50):
             start = time.perf_counter()
@@ -85,7 +86,8 @@ def flash_attn_decode() -> Callable | None:
     return flash_attn_with_kvcache
 
 
-def bench_decode(s: Shapes, batch: int, ctx: int, dtype: torch.dtype, device: torch.device, timed, copy_bw: float) -> dict:
+def bench_decode(s: Shapes, batch: int, ctx: int, dtype: torch.dtype, device: torch.device, timed,
+                 copy_bw: float) -> dict:
     num_blocks_per_seq = -(-ctx // s.block_size)
     num_blocks = batch * num_blocks_per_seq
     k_cache = torch.randn(num_blocks, s.block_size, s.num_kv_heads, s.head_dim, dtype=dtype, device=device)
@@ -97,15 +99,22 @@ def bench_decode(s: Shapes, batch: int, ctx: int, dtype: torch.dtype, device: to
     scale = s.head_dim ** -0.5
     if ops.backend_for(q) is ops.Backend.TRITON:
         from tandem.kernels.paged_decode_attention_triton import paged_decode_attention_triton
-        ours = lambda: paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale, ctx)
+
+        def ours():
+            return paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale, ctx)
     elif ops.decode_attention_backend(q) is ops.Backend.CPU_KERNEL:
-        ours = lambda: paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, scale)
+        def ours():
+            return paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, scale)
     else:
-        ours = lambda: paged_decode_attention_torch(q, k_cache, v_cache, tables, lens, scale)
+        def ours():
+            return paged_decode_attention_torch(q, k_cache, v_cache, tables, lens, scale)
     # SDPA's best case: each sequence's K and V contiguous, no paging. [batch, kv_heads, ctx, head_dim]
     k = torch.randn(batch, s.num_kv_heads, ctx, s.head_dim, dtype=dtype, device=device)
     v = torch.randn_like(k)
-    sdpa = lambda: F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q.unsqueeze(2), k, v, scale=scale, enable_gqa=True)
+
     kv_bytes = 2 * batch * ctx * s.num_kv_heads * s.head_dim * k.element_size()
     row = {"batch": batch, "context_len": ctx, "kv_bytes": kv_bytes}
     row.update(timings({"tandem": ours, "sdpa": sdpa, **flash_decode(q, k, v, lens, scale)}, timed, kv_bytes, copy_bw))
@@ -145,17 +154,24 @@ def bench_prefill(s: Shapes, batch: int, seq_len: int, dtype: torch.dtype, devic
     if ops.backend_for(q) is ops.Backend.TRITON:
         from tandem.kernels.prefill_attention_triton import prefill_attention_triton
         layout = torch.tensor([(st, seq_len, seq_len) for st in starts], dtype=torch.int64, device=device)
-        ours = lambda: prefill_attention_triton(q, k_cache, v_cache, tables, layout, seq_len, scale)
+
+        def ours():
+            return prefill_attention_triton(q, k_cache, v_cache, tables, layout, seq_len, scale)
     else:
         lens = (seq_len,) * batch
-        ours = lambda: prefill_attention_torch(q, k, v, k_cache, v_cache, starts, lens, lens, tables, scale)
+
+        def ours():
+            return prefill_attention_torch(q, k, v, k_cache, v_cache, starts, lens, lens, tables, scale)
     # [batch, heads, seq_len, head_dim]
     qb = q.view(batch, seq_len, s.num_heads, s.head_dim).transpose(1, 2)
     kb = k.view(batch, seq_len, s.num_kv_heads, s.head_dim).transpose(1, 2)
     vb = v.view(batch, seq_len, s.num_kv_heads, s.head_dim).transpose(1, 2)
-    sdpa = lambda: F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True)
+
+    def sdpa():
+        return F.scaled_dot_product_attention(qb, kb, vb, is_causal=True, scale=scale, enable_gqa=True)
+
     flops = 2 * 2 * batch * s.num_heads * s.head_dim * seq_len * (seq_len + 1) / 2  # causal QK^T and PV
-    row = {"batch": batch, "seq_len": seq_len}
+    row: dict[str, float] = {"batch": batch, "seq_len": seq_len}
     for name, fn in {"tandem": ours, "sdpa": sdpa}.items():
         t = timed(fn)
         row[f"{name}_s"] = t
@@ -173,9 +189,12 @@ def bench_store_kv(s: Shapes, num_tokens: int, dtype: torch.dtype, device: torch
     slots = torch.randperm(num_blocks * s.block_size, device=device)[:num_tokens]
     if ops.backend_for(k) is ops.Backend.TRITON:
         from tandem.kernels.store_kv_triton import store_kv_triton
-        ours = lambda: store_kv_triton(k, v, k_cache, v_cache, slots)
+
+        def ours():
+            return store_kv_triton(k, v, k_cache, v_cache, slots)
     else:
-        ours = lambda: store_kv_torch(k, v, k_cache, v_cache, slots)
+        def ours():
+            return store_kv_torch(k, v, k_cache, v_cache, slots)
     moved = 2 * 2 * k.numel() * k.element_size()  # K and V, read and written
     t = timed(ours)
     return {"num_tokens": num_tokens, "tandem_s": t, "tandem_bw_fraction": moved / t / copy_bw}
@@ -195,16 +214,20 @@ def bench_gemv(kind: str, rows: int, n: int, k: int, dtype: torch.dtype, device:
     if kind == "int8":
         qweight = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=device)
         scale = torch.rand(n, device=device)
-        ours = lambda: ops.int8_gemv(x, qweight, scale)
+
+        def ours():
+            return ops.int8_gemv(x, qweight, scale)
         weight_bytes = qweight.numel() + scale.numel() * scale.element_size()
     else:
         qweight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device)
         scale = torch.rand(n, k // GEMV_GROUP_SIZE, device=device).half()
         offset = -8 * scale
-        ours = lambda: ops.int4_gemv(x, qweight, scale, offset, GEMV_GROUP_SIZE)
+
+        def ours():
+            return ops.int4_gemv(x, qweight, scale, offset, GEMV_GROUP_SIZE)
         weight_bytes = qweight.numel() + 2 * scale.numel() * scale.element_size()
     dense_bytes = dense.numel() * dense.element_size()
-    row = {"kind": kind, "rows": rows, "n": n, "k": k, "weight_bytes": weight_bytes}
+    row: dict[str, Any] = {"kind": kind, "rows": rows, "n": n, "k": k, "weight_bytes": weight_bytes}
     for name, fn, num_bytes in (("tandem", ours, weight_bytes), ("dense", lambda: F.linear(x, dense), dense_bytes)):
         t = timed(fn)
         row[f"{name}_s"] = t
@@ -214,7 +237,9 @@ def bench_gemv(kind: str, rows: int, n: int, k: int, dtype: torch.dtype, device:
 
 
 def defaults(args: argparse.Namespace, on_cuda: bool) -> argparse.Namespace:
-    pick = lambda value, gpu, cpu: value if value is not None else (gpu if on_cuda else cpu)
+    def pick(value, gpu, cpu):
+        return value if value is not None else (gpu if on_cuda else cpu)
+
     return argparse.Namespace(
         dtype=getattr(torch, pick(args.dtype, "float16", "float32")),
         batch_sizes=pick(args.batch_sizes, [1, 8, 64, 128, 256], [1, 8, 32]),
@@ -276,7 +301,8 @@ def print_report(r: dict) -> None:
     for row in r["decode"]:
         print(f"{row['batch']:>6} {row['context_len']:>8} {row['tandem_s'] * 1e3:>10.3f} "
               f"{row['tandem_bw_fraction']:>10.0%} {row['sdpa_s'] * 1e3:>9.3f} {row['sdpa_bw_fraction']:>8.0%} "
-              f"{row['speedup_vs_sdpa']:>7.2f}x" + (f" {row.get('flash_attn_s', float('nan')) * 1e3:>9.3f}" if has_fa else ""))
+              f"{row['speedup_vs_sdpa']:>7.2f}x"
+              + (f" {row.get('flash_attn_s', float('nan')) * 1e3:>9.3f}" if has_fa else ""))
     print("\nprefill attention (causal, no prefix)")
     print(f"{'batch':>6} {'seq len':>8} {'tandem ms':>10} {'TFLOP/s':>8} {'sdpa ms':>9} {'TFLOP/s':>8} {'speedup':>8}")
     for row in r["prefill"]:
@@ -284,7 +310,8 @@ def print_report(r: dict) -> None:
               f"{row['sdpa_s'] * 1e3:>9.3f} {row['sdpa_tflops']:>8.2f} {row['speedup_vs_sdpa']:>7.2f}x")
     print("\nstore_kv")
     for row in r["store_kv"]:
-        print(f"{row['num_tokens']:>6} tokens {row['tandem_s'] * 1e3:>9.3f} ms {row['tandem_bw_fraction']:>5.0%} of copy bandwidth")
+        print(f"{row['num_tokens']:>6} tokens {row['tandem_s'] * 1e3:>9.3f} ms "
+              f"{row['tandem_bw_fraction']:>5.0%} of copy bandwidth")
     print("\nweight-only gemv (bandwidth: the quantized weight's bytes; dense: F.linear on a float weight)")
     print(f"{'kind':>5} {'rows':>5} {'N x K':>12} {'tandem ms':>10} {'tandem bw':>10} {'dense ms':>9} "
           f"{'dense bw':>9} {'speedup':>8}")
@@ -307,7 +334,8 @@ def write_plot(r: dict, out_dir: Path) -> Path:
         rows = [row for row in r["decode"] if row["batch"] == batch]
         ctx = [row["context_len"] for row in rows]
         ax.plot(ctx, [row["tandem_bw_fraction"] for row in rows], "o-", color=f"C{i}", label=f"tandem, batch {batch}")
-        ax.plot(ctx, [row["sdpa_bw_fraction"] for row in rows], "x--", color=f"C{i}", alpha=0.6, label=f"sdpa, batch {batch}")
+        ax.plot(ctx, [row["sdpa_bw_fraction"] for row in rows], "x--", color=f"C{i}", alpha=0.6,
+                label=f"sdpa, batch {batch}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("fraction of copy bandwidth")

@@ -140,6 +140,7 @@ async def run_phases(load: Load, watch: Watch, workers: list[WorkerState], setti
     _check_complete((await load.closed("warm-up", NUM_WARM_UP, NUM_WARM_UP))[0], "warm-up")
     watch.mark("sustain")
     concurrency = settings.concurrency
+    assert concurrency is not None, "settings_from_args() resolves it"
     sustain, sustain_s = await load.closed("sustain", settings.sustain_rounds * concurrency, concurrency)
     _check_complete(sustain, "the closed loop")
     rate = closed_loop_rate(sustain, concurrency)
@@ -219,7 +220,9 @@ async def measure(args: argparse.Namespace, settings: Settings, cores: int) -> d
         mix = Mix(tuple(args.prompt_len), (1, 1), tuple(args.output_len), long_fraction=0.0)
         load = Load(f"127.0.0.1:{bound_port(server)}", pool, mix, args.seed, args.request_timeout)
         # backend.metrics: the router's, set by serve().
-        async with Watch(await worker_pids(backend.workers), lambda: backend.metrics.num_running) as watch:
+        metrics = backend.metrics
+        assert metrics is not None
+        async with Watch(await worker_pids(backend.workers), lambda: metrics.num_running) as watch:
             figures = await run_phases(load, watch, backend.workers, settings, args)
     finally:
         if server is not None:
@@ -244,7 +247,7 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("tandem.router").setLevel(logging.WARNING)  # a line per call: thousands here
     cores = args.cores or len(os.sched_getaffinity(0))
     # Logical CPUs for Ray's bookkeeping only: workers are limited by their torch threads.
-    ray.init(num_cpus=max(4, cores), include_dashboard=False, logging_level="WARNING")
+    ray.init(num_cpus=max(4, cores), include_dashboard=False, logging_level=logging.WARNING)
     try:
         figures = asyncio.run(measure(args, settings, cores))
     finally:

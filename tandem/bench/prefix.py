@@ -57,6 +57,7 @@ async def turn(stub, request_id: str, prompt: list[int], max_tokens: int) -> tup
         if response.token_ids and ttft_ms is None:
             ttft_ms = (time.perf_counter() - start) * 1e3
         answer += response.token_ids
+    assert ttft_ms is not None, f"{request_id}: the stream ended without a token"
     return answer, ttft_ms
 
 
@@ -94,8 +95,8 @@ def over_same_workers(backend, policy: str):
     from tandem.router.policy import WorkerState
     from tandem.router.ray_backend import RayBackend
 
-    states = [[WorkerState(w.instance, w.handle) for w in ws] for ws in (backend.prefill, backend.decode)]
-    return RayBackend(*states, [], policy, backend.tokenizer_spec, disagg_policy="always")
+    prefill, decode = ([WorkerState(w.instance, w.handle) for w in ws] for ws in (backend.prefill, backend.decode))
+    return RayBackend(prefill, decode, [], policy, backend.tokenizer_spec, disagg_policy="always")
 
 
 async def measure(s: Settings, args: argparse.Namespace) -> dict[str, dict[str, float]]:

@@ -33,6 +33,7 @@ import subprocess
 import time
 import unittest
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -75,14 +76,16 @@ TF_CHUNK = 16
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     """Options of ``tandem bench quant``; ``--quick`` changes the defaults of the unset ones."""
-    parser.add_argument("--model", default=None, help="local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None,
+                        help="local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny run: 2 sequences, 12 tokens, 1 round, 128 text tokens, 256 MiB bandwidth copy")
     parser.add_argument("--num-seqs", type=int, default=None,
                         help=f"sequences in the decode batch, at most {len(QUESTIONS)} (default: 8)")
     parser.add_argument("--max-tokens", type=int, default=None, help="greedy tokens per sequence (default: 64)")
-    parser.add_argument("--rounds", type=int, default=None, help="timed runs per variant, order alternating (default: 3)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="timed runs per variant, order alternating (default: 3)")
     parser.add_argument("--ppl-tokens", type=int, default=None, help="tokens of the perplexity text (default: 1024)")
     parser.add_argument("--out-dir", default="bench-results/quant", help="where results.json and quant.png go")
 
@@ -196,13 +199,15 @@ def run(args: argparse.Namespace) -> int:
     bandwidth = measure_copy_bandwidth(256 if args.quick else 1024, 3 if args.quick else 5)
     source = resolve_model_source(args.model)
     hf_model, tokenizer = load_hf_model(source)
-    floats = {d: loaded_from_hf_model(hf_model, tokenizer, source.name, getattr(torch, d)) for d in ("float32", "bfloat16")}
+    floats = {d: loaded_from_hf_model(hf_model, tokenizer, source.name, getattr(torch, d))
+              for d in ("float32", "bfloat16")}
     del hf_model
     models: dict[str, LoadedModel] = {}
     for name, dtype, quant in VARIANTS:  # quantized once; each engine then finds its weights quantized
         models[name] = quantized(floats[dtype], quant, source)  # int4 from GGUF: the file's own blocks
-    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
-                                                              tokenize=False), add_special_tokens=False)
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}],
+                                                              add_generation_prompt=True, tokenize=False),
+                                add_special_tokens=False)
                for q in QUESTIONS[:num_seqs]]
     for name, dtype, quant in VARIANTS:  # warm-up, untimed: first-call costs of every path
         decode_run(models[name], dtype, quant, prompts[:1], 3)
@@ -215,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
             logger.info("%s, round %d: %.1f decode tok/s", name, r + 1, tok_s)
     text = fixed_text_ids(tokenizer, ppl_tokens)
     reference = outputs["float32"]
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, dtype, quant in VARIANTS:
         weights = models[name].weights
         same = sum(a == b for o, ref in zip(outputs[name], reference) for a, b in zip(o, ref))

@@ -24,8 +24,14 @@ import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tandem.router.auth import AUTH_TOKEN_ENV
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from tandem.bench.serving.load import Request
 
 logger = logging.getLogger(__name__)
 
@@ -120,9 +126,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     pick = lambda value, default: default if value is None else value  # noqa: E731
     s = Settings(
         rates=list(pick(args.request_rate, base.rates)), num_prompts=pick(args.num_prompts, base.num_prompts),
-        short_prompt_len=tuple(pick(args.short_prompt_len, base.short_prompt_len)),  # type: ignore[arg-type]
-        long_prompt_len=tuple(pick(args.long_prompt_len, base.long_prompt_len)),  # type: ignore[arg-type]
-        output_len=tuple(pick(args.output_len, base.output_len)),  # type: ignore[arg-type]
+        short_prompt_len=tuple(pick(args.short_prompt_len, base.short_prompt_len)),
+        long_prompt_len=tuple(pick(args.long_prompt_len, base.long_prompt_len)),
+        output_len=tuple(pick(args.output_len, base.output_len)),
         long_fraction=pick(args.long_fraction, base.long_fraction),
         kv_cache_memory_gib=pick(args.kv_cache_memory_gib, base.kv_cache_memory_gib),
         overhead_requests=pick(args.overhead_requests, base.overhead_requests),
@@ -176,10 +182,11 @@ class Bench:
         self.args, self.settings = args, settings
         self.slo = parse_goodput(args.goodput)
         self.mix = Mix(settings.short_prompt_len, settings.long_prompt_len, settings.output_len, settings.long_fraction)
-        self.shapes: list | None = None
+        self.shapes: list[Request] | None = None
         """The requests' kinds and lengths, drawn once: rates differ by their rate alone."""
         self.rate_keys: dict[float, int] = {}
-        self.pool = None
+        self.pool: np.ndarray | None = None
+        """The token ids prompts are drawn from (build_workload)."""
         self.runs: list[dict] = []
         self.slo_search: dict | None = None
         self.overhead: dict[str, dict] = {}
@@ -216,6 +223,7 @@ class Bench:
         if self.dataset is not None:
             return self.dataset
         key = self.rate_keys.setdefault(rate, len(self.rate_keys))
+        assert self.shapes is not None and self.pool is not None, "build_workload() comes first"
         return with_fresh_tokens(self.shapes, self.pool, [self.args.seed, SEED_WORKLOAD, key])
 
     async def warm_up(self, target: str, mode: str, num_workers: int = 1) -> None:
@@ -224,6 +232,7 @@ class Bench:
         from tandem.bench.serving.load import make_requests, run_load
 
         mix = replace(self.mix, output_len=(4, 4), long_fraction=0.5)
+        assert self.pool is not None, "build_workload() comes first"
         warm = make_requests(2 * num_workers, self.pool, mix, [self.args.seed, SEED_WARM_UP])
         tag = f"warm-{mode.replace('/', '-')}"  # request ids hold no "/"
         results, _ = await run_load(target, warm, [0.0] * len(warm), tag=tag, desc="warm-up",
@@ -238,6 +247,7 @@ class Bench:
         from tandem.bench.serving.load import Mix, make_requests
 
         n = 2 * self.settings.overhead_requests + 2
+        assert self.pool is not None, "build_workload() comes first"
         return [r.prompt_token_ids for r in make_requests(n, self.pool, Mix((24, 24), (1, 1), (1, 1), 0.0),
                                                           [self.args.seed, SEED_OVERHEAD])]
 

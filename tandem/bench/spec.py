@@ -59,14 +59,17 @@ OPEN_QUESTIONS = [
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     """Options of ``tandem bench spec``; ``--quick`` changes the defaults of the unset ones."""
-    parser.add_argument("--model", default=None, help="local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None,
+                        help="local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
-    parser.add_argument("--quick", action="store_true", help="tiny run: 1 prompt per workload, 24 tokens, k 0 4, 1 round")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny run: 1 prompt per workload, 24 tokens, k 0 4, 1 round")
     parser.add_argument("--k", type=int, nargs="+", default=None,
                         help="num_speculative_tokens to compare; 0 is always run (default: 0 2 4)")
     parser.add_argument("--num-prompts", type=int, default=None, help="requests per batch, at most 4 (default: 4)")
     parser.add_argument("--max-tokens", type=int, default=None, help="output tokens per request at most (default: 128)")
-    parser.add_argument("--rounds", type=int, default=None, help="timed runs per k and workload, order alternating (default: 2)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help="timed runs per k and workload, order alternating (default: 2)")
     parser.add_argument("--prompt-lookup-max", type=int, default=4)
     parser.add_argument("--prompt-lookup-min", type=int, default=2)
     parser.add_argument("--out-dir", default="bench-results/spec", help="where results.json and spec.png go")

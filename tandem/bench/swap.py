@@ -36,7 +36,8 @@ BLOCK_SIZE = 16
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None, help="local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None,
+                        help="local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
     parser.add_argument("--num-blocks", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64],
                         help="blocks swapped (or tokens / block size recomputed)")
@@ -81,7 +82,12 @@ def run(args: argparse.Namespace) -> int:
     rows = []
     for n in args.num_blocks:
         pairs = [(b, b) for b in range(n)]
-        swap_s = median_s(lambda: (swapper.swap_out(pairs), swapper.swap_in(pairs)), args.repeats)
+
+        def swap_out_in() -> None:
+            swapper.swap_out(pairs)
+            swapper.swap_in(pairs)
+
+        swap_s = median_s(swap_out_in, args.repeats)
         prefill = _sequence("p", n * BLOCK_SIZE, 0, 0)
         alone_s = median_s(lambda: runner.run(ScheduledBatch([prefill], [n * BLOCK_SIZE])), args.repeats)
         mixed = ScheduledBatch([*decodes, prefill], [1] * len(decodes) + [n * BLOCK_SIZE])
@@ -101,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
     print(f"\n{loaded.config.name}, block size {BLOCK_SIZE}, {results['num_threads']} threads; "
           f"a step of {args.num_decodes} decodes (context {args.decode_context}) takes {decode_s * 1e3:.1f} ms")
-    print(f"{'blocks':>6} {'swap out+in ms':>15} {'recompute alone ms':>19} {'recompute added ms':>19} {'added/swap':>11}")
+    print(f"{'blocks':>6} {'swap out+in ms':>15} {'recompute alone ms':>19} {'recompute added ms':>19} "
+          f"{'added/swap':>11}")
     for r in rows:
         print(f"{r['num_blocks']:>6} {r['swap_out_in_s'] * 1e3:>15.2f} {r['recompute_alone_s'] * 1e3:>19.1f} "
               f"{r['recompute_added_s'] * 1e3:>19.1f} {r['added_over_swap']:>11.1f}")

@@ -5,7 +5,8 @@ A spawned receiver process owns a KV pool shaped for the model (the layout only:
 weights; for shm, a second one in /dev/shm) and a KVReceiver per transport; this process
 fills its own pool with random KV, sends every layer of a prompt's blocks and times first
 send -> DONE. Then a real prefill sends each layer from the model's on_layer_stored hook,
-to show how much of the transfer the compute hides. --quick is a tiny run (random weights). Also: python -m tandem.bench.transfer
+to show how much of the transfer the compute hides. --quick is a tiny run (random weights).
+Also: python -m tandem.bench.transfer
 """
 
 from __future__ import annotations
@@ -61,18 +62,22 @@ QUICK = Settings([64, 256], list(TRANSPORTS), ["contiguous", "shuffled"], 2, [64
 
 def add_args(parser: argparse.ArgumentParser) -> None:
     """Options of ``tandem bench transfer``; unset ones take FULL's (or QUICK's) value."""
-    parser.add_argument("--model", default=None, help="local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", default=None,
+                        help="local HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--quick", action="store_true", help="tiny run: prompts of 64 and 256 tokens, random weights")
-    parser.add_argument("--prompt-lens", type=int, nargs="+", default=None, help="tokens per transfer (default: 512 2048 8192)")
+    parser.add_argument("--prompt-lens", type=int, nargs="+", default=None,
+                        help="tokens per transfer (default: 512 2048 8192)")
     parser.add_argument("--transports", nargs="+", choices=TRANSPORTS, default=None, help="default: ipc tcp gloo shm")
     parser.add_argument("--block-orders", nargs="+", choices=["contiguous", "shuffled"], default=None,
                         help="block tables: one run of blocks (a fresh pool), or shuffled (a busy one)")
     parser.add_argument("--repeats", type=int, default=None, help="timed transfers per point, median kept (default: 5)")
     parser.add_argument("--overlap-lens", type=int, nargs="*", default=None,
-                        help="prompt lengths of the prefill-overlap runs over ipc, none to skip (default: 512 2048 8192)")
+                        help="prompt lengths of the prefill-overlap runs over ipc, none to skip "
+                             "(default: 512 2048 8192)")
     parser.add_argument("--random-weights", action="store_true", default=None,
                         help="prefill with random weights of the model's shape (no weight load)")
-    parser.add_argument("--num-threads", type=int, default=None, help="torch threads of this process (default: all cores)")
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="torch threads of this process (default: all cores)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-dir", default="bench-results/transfer", help="where results.json and the PNG go")
 
@@ -174,7 +179,8 @@ def print_report(r: dict) -> None:
           f"the receiver's DONE event, median of {s['repeats']} (after a checked warm-up); GB/s = bytes / latency")
     print(f"{r['copy_definition']};\nwith {r['num_threads']} threads and with 1; ratio = GB/s / the faster "
           "of the two (the goal's), ratio 1t = GB/s / the 1-thread copy. "
-          f"send calls = time in the {lay['num_layers']} send_layer calls; sender ack = first send -> DONE seen by the sender\n")
+          f"send calls = time in the {lay['num_layers']} send_layer calls; "
+          "sender ack = first send -> DONE seen by the sender\n")
     rows = [[t["transport"], t["block_order"], str(t["num_tokens"]), f"{t['bytes'] / 1e6:.1f}",
              f"{t['latency_s'] * 1e3:.2f}", f"{t['send_calls_s'] * 1e3:.2f}", f"{t['ack_s'] * 1e3:.2f}",
              f"{t['bytes_per_s'] / 1e9:.2f}", f"{t['copy_bytes_per_s'] / 1e9:.2f}", f"{t['copy_ratio']:.0%}",
@@ -183,10 +189,10 @@ def print_report(r: dict) -> None:
                   "copy GB/s", "ratio", "copy 1t GB/s", "ratio 1t"], rows))
     print()
     for transport, goal in GOALS.items():
-        rows = [t for t in r["transfers"] if t["transport"] == transport]
-        if rows:
+        runs = [t for t in r["transfers"] if t["transport"] == transport]
+        if runs:
             verdicts = ", ".join(f"{t['block_order']} {t['num_tokens']}: {t['copy_ratio']:.0%} "
-                                 f"{'ok' if t['copy_ratio'] >= goal else 'MISSED'}" for t in rows)
+                                 f"{'ok' if t['copy_ratio'] >= goal else 'MISSED'}" for t in runs)
             print(f"goal, {transport} >= {goal:.0%} of copy bandwidth: {verdicts}")
     if not r["overlap"]:
         return

@@ -5,17 +5,32 @@ blocks (copy-on-write) and retires the parents."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from tandem.engine.sequence import Sequence, SequenceUpdate
+from tandem.engine.sequence import Sequence, SequenceStatus, SequenceUpdate
 
-if TYPE_CHECKING:
-    from tandem.engine.scheduler import Scheduler
+
+class BeamHost(Protocol):
+    """What a beam search needs of the scheduler that runs its beams (the Scheduler is one)."""
+
+    def end_of(self, seq: Sequence, token_id: int) -> SequenceStatus | None:
+        """Why appending ``token_id`` to ``seq`` ends it, or None."""
+        ...
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """Run ``child`` from where ``parent`` is, on its blocks (copy-on-write)."""
+        ...
+
+    def retire(self, seq: Sequence) -> None:
+        """Drop a running beam that no continuation extends."""
+        ...
 
 
 class BeamStepper:
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
+    """The beam searches of one scheduler (``host``): it forks and retires their beams."""
+
+    def __init__(self, host: BeamHost) -> None:
+        self.host = host
 
     def advance(self, seq: Sequence, candidates: tuple[list[int], list[float]]) -> list[SequenceUpdate]:
         """``seq``, a live beam computed up to its last token, sampled its top candidates
@@ -29,19 +44,19 @@ class BeamStepper:
         group.candidates[id(seq)] = list(zip(*candidates))
         if not group.may_step_beams():
             return []  # the others have yet to sample (a smaller budget, or a preemption)
-        step = group.beam.step(group.beams, [group.candidates[id(b)] for b, _ in group.beams], self.scheduler.end_of)
+        step = group.beam.step(group.beams, [group.candidates[id(b)] for b, _ in group.beams], self.host.end_of)
         group.candidates.clear()
         root = group.root
         beams: list[tuple[Sequence, float]] = []
         for c in [] if step.done else step.running:
             child = Sequence(root.request_id, root.prompt_token_ids, root.params, root.arrival_index)
             child.group = group
-            self.scheduler.fork(c.parent, child)
+            self.host.fork(c.parent, child)
             child.token_ids.append(c.token_id)
             child.output_logprobs.append(c.logprob)
             beams.append((child, c.score))
         for parent, _ in group.beams:  # after the forks: the children hold their blocks now
-            self.scheduler.retire(parent)
+            self.host.retire(parent)
         group.beams = beams
         if not step.done:
             return []

@@ -71,16 +71,16 @@ def sample_step(
             plain_on_device = True
     for i in beams:
         k = min(num_candidates(params[i].beam_width, num_eos_tokens), logits.shape[-1])
-        top = torch.log_softmax(logits[row_starts[i]].float(), dim=-1).topk(k)  # each: [k]
-        reads += [top.indices, top.values]
+        best = torch.log_softmax(logits[row_starts[i]].float(), dim=-1).topk(k)  # each: [k]
+        reads += [best.indices, best.values]
     if drafted:
         reads += verify_on_device(logits, [row_starts[i] for i in drafted], [draft_token_ids[i] for i in drafted],
                                   [params[i] for i in drafted], [generators[i] for i in drafted])
     values = iter(read_back(reads))
     if plain_on_device:
         chosen, chosen_logprobs = next(values), next(values)
-        for i, t, lp in zip(plain, chosen, chosen_logprobs):
-            token_ids[i], logprobs[i] = [int(t)], [lp]
+        for i, chosen_t, chosen_lp in zip(plain, chosen, chosen_logprobs):
+            token_ids[i], logprobs[i] = [int(chosen_t)], [chosen_lp]
     for i in beams:
         token_ids[i], logprobs[i] = [int(t) for t in next(values)], next(values)
     if drafted:
@@ -126,10 +126,12 @@ def verify_on_device(
     device, vocab_size = logits.device, logits.shape[-1]
     sizes = [len(d) for d in draft_token_ids]
     # The drafts and the uniforms of generators on the host cross in one transfer.
-    on_host = [e for e, (p, g) in enumerate(zip(params, generators))
-               if not p.is_greedy and g is not None and g.device != device]
-    host_uniforms = {e: torch.rand(sizes[e], generator=generators[e], device=generators[e].device, dtype=torch.float64)
-                     for e in on_host}  # (host values, drawn before anything else of the generator's)
+    host_generators = {e: g for e, (p, g) in enumerate(zip(params, generators))
+                       if not p.is_greedy and g is not None and g.device != device}
+    on_host = list(host_generators)
+    # (host values, drawn before anything else of the generator's)
+    host_uniforms = {e: torch.rand(sizes[e], generator=g, device=g.device, dtype=torch.float64)
+                     for e, g in host_generators.items()}
     host = torch.tensor([t for d in draft_token_ids for t in d], dtype=torch.float64)
     if host_uniforms:
         host = torch.cat([host, *host_uniforms.values()])

@@ -27,7 +27,9 @@ def apply_grammar_masks(logits: torch.Tensor, matchers: Sequence[GrammarMatcher 
     host = torch.empty(n * words + n, dtype=torch.int32)
     bitmask = host[:n * words].view(n, words)
     for j, i in enumerate(constrained):
-        matchers[i].fill_next_token_bitmask(bitmask, j)
+        matcher = matchers[i]
+        assert matcher is not None
+        matcher.fill_next_token_bitmask(bitmask, j)
     host[n * words:] = torch.tensor(constrained, dtype=torch.int32)
     packed = step_inputs.to_device(host, logits.device)
     forbidden = unpack_bitmask(packed[:n * words].view(n, words), vocab_size, allowed=False)

@@ -1,1 +1,2 @@
-"""The engine core every pool shares: sequences, the scheduler (policy) and its preemption, the model runner, the sampler, the detokenizer, and the engine that steps them."""
+"""The engine core every pool shares: sequences, the scheduler (policy) and its preemption, the
+model runner, the sampler, the detokenizer, and the engine that steps them."""

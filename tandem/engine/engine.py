@@ -56,11 +56,13 @@ class LLMEngine:
         logger.info("KV pool: %s", KVCapacity.of_engine_config(config).describe())
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    keep_blocks: bool = False) -> Sequence:
+                    keep_blocks: bool = False, priority: int = 0) -> Sequence:
         """Queue a request; raises ValueError at once when it could never run.
         keep_blocks: its blocks outlive it until :meth:`release_blocks` (a prefill worker's
-        KV is still being read out after the request ends)."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        KV is still being read out after the request ends).
+        priority: vLLM's; under the priority scheduling policy lower is served first (ties in
+        arrival order); under fcfs only 0 is taken (ValueError otherwise)."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, priority)
         seq.keep_blocks = keep_blocks
         self.scheduler.add(seq)
         return seq
@@ -84,14 +86,15 @@ class LLMEngine:
         """The request's (first) sequence, or None when the engine does not hold it."""
         return self.sequences.get(request_id)
 
-    def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int] | None:
+    def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                          priority: int = 0) -> list[int] | None:
         """Hold blocks for a prompt whose KV another worker computes. -> their ids, or None
         when the pool cannot hold it now. The leading blocks may be this pool's own cached
         prefix (shared, their KV already here): the sequence's num_cached_prompt_tokens
         counts their tokens, and only the rest must arrive. The request waits outside the
-        scheduler until :meth:`start_prefilled`."""
+        scheduler until :meth:`start_prefilled`. priority: as :meth:`add_request`'s."""
         self.check_prompt(prompt_token_ids)  # before the room check: a prompt that never fits is a ValueError
-        seq = self._new_sequence(request_id, prompt_token_ids, params)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, priority)
         cached_block_ids = self.block_manager.find_cached_prefix(seq)
         num_cached_tokens = len(cached_block_ids) * self.block_manager.block_size
         # Room for the prompt and the first decode step, beyond what running sequences hold.
@@ -145,6 +148,7 @@ class LLMEngine:
         (A seeded completion needs no state handed on: its draws are a function of its seed
         and the token's position, device_random.py.)"""
         if seq.params.use_beam_search:
+            assert seq.group is not None  # add_request gives every beam search its group
             candidates = seq.group.first_candidates
             return None if candidates is None else FirstSample(*candidates)
         if not seq.output_token_ids:
@@ -160,12 +164,14 @@ class LLMEngine:
             return [seq]
         return seq.group.completions
 
-    def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
-        self.check_request(request_id, prompt_token_ids)
+    def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                      priority: int = 0) -> Sequence:
+        self.check_request(request_id, prompt_token_ids, priority)
         new_detokenizer = functools.partial(self._new_detokenizer, params)
         arrival_index = next(self._arrivals)
         seq = Sequence(request_id, prompt_token_ids, params, arrival_index, new_detokenizer(),
                        grammar=self.grammars.matcher(params))
+        seq.priority = priority  # (its forks and beams take it from it: Sequence.take_progress)
         if params.use_beam_search:
             num_candidates = beam_search.num_candidates(params.beam_width, len(self.config.model.eos_token_ids))
             SequenceGroup(seq, [], beam_search.BeamSearch(params.beam_width, params.length_penalty, num_candidates),
@@ -181,11 +187,12 @@ class LLMEngine:
         return None if self.tokenizer is None else IncrementalDetokenizer(
             self.tokenizer, params.stop, params.skip_special_tokens, params.include_stop_str_in_output)
 
-    def check_request(self, request_id: str, prompt_token_ids: list[int]) -> None:
+    def check_request(self, request_id: str, prompt_token_ids: list[int], priority: int = 0) -> None:
         """Raise ValueError if :meth:`add_request` would refuse this request (so that a caller
         can refuse it before doing anything else for it)."""
         if request_id in self.sequences:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        self.scheduler.waiting.check_priority(priority)
         self.check_prompt(prompt_token_ids)
 
     def check_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -220,7 +227,8 @@ class LLMEngine:
             if seq is None:
                 return None
             # Reserved for a prefill elsewhere, not yet started.
-            self.block_manager.free(seq)
+            if not seq.keep_blocks:
+                self.block_manager.free(seq)
             seq.status = SequenceStatus.FINISHED_ABORTED
         self._remove(seq)
         return self._delta(SequenceUpdate(seq, [], "", []), num_unfinished=0)

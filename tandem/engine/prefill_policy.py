@@ -4,13 +4,15 @@ A step's budget is filled with prompt chunks of several sequences, in four passe
 policy is explained in docs/scheduling.md, "Prefill packing"):
 
 1. each prompt already being prefilled (running, or swapped back in) takes its next chunk,
-   oldest first, capped at ``long_prefill_token_threshold`` tokens (the Scheduler applies
-   the cap: it is the only place a running sequence may preempt another);
-2. waiting prompts, in queue order, each whole if it fits in what is left. While pass 1
-   capped a prompt, a waiting one that does not fit is passed over, so the shorter prompts
-   behind it still start; otherwise the first that does not fit takes the rest as its
-   first chunk (plain FCFS: shorter ones behind it wait for one chunk of it);
-3. what is left goes back to the prompts pass 1 capped, oldest first;
+   in the scheduling policy's order (fcfs: oldest first; waiting_queue.py), capped at
+   ``long_prefill_token_threshold`` tokens (the Scheduler applies the cap: it is the only
+   place a running sequence may preempt another);
+2. the waiting prompts the policy lets in now, in queue order, each whole if it fits in
+   what is left. While pass 1 capped a prompt, a waiting one that does not fit is passed
+   over, so the shorter prompts behind it still start; otherwise the first that does not
+   fit takes the rest as its first chunk (plain FCFS: shorter ones behind it wait for one
+   chunk of it);
+3. what is left goes back to the prompts pass 1 capped, in that order;
 4. if budget is still left (every capped prompt finished), the first prompt pass 2 passed
    over takes it as its first chunk.
 
@@ -22,44 +24,49 @@ the other (the oldest gets everything the short ones leave).
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
 
+from tandem.config import EngineConfig
 from tandem.engine.sequence import Sequence, SequenceStatus
-
-if TYPE_CHECKING:
-    from tandem.engine.scheduler import Scheduler
+from tandem.engine.waiting_queue import WaitingQueue
+from tandem.kvcache.block_manager import BlockManager
 
 Entry = tuple[Sequence, int]
 """A sequence scheduled this step and how many of its tokens run."""
 
 
 class PrefillPacker:
-    """Passes 2 to 4 above, over a Scheduler's queues and block manager."""
+    """Passes 2 to 4 above, over a scheduler's waiting queue and running list (the very
+    objects: admitting moves a sequence from one to the other) and its block manager."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, waiting: WaitingQueue,
+                 running: list[Sequence]) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting = waiting
+        self.running = running
 
-    def pack(self, entries: list[Entry], budget: int, admit: bool) -> int:
+    def pack(self, entries: list[Entry], budget: int, admissible: list[Sequence]) -> int:
         """Fill ``budget`` (what the running and swapped-in sequences left) with prompt
-        chunks: admit waiting sequences (if ``admit``) and lengthen the chunks of capped
-        entries; ``entries`` is updated in place. -> the budget left."""
+        chunks: admit the ``admissible`` waiting sequences (in order, as far as they fit) and
+        lengthen the chunks of capped entries; ``entries`` is updated in place. -> the
+        budget left."""
         # Entries cut short of their last token: capped by pass 1 (or out of budget).
         capped = [i for i, (seq, n) in enumerate(entries) if n < seq.num_uncomputed_tokens]
         passed_over: Sequence | None = None
-        if admit:
-            budget, passed_over = self._admit_waiting(entries, budget, pass_over_long=bool(capped))
+        if admissible:
+            budget, passed_over = self._admit_waiting(entries, budget, admissible, pass_over_long=bool(capped))
         budget = self._refill(entries, capped, budget)
         if passed_over is not None and budget > 0:
             budget = self._admit_first_chunk(entries, passed_over, budget)
         return budget
 
-    def _admit_waiting(self, entries: list[Entry], budget: int, pass_over_long: bool) -> tuple[int, Sequence | None]:
+    def _admit_waiting(self, entries: list[Entry], budget: int, admissible: list[Sequence],
+                       pass_over_long: bool) -> tuple[int, Sequence | None]:
         """Pass 2. -> the budget left, and the first prompt passed over (or None)."""
-        sched = self.scheduler
-        bm, config = sched.block_manager, sched.config
+        bm, config = self.block_manager, self.config
         passed_over: Sequence | None = None
-        for seq in list(sched.waiting):
-            if budget <= 0 or len(sched.running) >= config.max_num_seqs:
+        for seq in admissible:
+            if budget <= 0 or len(self.running) >= config.max_num_seqs:
                 break
             cached_block_ids = bm.find_cached_prefix(seq)
             remaining = seq.num_tokens - len(cached_block_ids) * bm.block_size
@@ -82,7 +89,7 @@ class PrefillPacker:
     def _refill(self, entries: list[Entry], capped: list[int], budget: int) -> int:
         """Pass 3: give the capped entries, oldest first, what is left, as far as free
         blocks allow (a refill never preempts: the capped chunk already made progress)."""
-        bm = self.scheduler.block_manager
+        bm = self.block_manager
         for i in capped:
             if budget <= 0:
                 break
@@ -100,9 +107,8 @@ class PrefillPacker:
 
     def _admit_first_chunk(self, entries: list[Entry], seq: Sequence, budget: int) -> int:
         """Pass 4: start the prompt pass 2 passed over with the rest of the budget."""
-        sched = self.scheduler
-        bm = sched.block_manager
-        if len(sched.running) >= sched.config.max_num_seqs:
+        bm = self.block_manager
+        if len(self.running) >= self.config.max_num_seqs:
             return budget
         # Found again: blocks taken since pass 2 may have evicted part of the cached prefix.
         cached_block_ids = bm.find_cached_prefix(seq)
@@ -114,12 +120,11 @@ class PrefillPacker:
 
     def _admit(self, entries: list[Entry], seq: Sequence, n: int, cached_block_ids: list[int]) -> None:
         """Move waiting ``seq`` to the running set with its first ``n`` tokens scheduled."""
-        sched = self.scheduler
-        sched.waiting.remove(seq)
-        sched.block_manager.allocate(seq, n, cached_block_ids)
+        self.waiting.remove(seq)
+        self.block_manager.allocate(seq, n, cached_block_ids)
         if seq.num_preemptions == 0:
             seq.num_cached_prompt_tokens = seq.num_computed_tokens
             seq.first_scheduled_time = time.monotonic()
         seq.status = SequenceStatus.RUNNING
-        sched.running.append(seq)
+        self.running.append(seq)
         entries.append((seq, n))

@@ -1,7 +1,8 @@
 """Continuous batching: which sequences run this step, and how many tokens each.
 
-Policy only (FCFS, token budget, who gives way: the Preemptor swaps or drops their KV; how
-prompt chunks share the budget: the PrefillPacker, prefill_policy.py).
+Policy only: the order of service (fcfs or priority: the WaitingQueue, waiting_queue.py),
+the token budget, who gives way (the Preemptor swaps or drops their KV), how prompt chunks
+share the budget (the PrefillPacker, prefill_policy.py).
 :meth:`Scheduler.update` is the one place where a sequence's state moves forward.
 """
 
@@ -11,7 +12,6 @@ import bisect
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 from tandem.config import EngineConfig
 from tandem.decoding.beam_stepper import BeamStepper
@@ -19,7 +19,9 @@ from tandem.decoding.speculation import Speculator
 from tandem.engine.preemption import Preemptor
 from tandem.engine.prefill_policy import PrefillPacker
 from tandem.engine.sampler import StepOutput, TargetSample
+from tandem.engine.scheduled_batch import ScheduledBatch
 from tandem.engine.sequence import Sequence, SequenceStatus, SequenceUpdate
+from tandem.engine.waiting_queue import WaitingQueue, make_waiting_queue
 from tandem.kvcache.block_manager import BlockManager
 from tandem.kvcache.swap_pool import SwapPool
 from tandem.logprobs import TopLogprobs
@@ -27,70 +29,24 @@ from tandem.logprobs import TopLogprobs
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ScheduledBatch:
-    """One step's work: ``num_new_tokens[i]`` tokens of ``seqs[i]``, from its first
-    uncomputed token on, then its ``draft_token_ids[i]`` (a speculative decode: the drafts
-    count in ``num_new_tokens[i]``). Single-token entries (decodes) come first.
-
-    Before the step's forward, the runner copies ``swap_out``, then ``copies``, then
-    ``swap_in``: the device blocks a swapped-out sequence gave up may be written by this
-    very step (see ModelRunner.swap).
-    """
-
-    seqs: list[Sequence]
-    num_new_tokens: list[int]
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    """(device block id, host block id) pairs to copy device -> host."""
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
-    """(host block id, device block id) pairs to copy host -> device."""
-    draft_token_ids: list[list[int]] = field(default_factory=list)
-    """Per entry (or empty: no entry has drafts)."""
-    copies: list[tuple[int, int]] = field(default_factory=list)
-    """(source, destination) device block pairs to copy first: shared blocks an entry
-    writes (copy-on-write)."""
-
-    def num_drafts(self, i: int) -> int:
-        return len(self.draft_token_ids[i]) if self.draft_token_ids else 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.num_new_tokens)
-
-    @property
-    def is_empty(self) -> bool:
-        """No sequence runs (there may still be blocks to swap)."""
-        return not self.seqs
-
-    def samples(self, i: int) -> bool:
-        """Whether entry i reaches the end of its tokens, so a new token is sampled."""
-        seq = self.seqs[i]
-        return seq.num_computed_tokens + self.num_new_tokens[i] - self.num_drafts(i) == seq.num_tokens
-
-    def sample_targets(self, i: int) -> list[Sequence]:
-        """The sequences that sample from entry i's logits: none (a prefill chunk), the
-        entry's own, or also its dormant forks (a root's first sample, n > 1)."""
-        if not self.samples(i):
-            return []
-        seq = self.seqs[i]
-        return [seq, *seq.group.forks] if seq.group is not None and seq is seq.group.root else [seq]
-
-
 class Scheduler:
+    """The waiting, running and swapped-out sequences of one engine, and each step's batch."""
+
     def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
         self.config = config
         self.block_manager = block_manager
-        self.waiting: deque[Sequence] = deque()
+        self.waiting: WaitingQueue = make_waiting_queue(config.scheduling_policy)
+        """Waiting sequences, in admission order; also the policy (its rank orders the others)."""
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
-        """Swapped-out sequences, oldest first."""
+        """Swapped-out sequences, in the policy's order (fcfs: oldest first)."""
         self.preemptor = Preemptor(config, block_manager, SwapPool(config.num_swap_blocks, config.num_kv_blocks))
         self.speculator = Speculator(config, block_manager)
         self.beam_stepper = BeamStepper(self)
-        self.prefill_packer = PrefillPacker(self)
+        self.prefill_packer = PrefillPacker(config, block_manager, self.waiting, self.running)
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self.waiting.add(seq)
 
     @property
     def has_unfinished(self) -> bool:
@@ -109,13 +65,12 @@ class Scheduler:
         copies: list[tuple[int, int]] = []
         preempted = False
 
-        # Running sequences first, oldest first; the newest unscheduled one gives way when
-        # blocks run out. NOTE: decodes before prefill chunks, so that a flood of long prompts
-        # never starves a running decode (each needs one token of the budget).
-        self.running.sort(key=lambda s: s.arrival_index)
-        decodes_first = sorted(self.running, key=lambda s: s.num_uncomputed_tokens != 1)
+        # Running sequences first, in the policy's step order (decodes first within it); the
+        # last unscheduled one in the policy's rank (fcfs: the newest) gives way when blocks
+        # run out.
+        self.running.sort(key=self.waiting.rank)
         scheduled: set[int] = set()
-        for seq in decodes_first:
+        for seq in self.waiting.step_order(self.running):
             if budget <= 0:
                 break
             if seq.status != SequenceStatus.RUNNING or seq.num_uncomputed_tokens == 0:
@@ -124,18 +79,14 @@ class Scheduler:
             n = min(seq.num_uncomputed_tokens, budget, cap) + len(drafts)
             while not bm.can_allocate(seq, n):
                 victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
-                self.running.remove(victim)
-                swap_out += self.preemptor.preempt(victim)
-                if victim.status == SequenceStatus.SWAPPED:  # resumes oldest first
-                    bisect.insort(self.swapped, victim, key=lambda s: s.arrival_index)
-                else:  # recomputes before any newer sequence
-                    self.waiting.appendleft(victim)
+                swap_out += self._preempt(victim)
                 preempted = True
                 if victim is seq:
                     break
             if seq.status != SequenceStatus.RUNNING:
-                # It was the newest left: only older prompts being chunked may follow it,
-                # and they may still fit in what it gave back (else the batch could be empty).
+                # It was the last left in rank: only prompts being chunked that rank before it
+                # may follow it, and they may still fit in what it gave back (else the batch
+                # could be empty).
                 continue
             copies += bm.allocate(seq, n)
             entries.append((seq, n))
@@ -143,7 +94,7 @@ class Scheduler:
             scheduled.add(id(seq))
             budget -= n
 
-        # Then swapped sequences, oldest first, unless we just preempted. NOTE: host blocks
+        # Then swapped sequences, in rank order, unless we just preempted. NOTE: host blocks
         # freed here are only taken again by a later step's swap-out, whose copies run later.
         while self.swapped and budget > 0 and not preempted and len(self.running) < self.config.max_num_seqs:
             seq = self.swapped[0]
@@ -156,13 +107,26 @@ class Scheduler:
             entries.append((seq, n))
             budget -= n
 
-        # Then waiting (new or recompute-preempted) prompts, once no swapped one waits to
-        # resume, unless we just preempted; what is left goes back to the capped chunks.
-        self.prefill_packer.pack(entries, budget, admit=not preempted and not self.swapped)
+        # Then waiting (new or recompute-preempted) prompts, as far as the policy lets them
+        # pass the swapped ones still waiting to resume (fcfs: not at all), unless we just
+        # preempted; what is left goes back to the capped chunks.
+        admissible = [] if preempted else self.waiting.admissible(self.swapped[0] if self.swapped else None)
+        self.prefill_packer.pack(entries, budget, admissible)
 
         entries.sort(key=lambda e: e[1] != 1)  # stable: decodes first, then prefill chunks
         return ScheduledBatch([s for s, _ in entries], [n for _, n in entries], swap_out, swap_in,
                               [draft_token_ids.get(id(s), []) for s, _ in entries], copies)
+
+    def _preempt(self, victim: Sequence) -> list[tuple[int, int]]:
+        """Take running ``victim``'s blocks back; it waits where the policy puts it (swapped:
+        by rank; recompute: WaitingQueue.requeue). -> the blocks to swap out."""
+        self.running.remove(victim)
+        swap_out = self.preemptor.preempt(victim)
+        if victim.status == SequenceStatus.SWAPPED:
+            bisect.insort(self.swapped, victim, key=self.waiting.rank)
+        else:
+            self.waiting.requeue(victim)
+        return swap_out
 
     def update(self, batch: ScheduledBatch, sampled: StepOutput) -> list[SequenceUpdate]:
         """Advance every scheduled sequence past the step that just ran."""
@@ -213,7 +177,8 @@ class Scheduler:
         parts: list[SequenceUpdate] = []
         token_ids = sample.token_ids
         for j, (token_id, logprob) in enumerate(zip(token_ids, sample.logprobs)):
-            parts.append(self.append_token(seq, token_id, logprob, sample.top_logprobs[j] if sample.top_logprobs else None))
+            top = sample.top_logprobs[j] if sample.top_logprobs else None
+            parts.append(self.append_token(seq, token_id, logprob, top))
             if seq.status.is_finished:
                 break
             if j < len(token_ids) - 1:

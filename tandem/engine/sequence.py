@@ -93,6 +93,9 @@ class Sequence:
         self.num_cached_prompt_tokens = 0
         """Prompt tokens found in the prefix cache at first admission."""
         self.num_preemptions = 0
+        self.priority = 0
+        """Its request's priority (vLLM's): under the priority scheduling policy, lower is
+        served first (waiting_queue.py); set by the engine as the request arrives."""
         # Timestamps (time.monotonic) for the metrics: set once each, by the scheduler.
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
@@ -115,6 +118,7 @@ class Sequence:
         self.output_top_logprobs = list(parent.output_top_logprobs)
         self.num_computed_tokens = parent.num_computed_tokens
         self.num_cached_prompt_tokens = parent.num_cached_prompt_tokens
+        self.priority = parent.priority
         self.arrival_time = parent.arrival_time
         self.first_scheduled_time = parent.first_scheduled_time
         self.first_token_time = parent.first_token_time
@@ -211,6 +215,7 @@ class SequenceGroup:
             seq.take_progress(c.parent)
             seq.token_ids.append(c.token_id)
             seq.output_logprobs.append(c.logprob)
+            assert c.end is not None  # a hypothesis is a beam that ended
             seq.status = c.end
             seq.group = self
             results.append(seq)

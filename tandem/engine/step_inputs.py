@@ -8,6 +8,8 @@ transfer, whatever its batch, and nothing inside the forward reads a device valu
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
@@ -49,7 +51,8 @@ class StepInputs:
     def __init__(self) -> None:
         self._arrays: dict[str, np.ndarray] = {}
 
-    def add(self, name: str, values: np.ndarray | list[int] | list[list[int]], shape: tuple[int, ...]) -> None:
+    def add(self, name: str, values: np.ndarray | Sequence[int] | Sequence[Sequence[int]],
+            shape: tuple[int, ...]) -> None:
         """Lay out ``values`` (any int sequence) as ``shape``."""
         self._arrays[name] = np.asarray(values, dtype=np.int64).reshape(shape)
 

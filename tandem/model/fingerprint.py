@@ -26,7 +26,7 @@ def model_fingerprint(loaded: LoadedModel) -> str:
                 seen.add(key)
                 raw = value.detach().to("cpu").contiguous().flatten().view(torch.uint8)
                 digest.update(repr((value.dtype, tuple(value.shape))).encode())
-                digest.update(memoryview(raw.numpy()))
+                digest.update(raw.numpy().data)
         else:
             digest.update(repr(value).encode())
     return f"{loaded.config.name}:{digest.hexdigest()}"

@@ -129,6 +129,7 @@ def keep_gguf_int4(weights: ModelWeights, config: ModelConfig, path: str, lm_hea
             kept += 1
             return with_cpu_pack(w)
         requantized += 1
+        assert isinstance(float_weight, torch.Tensor)  # the float weights (int4 ones are kept above)
         return with_cpu_pack(quantize_int4(float_weight))
 
     layers = []

@@ -117,9 +117,10 @@ class SafetensorsCheckpoint:
         from safetensors import safe_open
 
         index = os.path.join(directory, "model.safetensors.index.json")
+        weight_map: dict[str, str] | None
         if os.path.isfile(index):
             with open(index, encoding="utf-8") as f:
-                weight_map: dict[str, str] = json.load(f)["weight_map"]
+                weight_map = json.load(f)["weight_map"]
         elif os.path.isfile(os.path.join(directory, "model.safetensors")):
             weight_map = None  # filled below from the one file
         else:
@@ -294,7 +295,9 @@ def load_quantized_checkpoint(source: ModelSource, dtype: torch.dtype) -> Loaded
     weight is read; projections become Int4Weight, everything else ``dtype``."""
     from transformers import GenerationConfig
 
-    fmt = parse_quantization_config(read_quantization_config(source.path), os.path.join(source.path, "config.json"))
+    qc = read_quantization_config(source.path)
+    assert qc is not None, "is_quantized_checkpoint(source) first"
+    fmt = parse_quantization_config(qc, os.path.join(source.path, "config.json"))
     hf_config = load_hf_config(source)
     logger.info("loading %s (%s, %s int4, group size %s) from %s", source.name, hf_config.architectures[0],
                 fmt.method, fmt.group_size or "whole rows", source.path)

@@ -163,4 +163,5 @@ def quantize_int4(w: torch.Tensor, group_size: int = INT4_GROUP_SIZE) -> Int4Wei
     offset = low.half()
     safe = torch.where(scale.float() > 0, scale.float(), torch.ones_like(low))
     q = torch.round((groups - offset.float()[..., None]) / safe[..., None]).clamp_(0, 15)
-    return Int4Weight(pack_int4(q.reshape(out_features, in_features)), scale.contiguous(), offset.contiguous(), group_size)
+    return Int4Weight(pack_int4(q.reshape(out_features, in_features)), scale.contiguous(), offset.contiguous(),
+                      group_size)

@@ -76,7 +76,8 @@ every size measured and dequantizing up to 128-256 rows (table above), so the sa
 def choose_path(num_tokens: int, w: Int4Weight, dtype: torch.dtype = torch.bfloat16) -> str:
     """The faster CPU way for ``num_tokens`` rows of ``dtype`` activations (see the measured table)."""
     if (dtype == torch.float32 and num_tokens <= GEMV_MAX_TOKENS and w.qweight.device.type == "cpu"
-            and int4_gemv_cpu.takes(*w.shape, w.group_size) and int4_gemv_cpu.load_extension() is not None):
+            and int4_gemv_cpu.takes(w.shape[0], w.shape[1], w.group_size)
+            and int4_gemv_cpu.load_extension() is not None):
         return GEMV_F32
     return KERNEL if w.has_cpu_kernel and num_tokens <= KERNEL_MAX_TOKENS else DEQUANTIZE_BF16
 

@@ -8,7 +8,7 @@ products.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, overload
 
 import torch
 import torch.nn.functional as F
@@ -82,6 +82,19 @@ class LlamaModel:
         self.layer_kernels = kernels_for(weights.embed_tokens)
         """The compiled layer kernels for a float32 CPU model where they are built (else None:
         torch's operations), chosen once: a step calls them ~100 times."""
+
+    @overload
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                logits_indices: torch.Tensor, on_layer_stored: Callable[[int], None] | None = None) -> torch.Tensor: ...
+
+    @overload
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                logits_indices: None, on_layer_stored: Callable[[int], None] | None = None) -> None: ...
+
+    @overload
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                logits_indices: torch.Tensor | None,
+                on_layer_stored: Callable[[int], None] | None = None) -> torch.Tensor | None: ...
 
     @torch.inference_mode()
     def forward(

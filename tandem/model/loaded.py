@@ -8,10 +8,14 @@ import this instead of each other.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tandem.config import ARCHITECTURE_OF_MODEL_TYPE, ModelConfig, check_architecture
 from tandem.model.llama import ModelWeights
 from tandem.model.source import ModelSource
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -20,7 +24,8 @@ class LoadedModel:
 
     config: ModelConfig
     weights: ModelWeights
-    tokenizer: object  # transformers.PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerBase | None
+    """None: token ids in and out only (tests of the engine alone)."""
 
 
 def load_hf_config(source: ModelSource):  # -> transformers.PretrainedConfig

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TypeVar
+from typing import TypeVar, overload
 
 import torch
 
@@ -23,13 +23,19 @@ def weights_on(weights: ModelWeights, device: torch.device) -> ModelWeights:
         return weights
     moved: dict[int, Weight] = {}
 
+    @overload
+    def on(w: None) -> None: ...
+
+    @overload
+    def on(w: W) -> W: ...
+
     def on(w: W | None) -> W | None:
         if w is None:
             return None
         key = weight_key(w)
         if key not in moved:
             moved[key] = _weight_on(w, device)
-        return moved[key]  # type: ignore[return-value]
+        return moved[key]  # type: ignore[return-value]  # w's copy: the same kind of weight as w
 
     layers = [dataclasses.replace(layer, **{f.name: on(getattr(layer, f.name)) for f in dataclasses.fields(layer)})
               for layer in weights.layers]

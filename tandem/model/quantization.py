@@ -240,7 +240,7 @@ def pack_for_cpu_kernels(weights: ModelWeights, device: torch.device, dtype: tor
 
 
 def _pack_for_gemv(w: Weight) -> None:
-    if isinstance(w, Int4Weight) and int4_gemv_cpu.takes(*w.shape, w.group_size):
+    if isinstance(w, Int4Weight) and int4_gemv_cpu.takes(w.shape[0], w.shape[1], w.group_size):
         if int4_gemv_cpu.load_extension() is not None:
             w.gemv_pack  # noqa: B018 (a cached property: built once, kept on the instance)
             # float32 products never read torch's layout (tandem's kernel, or dequantizing above its bound)
@@ -250,7 +250,7 @@ def _pack_for_gemv(w: Weight) -> None:
             w.gemv_pack  # noqa: B018
 
 
-QUANTIZERS: dict[str, tuple[type, Callable[[torch.Tensor], QuantizedWeight]]] = {
+QUANTIZERS: dict[str, tuple[type[Int8Weight] | type[Int4Weight], Callable[[torch.Tensor], QuantizedWeight]]] = {
     "int8": (Int8Weight, quantize_int8),
     "int4": (Int4Weight, lambda w: with_cpu_pack(quantize_int4(w))),
 }
@@ -291,7 +291,8 @@ def quantize_weights(weights: ModelWeights, method: str | None, lm_head: bool | 
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} or None, got {m!r}")
     head_method = (LM_HEAD_METHOD[method] if lm_head is True else lm_head) or None
     kind = QUANTIZERS[method][0]
-    targets = [w for layer in weights.layers for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
+    targets = [w for layer in weights.layers
+               for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)]
     head_done = head_method is None or not isinstance(weights.lm_head, torch.Tensor)
     if head_done and all(isinstance(w, kind) for w in targets):
         return weights
@@ -302,5 +303,5 @@ def quantize_weights(weights: ModelWeights, method: str | None, lm_head: bool | 
         for layer in weights.layers
     ]
     # A head quantized already (any kind: a GGUF file's Q4_1 output tensor, say) is kept.
-    head = weights.lm_head if head_done else _quantize(weights.lm_head, head_method)
+    head = weights.lm_head if head_done or head_method is None else _quantize(weights.lm_head, head_method)
     return dataclasses.replace(weights, layers=layers, lm_head=head)

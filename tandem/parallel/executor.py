@@ -90,12 +90,15 @@ class RankExecutor:
         if f is None:
             return None
 
-        def gather_then_hook(layer: int) -> None:
-            self._gather(layer, f.gather_slots)
-            if on_layer_stored is not None:
-                on_layer_stored(layer)
+        slots = f.gather_slots
+        hook = on_layer_stored
+        if slots is not None:
+            def gather_then_hook(layer: int) -> None:
+                self._gather(layer, slots)
+                if on_layer_stored is not None:
+                    on_layer_stored(layer)
 
-        hook = on_layer_stored if f.gather_slots is None else gather_then_hook
+            hook = gather_then_hook
         logits_indices = f.logits_indices if self.shard.rank == 0 else None
         return self.model.forward(f.input_ids, f.positions, self.kv_cache, f.meta, logits_indices, hook)
 
@@ -104,11 +107,11 @@ class RankExecutor:
         the device group, so rows that arrived on the device (an NCCL pair's) go device to
         device, never through the host (the step message carries only their index)."""
         rows = writes.rows
-        if self.shard.rank == 0 and rows is None:
-            raise ValueError("the first rank's KV writes must carry their rows")
         if self.shard.rank != 0:
             rows = torch.empty(len(writes.index), self.model.config.num_kv_heads, self.kv_cache.shape[-1],
                                dtype=self.kv_cache.dtype, device=self.device)
+        elif rows is None:
+            raise ValueError("the first rank's KV writes must carry their rows")
         self.collectives.broadcast(rows)
         return rows
 
@@ -117,9 +120,9 @@ class RankExecutor:
         every buffer on the device: the gather runs on the device group)."""
         head_dim = self.kv_cache.shape[-1]
         max_heads = max(s.num_kv_heads for s in self.shards)
-        kw = dict(dtype=self.kv_cache.dtype, device=self.device)
+        dtype, device = self.kv_cache.dtype, self.device
         # mine: [2, num_slots, max_heads, head_dim], padded: gather wants one shape from every rank
-        mine = torch.zeros(2, len(slots), max_heads, head_dim, **kw)
+        mine = torch.zeros(2, len(slots), max_heads, head_dim, dtype=dtype, device=device)
         for kv in range(2):
             mine[kv, :, :self.shard.num_kv_heads] = self.kv_cache[layer, kv].flatten(0, 1).index_select(0, slots)
         if self.shard.rank != 0:
@@ -128,7 +131,7 @@ class RankExecutor:
         parts = [torch.empty_like(mine) for _ in self.shards]
         self.collectives.gather(mine, parts)
         num_kv_heads = max(s.kv_head_start + s.num_kv_heads for s in self.shards)
-        full = torch.empty(2, len(slots), num_kv_heads, head_dim, **kw)
+        full = torch.empty(2, len(slots), num_kv_heads, head_dim, dtype=dtype, device=device)
         for shard, part in zip(self.shards, parts):  # a replicated head: any holder's copy
             full[:, :, shard.kv_heads.start:shard.kv_heads.stop] = part[:, :, :shard.num_kv_heads]
         self.gathered = (full[0], full[1])

@@ -45,9 +45,9 @@ class PendingKVWrites:
         with self._lock:
             if not self._index:
                 return None
-            index, rows = self._index, self._rows
+            index_parts, row_parts = self._index, self._rows
             self._index, self._rows = [], []
-        index, rows = torch.cat(index), torch.cat(rows)
+        index, rows = torch.cat(index_parts), torch.cat(row_parts)
         # A slot written twice (an aborted request's rows, then its block's next owner's):
         # only the last write counts, and index_copy_ does not promise an order.
         _, last_from_end = np.unique(index.numpy()[::-1], return_index=True)

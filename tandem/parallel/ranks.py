@@ -131,13 +131,15 @@ class RankGroup:
         self.placement_group = placement_group_
         first_bundle = 0 if self._own_group else 1
         actor = ray.remote(RankProcess)
-        self.actors = []
+        # Handles of RankProcess actors: Any, since ray's types give their methods no .remote.
+        self.actors: list[Any] = []
         for rank in range(1, tp):
             index = first_bundle + rank - 1
             bundle = placement_group_.bundle_specs[index]
             self.actors.append(actor.options(
                 num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
-                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group_, placement_group_bundle_index=index),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group_,
+                                                                     placement_group_bundle_index=index),
             ).remote(rank, tp, init_method, model, engine_args, num_threads, revision))
         logger.info("joining %d more tensor-parallel ranks at %s (each loads the model)", tp - 1, init_method)
         self.device = device

@@ -49,11 +49,14 @@ class TensorParallelRunner(ModelRunner):
         gather = None if send_slots is None else torch.from_numpy(np.asarray(send_slots, dtype=np.int64))
         msg = StepMessage(StepOp.FORWARD, self.kv_writes.take(),
                           forward=ForwardInputs(input_ids, positions, meta, gather, logits_indices))
-        return self._execute(msg, on_layer_stored)
+        logits = self._execute(msg, on_layer_stored)
+        assert logits is not None  # this (the first) rank's forward returns the logits
+        return logits
 
     def gathered_rows(self, start: int, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V ([num_rows, every KV head, head_dim], on the device) of
         send_slots[start:start + num_rows] at the layer just stored (call from on_layer_stored)."""
+        assert self.executor.gathered is not None, "call from on_layer_stored, with send_slots"
         k, v = self.executor.gathered
         return k[start:start + num_rows], v[start:start + num_rows]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -113,7 +114,7 @@ def cat_rows(parts: list[Weight]) -> Weight:
     """Weights of the same kind stacked along their output channels."""
     first = parts[0]
     if isinstance(first, torch.Tensor):
-        return torch.cat(parts)
+        return torch.cat(cast(list[torch.Tensor], parts))  # all of first's kind
     # A quantized weight's per-output-channel tensors all stack along dim 0; its other fields agree.
     fields = {f.name: getattr(first, f.name) for f in dataclasses.fields(first)}
     for name, value in fields.items():

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from tandem.router.admission import RECHECK_S
-from tandem.sim.cluster import Clock
+from tandem.sim.cluster import Clock, Timer
 
 ADMISSION_TIMEOUT_S = 60.0
 MAX_QUEUED_REQUESTS = 1024
@@ -21,7 +21,7 @@ class _Turn:
     deadline: float
     asking: bool = False
     signalled: bool = False
-    timer: object = None
+    timer: Timer | None = None
 
 
 class SimAdmission:

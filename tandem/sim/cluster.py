@@ -133,7 +133,7 @@ class SimWorker:
         """The router's view of this worker (its policies' real WorkerState)."""
         self.listeners: dict[str, Callable[[RequestDelta], None]] = {}
         """Request id -> who reads its deltas (the router's side of the stream)."""
-        self._pending: list[Callable[[], None]] = []
+        self._pending: list[Callable[[], object]] = []
         self._stepping = False
         self._kick: Timer | None = None
         self.num_prefix_queries = 0
@@ -150,7 +150,7 @@ class SimWorker:
         return self.state.instance
 
     # -- the engine loop -----------------------------------------------------------------
-    def call(self, fn: Callable[[], None]) -> None:
+    def call(self, fn: Callable[[], object]) -> None:
         """Run ``fn`` on this worker between steps (at once when it is idle)."""
         if self._stepping:
             self._pending.append(fn)
@@ -238,7 +238,9 @@ class SimWorker:
         if self.engine.reserve_prefilled(request_id, prompt, params) is None:
             raise PoolFull(f"{self.instance}: no room for {len(prompt)} prompt tokens now")
         self.listeners[request_id] = listener
-        return self.engine.get_sequence(request_id).num_cached_prompt_tokens
+        seq = self.engine.get_sequence(request_id)
+        assert seq is not None  # reserve_prefilled added it
+        return seq.num_cached_prompt_tokens
 
     def start(self, request_id: str, first: FirstSample) -> None:
         """Decode: the prefill worker's first token (DecodeWorker._start, n = 1)."""

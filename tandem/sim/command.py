@@ -14,6 +14,7 @@ import json
 import logging
 import os
 from dataclasses import asdict
+from typing import Any
 
 from tandem.config import ModelConfig, gib_to_bytes
 from tandem.engine_options import ENGINE_DEFAULTS, MODEL_HELP
@@ -248,14 +249,16 @@ def run(args: argparse.Namespace) -> int:
     shape = model_shape(args)
     step_model, dtype, about = step_model_of(args, shape)
     spec = cluster_spec(args, shape, dtype)
-    pools = ([f"{spec.colocated.num_workers} colocated"] if spec.colocated is not None else
-             [f"{spec.prefill.num_workers} prefill", f"{spec.decode.num_workers} decode"])
-    some = spec.colocated or spec.decode
+    if spec.colocated is not None:
+        pools, some = [f"{spec.colocated.num_workers} colocated"], spec.colocated
+    else:
+        assert spec.prefill is not None and spec.decode is not None  # disaggregated: both pools
+        pools, some = [f"{spec.prefill.num_workers} prefill", f"{spec.decode.num_workers} decode"], spec.decode
     print(f"\n== tandem simulate: {shape.name}, {' + '.join(pools)} worker(s), {some.num_kv_blocks} KV blocks of "
           f"{some.block_size}, budget {some.max_num_batched_tokens} tokens, routing {spec.routing_policy}"
           + (f", disagg {spec.disagg_policy}" if spec.mode == "disaggregated" else "") + " ==")
     print(f"steps: {about}; KV link {spec.link_bytes_per_s / 1e9:g} GB/s + {spec.link_latency_s * 1e6:g} us")
-    runs = []
+    runs: list[dict[str, Any]] = []
     for rate, requests in workloads(args, shape):
         report = simulate(spec, requests, step_model, shape, slo, dtype)
         print_run({"mode": spec.mode, "budget": None, "rate": rate, "metrics": report.metrics})

@@ -15,12 +15,13 @@ import sys
 import time
 from collections.abc import Callable
 from importlib import resources
+from typing import Any
 
 from tandem.sim.plan_search import MEMORY_FRACTION, Candidate, Hardware, Outcome, PlanSearch, Settings
 
 logger = logging.getLogger(__name__)
 
-DISTSERVE = {
+DISTSERVE: dict[str, Any] = {
     "model_config": "llama-2-13b.json", "serve_model": "meta-llama/Llama-2-13b-hf", "dataset": "chatbot",
     "slo": ["ttft:250", "tpot:100"], "gpu": "A100-80GB", "dtype": "float16",
 }
@@ -238,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     if best.bound == "lower":
         print(f"note: it passed every rate probed (a lower bound): at the last, the {len(search.workload.requests)} "
               "requests of a probe came as one burst, or --max-probes ran out; more --num-prompts may bound it")
-    if ratio is not None:
+    if ratio is not None and disagg is not None and colo is not None:
         print(f"best disaggregated / best colocated, per GPU: {disagg.score:.2f} / {colo.score:.2f} = {ratio:.2f}x")
     print(f"deployment: {copies} cop{'y' if copies == 1 else 'ies'} of it, {cluster.gpus} GPU(s), about "
           f"{best.max_rate * copies:.2f} req/s")
@@ -258,7 +259,7 @@ def print_distserve(placements: dict[Candidate, Outcome], ratio: float | None, c
     """The DistServe case beside DistServe's published figure."""
     print("\n== DistServe case: OPT-13B class (Llama-2-13B shape), chatbot (ShareGPT-like, approximated), "
           "TTFT 250 ms / TPOT 100 ms at 90%, A100-80GB ==")
-    if ratio is not None:
+    if ratio is not None and disagg is not None and colo is not None:
         print(f"this planner: best disaggregated {disagg.score:.2f} / best colocated {colo.score:.2f} req/s per GPU "
               f"= {ratio:.2f}x")
     ds, vllm = (placements.get(c) for c in DISTSERVE_PLACEMENTS)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Callable
@@ -129,7 +130,7 @@ class SimRouter:
         timer = self.clock.at(start + LOAD_TIMEOUT_S, timed_out)
         for w in workers:
             poll = w.state.begin_poll()
-            w.call(lambda w=w, poll=poll: answer(w, poll))
+            w.call(functools.partial(answer, w, poll))
         if not left:
             timer.cancel()
 
@@ -216,6 +217,7 @@ class SimRouter:
     def _remote_prefill(self, t: SimTrace, placement: PrefillPlacement) -> None:
         """RayBackend._prefill and the prefill worker's side: the prompt with max_tokens=1 and
         its blocks kept; its first token to the decode worker; its KV there at transfer_done_s."""
+        assert placement.prefill is not None  # a remote prefill's
         prefill: SimWorker = placement.prefill.handle
         decode: SimWorker = placement.decode.handle
         self.prefill_router.record(placement.prefill, t.prompt)
@@ -226,6 +228,7 @@ class SimRouter:
             now = t.prefill_end_s = self.clock.now
             placement.release_prompt()
             first = LLMEngine.first_sample(seqs[0])
+            assert first is not None  # the step that called on_first drew it
             chunks = prefill.observer.chunks.pop(t.request_id)
             done = transfer_done_s(chunks, now, len(t.prompt) - placement.destination, self.kv_bytes_per_token,
                                    self.num_layers, self.spec.link_bytes_per_s, self.spec.link_latency_s)
@@ -256,7 +259,8 @@ class SimRouter:
                 if placement is not None:
                     placement.release_prompt()
                     learn(self.costs, placement, now,
-                          None if t.prefill_end_s is None else t.prefill_end_s - t.prefill_start_s)
+                          None if t.prefill_end_s is None or t.prefill_start_s is None
+                          else t.prefill_end_s - t.prefill_start_s)
             t.chunk_s.append(now)
             t.num_output_tokens += len(d.new_token_ids)
         if d.request_finished:

@@ -5,6 +5,7 @@ simulation sees: each prefill decision, each request's time by phase, the speed 
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -78,8 +79,7 @@ def simulate(spec: ClusterSpec, requests: list[SimRequest], step_model: StepTime
                        traces.append)
     router.start_polling()
     for i, request in enumerate(requests):
-        cluster.clock.at(request.arrival_s + spec.router_overhead_s,
-                         lambda i=i, request=request: router.submit(i, request))
+        cluster.clock.at(request.arrival_s + spec.router_overhead_s, functools.partial(router.submit, i, request))
     # NOTE: every request ends (served, refused, or timed out in admission) long before the
     # horizon; it only bounds a stall (a bug), whose load poll would otherwise run forever.
     cluster.clock.run(until=max(r.arrival_s for r in requests) + HORIZON_S)
@@ -92,7 +92,7 @@ def simulate(spec: ClusterSpec, requests: list[SimRequest], step_model: StepTime
     traces.sort(key=lambda t: t.index)
     results = [request_result(t) for t in traces]
     start_s = min(r.arrival_s for r in requests)
-    sim_s = max(t.end_s for t in traces) - start_s
+    sim_s = max(_end_s(t) for t in traces) - start_s
     duration_s = max(sim_s, 1e-9)  # NOTE: summarize divides by it (every request refused at once: 0)
     decisions = collections.Counter({f"{where}/{reason}": n for (where, reason), n in router.decisions.items()})
     report = SimReport(summarize(results, duration_s, slo), results, dict(decisions.most_common()), breakdown(traces),
@@ -100,6 +100,11 @@ def simulate(spec: ClusterSpec, requests: list[SimRequest], step_model: StepTime
     logger.info("simulated %.1f s in %.2f s (%.0fx), %d events", sim_s, wall_s, report.speed_factor,
                 cluster.clock.num_events)
     return report
+
+
+def _end_s(t: SimTrace) -> float:
+    assert t.end_s is not None, "every trace here has ended"
+    return t.end_s
 
 
 def request_result(t: SimTrace) -> RequestResult:
@@ -124,11 +129,17 @@ def phase_ms(t: SimTrace) -> dict[str, float]:
     else from admission to the first token), transfer (the remote prefill's end to its
     KV's arrival: it overlaps the decode), decode (first token to the end)."""
     admitted = t.admitted_s if t.admitted_s is not None else t.arrive_s
-    remote = t.prefill_end_s is not None
+    assert t.first_token_s is not None and t.end_s is not None, "a completed request"
+    if t.prefill_end_s is not None:  # a remote prefill
+        assert t.prefill_start_s is not None
+        prefill_s = t.prefill_end_s - t.prefill_start_s
+        transfer_ms = (t.kv_done_s - t.prefill_end_s) * 1e3 if t.kv_done_s is not None else 0.0
+    else:
+        prefill_s, transfer_ms = t.first_token_s - admitted, 0.0
     return {
         "queue": (admitted - t.arrive_s) * 1e3,
-        "prefill": ((t.prefill_end_s - t.prefill_start_s) if remote else (t.first_token_s - admitted)) * 1e3,
-        "transfer": (t.kv_done_s - t.prefill_end_s) * 1e3 if remote and t.kv_done_s is not None else 0.0,
+        "prefill": prefill_s * 1e3,
+        "transfer": transfer_ms,
         "decode": (t.end_s - t.first_token_s) * 1e3,
     }
 

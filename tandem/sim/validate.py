@@ -88,12 +88,12 @@ def calibrate(results: dict, shape: ModelConfig, fits: dict, token_ids=None) -> 
     import dataclasses
 
     config = results["config"]
-    out = {}
+    out: dict[int, dict[str, float]] = {}
     for threads, fit in fits.items():
         runs = [r for r in results["runs"] if config["modes"][r["mode"]]["threads_per_worker"] == threads]
         if not runs:
             continue
-        best = None
+        best: dict[str, float] | None = None
         for scale in SCALES:
             for overhead in STEP_OVERHEADS_S:
                 trial = dataclasses.replace(fit, meta={**fit.meta, "serving": {"scale": scale,
@@ -101,6 +101,7 @@ def calibrate(results: dict, shape: ModelConfig, fits: dict, token_ids=None) -> 
                 errors = error_summary(compare_runs({**results, "runs": runs}, shape, lambda _: trial, token_ids))
                 if best is None or errors["median"] < best["median_error"]:
                     best = {"scale": scale, "step_overhead_s": overhead, "median_error": errors["median"]}
+        assert best is not None  # SCALES x STEP_OVERHEADS_S is not empty
         out[threads] = best
     return out
 
@@ -113,7 +114,8 @@ def error_summary(comparisons: list[Comparison]) -> dict[str, float]:
 
 def table(comparisons: list[Comparison]) -> str:
     """A Markdown table: each run's real and simulated values and the error."""
-    head = "| run | rate | " + " | ".join(f"{k.replace('_ms', '')} real / sim (err)" for k in comparisons[0].real) + " |"
+    head = ("| run | rate | " + " | ".join(f"{k.replace('_ms', '')} real / sim (err)" for k in comparisons[0].real)
+            + " |")
     lines = [head, "| --- | --- |" + " --- |" * len(comparisons[0].real)]
     for c in comparisons:
         cells = []

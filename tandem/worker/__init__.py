@@ -1,1 +1,3 @@
-"""The worker: the router<->worker contract (api), the Ray actor host, the base worker every pool extends, the engine loop thread, the worker metrics, and the colocated worker. Nothing here imports torch at package import."""
+"""The worker: the router<->worker contract (api), the Ray actor host, the base worker every pool
+extends, the engine loop thread, the worker metrics, and the colocated worker. Nothing here
+imports torch at package import."""

@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from tandem.logprobs import TopLogprobs
 from tandem.sampling_params import SamplingParams
 
-T = TypeVar("T")
+
+class _HasRequestId(Protocol):
+    @property
+    def request_id(self) -> str: ...
+
+
+T = TypeVar("T", bound=_HasRequestId)
 
 
 class Role(str, enum.Enum):
@@ -26,6 +32,9 @@ class WorkerRequest:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int = 0
+    """vLLM's request priority: under ``--scheduling-policy priority`` lower is served first
+    (ties in arrival order); the router sends 0 to workers of any other policy."""
 
 
 def checked(value: Any, cls: type[T], what: str) -> T:
@@ -36,8 +45,9 @@ def checked(value: Any, cls: type[T], what: str) -> T:
     if not isinstance(value.request_id, str) or not value.request_id:
         raise ValueError(f"{what}.request_id must be a non-empty string, got {value.request_id!r}")
     if isinstance(value, WorkerRequest) and not (isinstance(value.params, SamplingParams)
-                                                 and isinstance(value.prompt_token_ids, list)):
-        raise TypeError(f"{what}: params must be SamplingParams and prompt_token_ids a list")
+                                                 and isinstance(value.prompt_token_ids, list)
+                                                 and type(value.priority) is int):
+        raise TypeError(f"{what}: params must be SamplingParams, prompt_token_ids a list and priority an int")
     return value
 
 
@@ -131,6 +141,8 @@ class TokenizerSpec:
     sampling_defaults: tuple[tuple[str, float | int], ...] = ()
     """(SamplingParams field, default) from the model's generation_config.json: what a request
     that leaves the field unset gets (vLLM's --generation-config auto)."""
+    scheduling_policy: str = "fcfs"
+    """The workers' --scheduling-policy: the router refuses a nonzero priority unless it is priority."""
 
 
 class PoolFull(RuntimeError):
@@ -169,6 +181,9 @@ class WorkerInventory:
     """The KV sender's (prefill) or receiver's (decode) requests not yet ended."""
     num_kept: int = 0
     """Prefill: sequences whose blocks are kept until their transfer ends."""
+    num_aborting: int = 0
+    """Decode: aborted requests whose blocks wait for a same-node writer stopped inside a write
+    (they go back to the pool once its grant is revoked)."""
     num_swapped_blocks: int = 0
     """Host blocks holding swapped-out KV."""
 
@@ -177,7 +192,7 @@ class WorkerInventory:
         held = [f"{name}={getattr(self, name)}" for name in (
             "num_waiting", "num_running", "num_sequences", "num_reserved", "num_first_tokens", "num_arrived",
             "num_pending_transfers", "num_open_streams", "num_referenced_blocks", "num_kept",
-            "num_swapped_blocks")
+            "num_swapped_blocks", "num_aborting")
             if getattr(self, name)]
         if self.num_free_blocks != self.num_blocks:
             held.append(f"{self.num_blocks - self.num_free_blocks} of {self.num_blocks} blocks in use")

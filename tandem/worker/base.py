@@ -30,6 +30,7 @@ from tandem.worker.api import EngineDown, Role, TokenizerSpec, WorkerInventory, 
 from tandem.worker.engine_loop import EngineLoop
 from tandem.worker.heartbeat_file import HeartbeatFile
 from tandem.worker.metrics import WorkerMetrics
+from tandem.worker.state_table import StateTable
 from tandem.worker.tokenizer_spec import tokenizer_spec_from
 
 logger = logging.getLogger(__name__)
@@ -43,12 +44,15 @@ class Worker:
     """An engine over one KV pool, stepped by an EngineLoop. Subclasses add their phase."""
 
     role: Role
+    handoffs: StateTable[Any, Any] | None = None
+    """Where each request stands in the handoff (prefill and decode workers; the loop thread's)."""
     exit_on_engine_down = False
     """Whether the process ends when the engine loop stops on an error (set for a Ray actor:
     Ray restarts it, with a fresh engine)."""
 
     def __init__(self, instance: str, model: str | None = None, device: str = ENGINE_DEFAULTS["device"],
-                 dtype: str = ENGINE_DEFAULTS["dtype"], num_threads: int | None = None, loaded: LoadedModel | None = None,
+                 dtype: str = ENGINE_DEFAULTS["dtype"], num_threads: int | None = None,
+                 loaded: LoadedModel | None = None,
                  placement_group: Any = None, allocate_kv: KVAllocator = private_pool, fault_injection: bool = False,
                  revision: str | None = None, generation_config: str = "auto", **engine_args: Any) -> None:
         """loaded: weights already in this process (tests); otherwise `model` (at `revision`,
@@ -129,7 +133,8 @@ class Worker:
 
     def tokenizer_spec(self) -> TokenizerSpec:
         return tokenizer_spec_from(self.loaded.tokenizer, self.loaded.config.name, self.loaded.config.vocab_size,
-                                   self.engine.config.max_model_len, self.sampling_defaults)
+                                   self.engine.config.max_model_len, self.sampling_defaults,
+                                   self.engine.config.scheduling_policy)
 
     async def load(self) -> WorkerLoad:
         return await self.loop.call(self._load)
@@ -145,6 +150,15 @@ class Worker:
     async def inventory(self) -> WorkerInventory:
         """What this worker holds for requests (tests: every exit path leaves it empty)."""
         return await self.loop.call(self._inventory)
+
+    async def handoff_trace(self) -> list[tuple[str, str, str]]:
+        """The latest moves of this worker's handoff table, oldest first: (request id, from
+        state, to state) by name; a request enters as (id, initial, initial). [] for a worker
+        with no handoff (colocated)."""
+        table = self.handoffs
+        if table is None:
+            return []
+        return await self.loop.call(lambda engine: [(rid, a.name, b.name) for rid, a, b in table.trace])
 
     def _inventory(self, engine: LLMEngine) -> WorkerInventory:
         inventory = engine.inventory()

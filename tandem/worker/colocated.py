@@ -21,7 +21,7 @@ class ColocatedWorker(Worker):
         try:
             await self.compile_grammar(request)
             await self.loop.call(lambda engine: engine.add_request(
-                request.request_id, request.prompt_token_ids, request.params) and None)
+                request.request_id, request.prompt_token_ids, request.params, priority=request.priority) and None)
             while not finished:
                 delta = await q.get()
                 finished = delta.request_finished

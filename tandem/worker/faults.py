@@ -27,11 +27,12 @@ def inject(engine: LLMEngine, kind: str) -> None:
     """Make the engine's next step (with work to do) fail with the fault `kind` (FAULTS)."""
     if kind == "step":
         step = engine.step
-        engine.step = _raise_once(step, RuntimeError("injected fault in the engine step"),
-                                  lambda: setattr(engine, "step", step))
+        setattr(engine, "step", _raise_once(step, RuntimeError("injected fault in the engine step"),
+                                            lambda: setattr(engine, "step", step)))
     elif kind == "out_of_memory":
         run = engine.runner.run
-        engine.runner.run = _raise_once(run, torch.OutOfMemoryError("injected: out of memory in the forward"),
-                                        lambda: setattr(engine.runner, "run", run))
+        setattr(engine.runner, "run",
+                _raise_once(run, torch.OutOfMemoryError("injected: out of memory in the forward"),
+                            lambda: setattr(engine.runner, "run", run)))
     else:
         raise ValueError(f"fault {kind!r} is not one of {FAULTS}")

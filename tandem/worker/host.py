@@ -74,6 +74,9 @@ class WorkerHost:
     async def inventory(self) -> WorkerInventory:
         return await self.worker.inventory()
 
+    async def handoff_trace(self) -> list[tuple[str, str, str]]:
+        return await self.worker.handoff_trace()
+
     async def metrics_text(self) -> str:
         return await self.worker.metrics_text()
 
@@ -126,8 +129,10 @@ def start_worker(role: Role, instance: str, *, num_cpus: float, num_gpus: float,
     placement_group: a tensor-parallel worker's (see worker_placement_group)."""
     options: dict[str, Any] = dict(resources={pool_resource(role): 1} if pool_resources else None)
     if placement_group is not None:
-        options = dict(scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=0))
+        options = dict(scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group,
+                                                                            placement_group_bundle_index=0))
         worker_args["placement_group"] = placement_group
-    actor = ray.remote(concurrency_groups={"control": 2})(WorkerHost).options(
+    # ray.remote's overloads leave out concurrency_groups, an actor option its documentation gives.
+    actor = ray.remote(concurrency_groups={"control": 2})(WorkerHost).options(  # type: ignore[call-overload]
         name=instance, num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=-1, max_concurrency=1000, **options)
     return actor.remote(role, instance=instance, **worker_args)

@@ -54,7 +54,8 @@ class WorkerMetrics:
             "tandem_request_decode_time_seconds", "First token to finish.")
         self.kv_transfer_time = None if role is Role.COLOCATED else self._histogram(
             "tandem_kv_transfer_time_seconds",
-            "Per request. Prefill: transfer start to the receiver's acknowledgement; decode: reservation to the last layer.")
+            "Per request. Prefill: transfer start to the receiver's acknowledgement; "
+            "decode: reservation to the last layer.")
         self._transfer_failures = Counter("tandem_kv_transfer_failures", "KV transfers that did not complete.",
                                           (*LABELS, "reason"), registry=self.registry)
         if role is not Role.COLOCATED:  # every series from the start at 0

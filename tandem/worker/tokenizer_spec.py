@@ -10,7 +10,8 @@ from tandem.worker.api import TokenizerSpec
 
 
 def tokenizer_spec_from(tokenizer: Any, model_name: str, vocab_size: int, max_model_len: int,
-                        sampling_defaults: Mapping[str, float | int] | None = None) -> TokenizerSpec:
+                        sampling_defaults: Mapping[str, float | int] | None = None,
+                        scheduling_policy: str = "fcfs") -> TokenizerSpec:
     """Describe a transformers fast tokenizer for the router (reads attributes only: no heavy imports)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
@@ -28,4 +29,5 @@ def tokenizer_spec_from(tokenizer: Any, model_name: str, vocab_size: int, max_mo
         vocab_size=vocab_size,
         max_model_len=max_model_len,
         sampling_defaults=tuple(sorted((sampling_defaults or {}).items())),
+        scheduling_policy=scheduling_policy,
     )

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from tandem.bench import decode_steps, plots
 from tandem.bench import engine as bench_engine
 from tandem.bench.bandwidth import measure_copy_bandwidth
 from tandem.bench.workload import allowed_token_ids, excluded_token_ids, make_workload
+from tandem.model.loader import LoadedModel
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -90,7 +92,8 @@ def test_kv_bytes_per_step_is_the_mean_context():
         config = Config()
 
     # Decode steps 1..3 attend over prompt + 1, + 2, + 3 tokens: a mean of prompt + 2.
-    assert decode_steps.kv_bytes_per_step(Loaded(), batch=4, prompt_len=100, num_steps=3) == 4 * 102 * 10
+    loaded = cast(LoadedModel, Loaded())  # the one attribute kv_bytes_per_step reads
+    assert decode_steps.kv_bytes_per_step(loaded, batch=4, prompt_len=100, num_steps=3) == 4 * 102 * 10
 
 
 def test_copy_bandwidth_is_positive():
@@ -174,7 +177,8 @@ def test_quick_run_end_to_end(tmp_path: Path):
         ("float32", 1), ("float32", 2), ("int4", 1), ("int4", 2)]
     for r in steps["rows"]:
         assert r["decode_steps"] == len(r["step_times_s"]) == 3  # 4 output tokens: 3 pure decode steps
-        assert np.isclose(r["step_s"], np.mean(r["step_times_s"])) and np.isclose(r["tok_s"], r["batch_size"] / r["step_s"])
+        assert np.isclose(r["step_s"], np.mean(r["step_times_s"]))
+        assert np.isclose(r["tok_s"], r["batch_size"] / r["step_s"])
         assert np.isclose(r["floor_s"], (r["weight_bytes"] + r["kv_bytes"]) / steps["bandwidth"]["bytes_per_s"])
         assert 0 < r["floor_fraction"] < math.inf and 0 <= r["others_cpu"] <= 1
     # int4 (the GGUF file's own Q4_1 blocks) reads far fewer weight bytes per step than float32.

@@ -79,10 +79,11 @@ def test_the_serve_rows_read_the_kv_paths_off_the_routers_metrics_and_say_pass_f
             'tandem_kv_transfer_paths_total{pool="prefill",worker="prefill-1",path="cuda_ipc"} 1.0\n'
             'tandem_kv_transfer_paths_total{pool="prefill",worker="prefill-0",path="zmq"} 0.0\n')
     assert serve_check.paths_of(text) == {"cuda_ipc": 32.0}
-    rows = [{"name": "default, one GPU", "exact": True, "num_exact": 32, "num_requests": 32, "num_tokens": 32,
-             "serve_s": 2.5, "start_s": 40.0, "paths": {"cuda_ipc": 32.0}},
-            {"name": "KV pair over NCCL", "skipped": "needs 2 GPUs, this machine has 1"},
-            {"name": "x", "exact": False, "error": "RuntimeError: tandem serve exited with 1 before it served"}]
+    rows: list[dict] = [
+        {"name": "default, one GPU", "exact": True, "num_exact": 32, "num_requests": 32, "num_tokens": 32,
+         "serve_s": 2.5, "start_s": 40.0, "paths": {"cuda_ipc": 32.0}},
+        {"name": "KV pair over NCCL", "skipped": "needs 2 GPUs, this machine has 1"},
+        {"name": "x", "exact": False, "error": "RuntimeError: tandem serve exited with 1 before it served"}]
     lines = gpu.serve_lines(rows)
     assert lines[0].startswith("PASS tandem serve, default, one GPU: 32/32") and "cuda_ipc 32" in lines[0]
     assert lines[1] == "SKIP tandem serve, KV pair over NCCL: needs 2 GPUs, this machine has 1"

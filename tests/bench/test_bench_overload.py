@@ -175,7 +175,8 @@ def test_watch_samples_memory_and_peak_calls_in_progress():
 
     w = asyncio.run(watch())
     assert 3 <= len(w.samples) <= 5 and list(w.samples[0].rss_mib) == [ROUTER]
-    assert all(s.rss_mib[ROUTER] > 10 for s in w.samples)  # MiB: a Python process with numpy loaded
+    # MiB: a Python process with numpy loaded
+    assert all((mib := s.rss_mib[ROUTER]) is not None and mib > 10 for s in w.samples)
     assert max(s.in_progress_peak for s in w.samples) == 5 and w.samples[-1].in_progress == 1
     assert all(s.other_cpu_cores >= 0 for s in w.samples)
     assert w.samples == sorted(w.samples, key=lambda s: s.t_s) and 0 <= w.phases["overload"] < 0.1

@@ -63,7 +63,11 @@ class FakeOpenAI:
     chunk, "no-usage" no usage chunk; GET /v1/models lists "fake-model"."""
 
     def __init__(self, mode: str = "ok") -> None:
-        self.mode, self.bodies, self.paths, self.request_ids, self.authorizations = mode, [], [], [], []
+        self.mode = mode
+        self.bodies: list[dict] = []
+        self.paths: list[str] = []
+        self.request_ids: list[str | None] = []
+        self.authorizations: list[str | None] = []
         self.in_flight = self.most_in_flight = 0
 
     def app(self) -> web.Application:
@@ -146,6 +150,7 @@ def _run(api: str, fake: FakeOpenAI | None = None, n: int = 1, servicer: FakeGen
 
 
 def _check_timings(r: RequestResult) -> None:
+    assert r.ttft_ms is not None and r.e2el_ms is not None
     assert TTFT_S * 1e3 <= r.ttft_ms < TTFT_S * 1e3 + SLACK_MS
     assert len(r.itl_ms) == len(ITLS_S) == r.num_chunks - 1
     for got, scripted in zip(r.itl_ms, ITLS_S):
@@ -184,14 +189,14 @@ def test_http_errors_are_recorded_as_grpc_codes():
     (broken,) = _run("openai", FakeOpenAI("midstream"))
     assert not broken.success and broken.code == "UNAVAILABLE" and broken.error == "UNAVAILABLE: worker died"
     (no_usage,) = _run("openai", FakeOpenAI("no-usage"))
-    assert not no_usage.success and no_usage.code == "OK" and "usage" in no_usage.error
+    assert not no_usage.success and no_usage.code == "OK" and no_usage.error is not None and "usage" in no_usage.error
 
     async def closed_port() -> RequestResult:
         async with serve_openai.openai_client("127.0.0.1:1", timeout=5, connections=1, model="m") as send:
             return await send(REQUEST, 0, "x")
 
     down = asyncio.run(closed_port())
-    assert not down.success and down.code == "UNAVAILABLE" and down.error.startswith("UNAVAILABLE: ")
+    assert not down.success and down.code == "UNAVAILABLE" and (down.error or "").startswith("UNAVAILABLE: ")
 
 
 def test_one_session_with_enough_connections(monkeypatch: pytest.MonkeyPatch):
@@ -207,7 +212,7 @@ def test_one_session_with_enough_connections(monkeypatch: pytest.MonkeyPatch):
     results = _run("openai", fake, n=4, max_concurrency=4)
     assert all(r.success for r in results) and fake.most_in_flight == 4
     assert limits == [4]  # one session (one connector) for the run, room for every call in flight
-    assert sorted(fake.request_ids) == [f"t-{i}" for i in range(4)]
+    assert sorted(str(i) for i in fake.request_ids) == [f"t-{i}" for i in range(4)]
 
 
 def test_request_body_follows_the_grpc_input():

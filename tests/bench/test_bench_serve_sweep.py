@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -20,7 +21,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 SLO = {"ttft": 2000.0, "tpot": 200.0}
 
 
-def _run(mode: str, rate: float, tpots: list[float], budget: int | None = None, ttft: float = 100.0) -> dict:
+def _run(mode: str, rate: float, tpots: Sequence[float], budget: int | None = None, ttft: float = 100.0) -> dict:
     """A run of len(tpots) 11-token requests with these TPOTs (ms) and one TTFT, over 10 s."""
     results = []
     for i, tpot in enumerate(tpots):
@@ -40,8 +41,9 @@ def test_best_colocated_by_goodput_then_p99_tpot():
             _run("colocated", 1.0, [50] * 8 + [900, 900], budget=1024),  # 8 good, lowest p50
             _run("colocated", 2.0, [250] * 10, budget=128), _run("colocated", 2.0, [90] * 10, budget=1024),
             _run("disaggregated", 1.0, [60] * 10, budget=1024), _run("disaggregated", 2.0, [70] * 10, budget=1024)]
-    assert best_colocated(runs, 1.0)["budget"] == 512
-    assert best_colocated(runs, 2.0)["budget"] == 1024
+    best_at_1, best_at_2 = best_colocated(runs, 1.0), best_colocated(runs, 2.0)
+    assert best_at_1 is not None and best_at_1["budget"] == 512
+    assert best_at_2 is not None and best_at_2["budget"] == 1024
     assert best_colocated(runs, 3.0) is None
     assert search_budget(runs) == 1024  # the best at the highest rate
     rows = compare(runs)
@@ -64,11 +66,13 @@ def test_rate_search_doubles_then_bisects_to_a_bracket():
         probed.append(rate)
         search.record(rate, rate <= capacity)
     assert probed[:3] == [0.5, 1.0, 2.0] and probed[3] == 1.5  # doubling, then bisection
-    assert search.bound() == "bracketed" and search.max_rate() <= capacity < search.lowest_fail()
-    assert (search.lowest_fail() - search.max_rate()) / search.max_rate() <= 0.1
+    best, failed = search.max_rate(), search.lowest_fail()
+    assert best is not None and failed is not None
+    assert search.bound() == "bracketed" and best <= capacity < failed
+    assert (failed - best) / best <= 0.1
     # The answer is a probed pass, and the next probe above it failed.
-    above = min(r for r in probed if r > search.max_rate())
-    assert search.max_rate() in probed and not above <= capacity
+    above = min(r for r in probed if r > best)
+    assert best in probed and not above <= capacity
 
 
 def test_rate_search_halves_distrusts_noise_and_stops_at_the_floor():
@@ -121,8 +125,9 @@ def test_search_driver_alternates_reuses_the_sweep_and_keeps_the_budget(monkeypa
         runs = [_run("disaggregated", 0.5, [100] * 10, 1024), _run("colocated", 0.5, [100] * 10, 256),
                 _run("disaggregated", 1.0, [100] * 10, 1024), _run("colocated", 1.0, [400] * 10, 256)]
 
-    setups = [local.Setup("disaggregated", 1024, None), local.Setup("colocated", 256, None)]
-    result = asyncio.run(local.search_max_rates(FakeBench(), setups, local.Progress(6)))
+    # No cluster (fresh_run is faked), and a bench of what search_max_rates reads.
+    setups = [local.Setup("disaggregated", 1024, None), local.Setup("colocated", 256, None)]  # type: ignore[arg-type]
+    result = asyncio.run(local.search_max_rates(FakeBench(), setups, local.Progress(6)))  # type: ignore[arg-type]
     assert [label for label, _ in order] == ["disaggregated", "colocated/256"] * 3
     d, c = result["setups"]["disaggregated"], result["setups"]["colocated"]
     assert [p["source"] for p in d["probes"]].count("sweep") == 2 and len(d["probes"]) == 5
@@ -142,7 +147,7 @@ def test_a_run_others_disturbed_is_repeated_once_while_retries_last(monkeypatch)
 
     monkeypatch.setattr(local, "fresh_run", fake_run)
     bench = type("B", (), {"retries_left": 2, "discarded": []})()
-    setup, progress = local.Setup("colocated", 256, None), local.Progress(3)
+    setup, progress = local.Setup("colocated", 256, None), local.Progress(3)  # type: ignore[arg-type]  # (faked)
     measure = lambda: asyncio.run(local.measured_run(bench, setup, 1.0, "sweep", progress))  # noqa: E731
     assert measure()["others_cpu"] == 0.02 and bench.discarded[-1]["others_cpu"] == 0.4  # the repeat kept
     assert measure()["others_cpu"] == 0.3 and bench.discarded[-1]["others_cpu"] == 0.5  # the first kept
@@ -183,6 +188,7 @@ def test_breakdown_of_a_disaggregated_run_adds_up_to_the_ttft():
                                                                       ("local", "decode_idle"): 0}))
     assert up_before and snap_before[(bd.QUEUE, "prefill")] == (0.1, 2)
     parts = bd.breakdown(bd.difference(snap_before, snap_after))
+    assert parts is not None
     assert parts["mode"] == "disaggregated" and parts["requests"] == 4
     expected = {"queue_ms": 100, "prefill_ms": 300, "transfer_tail_ms": 10, "delivery_ms": 100, "ttft_ms": 500,
                 "decode_ms": 2000, "tpot_ms": 100, "e2e_ms": 2500, "prefill_admission_ms": 40}
@@ -211,7 +217,9 @@ def test_run_scrapes_difference_two_scrapes_of_a_metrics_endpoint():
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        server = site._server
+        assert isinstance(server, asyncio.Server)
+        port = server.sockets[0].getsockname()[1]
         try:
             scrapes = bd.RunScrapes(f"http://127.0.0.1:{port}/metrics")
             await scrapes.start()
@@ -228,10 +236,11 @@ def test_run_scrapes_difference_two_scrapes_of_a_metrics_endpoint():
 
 
 def test_breakdown_of_a_colocated_run():
-    delta = {(bd.TTFT, bd.ROUTER): (1.0, 2), (bd.E2E, bd.ROUTER): (4.0, 2), (bd.TPOT, bd.ROUTER): (0.2, 2),
-             (bd.QUEUE, "colocated"): (0.2, 2), (bd.PREFILL, "colocated"): (0.6, 2),
-             (bd.DECODE, "colocated"): (3.0, 2)}
+    delta: bd.Snapshot = {
+        (bd.TTFT, bd.ROUTER): (1.0, 2), (bd.E2E, bd.ROUTER): (4.0, 2), (bd.TPOT, bd.ROUTER): (0.2, 2),
+        (bd.QUEUE, "colocated"): (0.2, 2), (bd.PREFILL, "colocated"): (0.6, 2), (bd.DECODE, "colocated"): (3.0, 2)}
     parts = bd.breakdown(delta)
+    assert parts is not None
     assert parts["mode"] == "colocated" and parts["transfer_tail_ms"] is None
     assert (parts["queue_ms"], parts["prefill_ms"], parts["delivery_ms"]) == pytest.approx((100, 300, 100))
     assert bd.breakdown({}) is None  # nothing finished
@@ -276,7 +285,8 @@ def test_report_and_plots_of_the_sweep(tmp_path: Path, capsys):
     assert "held at 2 of 2 rates (0.5, 1)" in out  # p99 TPOT 0.5x and 0.28x
     max_row = next(line for line in out.splitlines() if line.lstrip().startswith("max SLO rate >="))
     assert "2.00x" in max_row and max_row.rstrip().endswith("held")
-    best_at_1 = results["runs"][5]["metrics"]["tpot_ms"]["p99"]  # colocated/512: 1 request within the SLO beats 128's none
+    # colocated/512: 1 request within the SLO beats 128's none
+    best_at_1 = results["runs"][5]["metrics"]["tpot_ms"]["p99"]
     assert math.isclose(results["comparison"][1]["p99_tpot_ratio"], 70 / best_at_1)
 
 

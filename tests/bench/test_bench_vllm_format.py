@@ -16,9 +16,11 @@ from tandem.bench.serving.vllm_format import flat_result, result_file_name, shar
 def test_flat_keys_are_vllms_and_carry_the_summary():
     results = [RequestResult(i, "short", 10, 4) for i in range(3)]
     for i, r in enumerate(results):
-        r.success, r.output_tokens, r.ttft_ms, r.tpot_ms, r.e2el_ms, r.itl_ms = True, 4, 10.0 * (i + 1), 5.0, 30.0, [5.0]
+        r.success, r.output_tokens, r.ttft_ms = True, 4, 10.0 * (i + 1)
+        r.tpot_ms, r.e2el_ms, r.itl_ms = 5.0, 30.0, [5.0]
     metrics = summarize(results, 2.0, {"ttft": 25.0})
-    flat = flat_result(metrics, model="m", label="server", num_prompts=3, rate=1.5, burstiness=1.0, max_concurrency=None)
+    flat = flat_result(metrics, model="m", label="server", num_prompts=3, rate=1.5, burstiness=1.0,
+                       max_concurrency=None)
     for key in ("mean_ttft_ms", "median_ttft_ms", "std_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_tpot_ms",
                 "mean_itl_ms", "p99_itl_ms", "mean_e2el_ms", "p90_e2el_ms", "request_goodput", "request_throughput",
                 "output_throughput", "total_token_throughput", "completed", "duration", "num_prompts",

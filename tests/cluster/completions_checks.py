@@ -26,7 +26,7 @@ def completions(responses: list[pb.GenerateResponse], n: int) -> list[tuple[list
     message, usage only on the call's last message, counting every completion's tokens."""
     groups = by_index(responses)
     assert sorted(groups) == list(range(n))
-    result = []
+    result: list[tuple[list[int], str, int]] = []
     for index in range(n):
         messages = groups[index]
         assert [r.finish_reason for r in messages[:-1]] == [pb.FINISH_REASON_UNSPECIFIED] * (len(messages) - 1)

@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import ray
+from fault_calls import HandoffTraces, read_handoff_traces
 from running_cluster import SameWorkers, running_clusters
 
 from tandem.router.cluster import ClusterConfig
@@ -42,3 +43,17 @@ def clusters():
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def handoff_traces() -> HandoffTraces:
+    return {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def record_handoff_traces(request, handoff_traces):
+    """After each module that used the shared clusters, their workers' handoff traces, so a
+    worker that a later fault test restarts keeps its record."""
+    yield
+    if any(item.module is request.module and "clusters" in item.fixturenames for item in request.session.items):
+        read_handoff_traces(request.getfixturevalue("clusters")["disaggregated"], handoff_traces)

@@ -50,13 +50,18 @@ def wait_until(predicate, timeout: float, what: str) -> float:
     return time.monotonic() - start
 
 
-def decode_leaks(cluster) -> dict[str, list[str]]:
-    """What the decode workers (and the router's admission queue) still hold: {} at rest.
-    (The prefill worker, while Ray restarts it, answers no inventory call.)"""
-    async def decode_inventories():
+def decode_inventories(cluster) -> list:
+    """The decode workers' WorkerInventory. (The prefill worker, while Ray restarts it,
+    answers no inventory call.)"""
+    async def gather():
         return await asyncio.gather(*(asyncio.wait_for(w.handle.inventory.remote(), 10)
                                       for w in cluster.backend.decode))
-    found = {i.instance: i.leaks() for i in cluster.run(decode_inventories()) if not i.is_empty}
+    return cluster.run(gather())
+
+
+def decode_leaks(cluster) -> dict[str, list[str]]:
+    """What the decode workers (and the router's admission queue) still hold: {} at rest."""
+    found = {i.instance: i.leaks() for i in decode_inventories(cluster) if not i.is_empty}
     if cluster.backend.num_admitting:
         found["router"] = [f"num_admitting={cluster.backend.num_admitting}"]
     return found
@@ -66,3 +71,24 @@ def greedy(cluster, prompt: list[int], max_tokens: int) -> list[int]:
     responses = list(cluster.stub().Generate(request(prompt, max_tokens), timeout=120))
     assert responses[-1].finish_reason == pb.FINISH_REASON_LENGTH
     return [t for r in responses for t in r.token_ids]
+
+
+HandoffTraces = dict[tuple[str, str, int], list[tuple[str, str, str]]]
+"""(side, worker instance, pid) -> the moves its handoff table recorded (see test_worker_traces)."""
+
+
+def read_handoff_traces(cluster, traces: HandoffTraces) -> None:
+    """Add the latest traces of the cluster's prefill and decode workers to `traces` (a worker
+    that does not answer now, being stopped or restarted, is read next time)."""
+    workers = [("prefill", w) for w in cluster.backend.prefill] + [("decode", w) for w in cluster.backend.decode]
+
+    async def read(w):
+        return await asyncio.wait_for(asyncio.gather(w.handle.pid.remote(), w.handle.handoff_trace.remote()), 5)
+
+    async def read_all():
+        return await asyncio.gather(*(read(w) for _, w in workers), return_exceptions=True)
+
+    for (side, w), got in zip(workers, cluster.run(read_all())):
+        if not isinstance(got, BaseException):
+            pid, trace = got
+            traces[(side, w.instance, pid)] = trace

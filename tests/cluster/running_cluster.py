@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,8 +53,13 @@ class SameWorkers:
     disagg_policy: str
 
 
+def _served(port: int | None) -> int:
+    assert port is not None  # every router here serves /metrics and HTTP too (on port 0: any free one)
+    return port
+
+
 @contextlib.contextmanager
-def running_clusters(configs: dict[str, ClusterConfig | SameWorkers], loop: asyncio.AbstractEventLoop
+def running_clusters(configs: Mapping[str, ClusterConfig | SameWorkers], loop: asyncio.AbstractEventLoop
                      ) -> Iterator[dict[str, RunningCluster]]:
     """Start a cluster and its router (with /metrics) per config, in parallel, and a router per
     SameWorkers entry over the workers it names; stop them all after."""
@@ -79,14 +84,14 @@ def running_clusters(configs: dict[str, ClusterConfig | SameWorkers], loop: asyn
     try:
         for name, future in started.items():
             backend, server = future.result(timeout=600)
-            running[name] = (RunningCluster(backend, bound_port(server), metrics_port(server), http_port(server), loop),
-                             server)
+            running[name] = (RunningCluster(backend, bound_port(server), _served(metrics_port(server)),
+                                            _served(http_port(server)), loop), server)
         for name, cfg in configs.items():
             if isinstance(cfg, SameWorkers):
                 backend, server = asyncio.run_coroutine_threadsafe(
                     share(running[cfg.of][0].backend, cfg.disagg_policy), loop).result(timeout=60)
-                running[name] = (RunningCluster(backend, bound_port(server), metrics_port(server), http_port(server),
-                                                loop), server)
+                running[name] = (RunningCluster(backend, bound_port(server), _served(metrics_port(server)),
+                                                _served(http_port(server)), loop), server)
         yield {name: c for name, (c, _) in running.items()}
     finally:
         for name, (c, server) in running.items():

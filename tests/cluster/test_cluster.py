@@ -127,7 +127,7 @@ def test_bad_requests_are_invalid_and_the_server_keeps_serving(clusters, tokeniz
     assert_workers_empty(cluster)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", MODES[:2])  # ("local" is a router over the disaggregated workers)
 def test_health_reports_serving(clusters, mode):
     channel = grpc.insecure_channel(f"127.0.0.1:{clusters[mode].port}")
     response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="tandem.v1.Generation"),

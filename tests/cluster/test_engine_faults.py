@@ -7,6 +7,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import time
+from typing import Any
 
 import grpc
 import pytest
@@ -36,7 +37,8 @@ def _inject_and_watch(cluster, tokenizer, worker, fault: str, num_requests: int,
     outs, pool = [], concurrent.futures.ThreadPoolExecutor(num_requests)
     try:
         for i in range(num_requests):
-            first, out = threading.Event(), {}
+            first = threading.Event()
+            out: dict[str, Any] = {}
             call = stub.Generate(request(english_token_ids(tokenizer, 30 + 7 * i, skip=13 * i), 2000), timeout=300)
             pool.submit(read_to_end, call, first, out)
             outs.append((call, first, out))
@@ -65,8 +67,8 @@ def _check_and_report(cluster, tokenizer, fault_report, name: str, outs: list[di
     # no Ray traceback, pid or address.
     assert any(cause in o["details"] for o in unavailable), outs
     for o in unavailable:
-        assert (cause in o["details"] or "went down" in o["details"] or "no prefill worker is healthy" in o["details"]) \
-            and len(o["details"]) < 400, o["details"]
+        assert (cause in o["details"] or "went down" in o["details"]
+                or "no prefill worker is healthy" in o["details"]) and len(o["details"]) < 400, o["details"]
         assert not any(s in o["details"] for s in ("Traceback", "pid=", "ip=", ".py")), o["details"]
     assert_serves(cluster, tokenizer)
     assert_workers_empty(cluster, timeout=30)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import time
+from typing import Any
 
 import grpc
 import pytest
@@ -20,16 +21,17 @@ from tandem.proto import generation_pb2 as pb
 
 pytestmark = pytest.mark.slow
 
-NUM_EXAMPLES = {"colocated": 100, "disaggregated": 50, "local": 30}
+NUM_EXAMPLES = {"colocated": 100, "disaggregated": 50, "local": 15}
 """Fewer on the disaggregated cluster: the same router checks the same fields; what it adds
 is the other workers' side of each outcome (reservations, transfers; local prefills on the
 decode workers through "local")."""
 CALL_TIMEOUT_S = 3.0
 MODES = tuple(NUM_EXAMPLES)
 outcomes: dict[str, collections.Counter[str]] = {mode: collections.Counter() for mode in MODES}
-FUZZ_SETTINGS = dict(deadline=None, database=None,
-                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                            HealthCheck.large_base_example, HealthCheck.function_scoped_fixture])
+FUZZ_SETTINGS: dict[str, Any] = dict(
+    deadline=None, database=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example,
+                           HealthCheck.function_scoped_fixture])
 
 
 def send_hostile_request(cluster, mode: str, data) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 
 import grpc
@@ -33,12 +34,12 @@ def gloo_cluster():
     """Its own cluster (on the session's Ray when one runs, else on one of its own)."""
     own_ray = not ray.is_initialized()
     if own_ray:
-        ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+        ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.WARNING)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    cfg = ClusterConfig(num_prefill=1, num_decode=1, worker_args=WORKER_ARGS, name_prefix="gloo-", disagg_policy="always",
-                        kv_transport="gloo")
+    cfg = ClusterConfig(num_prefill=1, num_decode=1, worker_args=WORKER_ARGS, name_prefix="gloo-",
+                        disagg_policy="always", kv_transport="gloo")
     try:
         with running_clusters({"gloo": cfg}, loop) as running:
             yield running["gloo"]

@@ -10,15 +10,29 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 import grpc
 import pytest
 import ray
-from fault_calls import decode_leaks, greedy, read_to_end, request, wait_until
+from fault_calls import decode_inventories, greedy, read_to_end, request, wait_until
 from reference import english_token_ids
 from worker_checks import assert_workers_empty, inventories, num_leaked_blocks
 
 pytestmark = pytest.mark.slow
+
+
+def held_beyond_a_cut_write(cluster) -> dict[str, list[str]]:
+    """What the decode workers hold beyond one aborted request each, whose blocks a stopped
+    writer's grant still covers (num_aborting=1, with its blocks in use)."""
+    found = {}
+    for i in decode_inventories(cluster):
+        cut = i.num_aborting == 1
+        leaks = [leak for leak in i.leaks()
+                 if not (cut and (leak == "num_aborting=1" or leak.endswith(f"of {i.num_blocks} blocks in use")))]
+        if leaks:
+            found[i.instance] = leaks
+    return found
 
 
 def test_prefill_worker_hung_mid_transfer(clusters, tokenizer, fault_report):
@@ -40,7 +54,8 @@ def test_prefill_worker_hung_mid_transfer(clusters, tokenizer, fault_report):
     pool = concurrent.futures.ThreadPoolExecutor(8)
     try:
         for i in range(6):
-            first, out = threading.Event(), {}
+            first = threading.Event()
+            out: dict[str, Any] = {}
             call = stub.Generate(request(english_token_ids(tokenizer, 400 + 60 * i, skip=20 * i), 8), timeout=300)
             pool.submit(read_to_end, call, first, out)
             calls.append((call, first, out))
@@ -68,8 +83,9 @@ def test_prefill_worker_hung_mid_transfer(clusters, tokenizer, fault_report):
                 list(stub.Generate(request(probe, 8), timeout=60))
             assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value
             refused_s = time.monotonic() - refused
-            # The decode workers hold nothing for the dead requests, the prefill worker still stopped.
-            wait_until(lambda: not decode_leaks(cluster), 15, "the decode workers free their reservations")
+            # The decode workers hold nothing for the dead requests, the prefill worker still stopped,
+            # but the blocks of a request whose in-place write the stop cut: those wait for its revoke.
+            wait_until(lambda: not held_beyond_a_cut_write(cluster), 15, "the decode workers free their reservations")
         finally:
             os.kill(pid, signal.SIGCONT)
         resumed = time.monotonic()

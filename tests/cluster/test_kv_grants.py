@@ -42,7 +42,7 @@ def test_kv_from_a_peer_without_the_grant_and_an_oversized_frame(clusters, token
     # The forger knows everything public: the address, the model (its fingerprint), the layout.
     loaded = load_model(resolve_model_source(None), torch.float32)
     layers, heads, dim = loaded.config.num_layers, loaded.config.num_kv_heads, loaded.config.head_dim
-    forger = zmq.Context.instance().socket(zmq.DEALER)
+    forger: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     forger.setsockopt(zmq.LINGER, 0)
     monitor = forger.get_monitor_socket(zmq.EVENT_DISCONNECTED)
     try:

@@ -20,8 +20,8 @@ MAX_TOKENS = 10
 
 async def prefix_aware_backend(backend: RayBackend) -> RayBackend:
     """A second router over the same worker actors, with the prefix_aware policy."""
-    states = [[WorkerState(w.instance, w.handle) for w in pool] for pool in (backend.prefill, backend.decode)]
-    prefix = RayBackend(*states, [], "prefix_aware", backend.tokenizer_spec, disagg_policy="always")
+    prefill, decode = ([WorkerState(w.instance, w.handle) for w in pool] for pool in (backend.prefill, backend.decode))
+    prefix = RayBackend(prefill, decode, [], "prefix_aware", backend.tokenizer_spec, disagg_policy="always")
     await prefix.loads()
     return prefix
 

@@ -61,4 +61,5 @@ def test_buffered_requests_rerun_when_their_decode_worker_dies(clusters, tokeniz
     fault_report.add("decode worker killed under buffered requests", injected=1, affected=int(num_reruns),
                      clear=int(num_reruns), leaked=num_leaked_blocks(cluster), recovery_s=restart_s,
                      note=f"{int(num_reruns)} of 6 on it ({on_victim[victim.instance]} of them decoding) re-run; "
-                          f"all 6 OK with the undisturbed greedy output {done_s:.1f} s after the kill; recovery = Ray's restart, serving again")
+                          f"all 6 OK with the undisturbed greedy output {done_s:.1f} s after the kill; "
+                          "recovery = Ray's restart, serving again")

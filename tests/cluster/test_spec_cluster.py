@@ -20,8 +20,9 @@ SPEC_WORKER_ARGS = dict(kv_cache_memory_gib=0.1, max_num_batched_tokens=256, num
 
 @pytest.fixture(scope="module")
 def spec_cluster(clusters):
-    with running_clusters({"spec": ClusterConfig(num_prefill=1, num_decode=1, disagg_policy="always", worker_args=SPEC_WORKER_ARGS,
-                                                  name_prefix="spec-")}, clusters["colocated"].loop) as started:
+    config = ClusterConfig(num_prefill=1, num_decode=1, disagg_policy="always", worker_args=SPEC_WORKER_ARGS,
+                           name_prefix="spec-")
+    with running_clusters({"spec": config}, clusters["colocated"].loop) as started:
         yield started["spec"]
 
 

@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 import grpc
 import pytest
@@ -32,7 +33,7 @@ def test_a_silent_receiver_does_not_stall_the_prefill_engine(clusters, tokenizer
     cluster = clusters["disaggregated"]
     assert_workers_empty(cluster)
     prefill = cluster.backend.prefill[0]
-    silent = zmq.Context.instance().socket(zmq.ROUTER)
+    silent: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
     silent.setsockopt(zmq.LINGER, 0)
     port = silent.bind_to_random_port("tcp://127.0.0.1")
     try:
@@ -67,7 +68,8 @@ def test_stopped_decode_worker_while_prefill_serves_others(clusters, tokenizer, 
         os.kill(pid, signal.SIGSTOP)
         stopped = time.monotonic()
         for i in range(6):
-            first, out = threading.Event(), {}
+            first = threading.Event()
+            out: dict[str, Any] = {}
             call = stub.Generate(request(english_token_ids(tokenizer, 16 + 8 * i, skip=17 * i), 8), timeout=120)
             pool.submit(read_to_end, call, first, out)
             outs.append(out)

@@ -24,10 +24,10 @@ QUESTIONS = ("What is the capital of France?", "Write a haiku about the sea.")
 @pytest.fixture(scope="module")
 def tp_clusters(clusters):
     configs = {
-        "prefill tp=2": ClusterConfig(num_prefill=1, num_decode=1, prefill_tp=2, disagg_policy="always", worker_args=TP_WORKER_ARGS,
-                                      name_prefix="tp21-", num_cpus_per_rank=0.5),
-        "decode tp=2": ClusterConfig(num_prefill=1, num_decode=1, decode_tp=2, disagg_policy="always", worker_args=TP_WORKER_ARGS,
-                                     name_prefix="tp12-", num_cpus_per_rank=0.5),
+        "prefill tp=2": ClusterConfig(num_prefill=1, num_decode=1, prefill_tp=2, disagg_policy="always",
+                                      worker_args=TP_WORKER_ARGS, name_prefix="tp21-", num_cpus_per_rank=0.5),
+        "decode tp=2": ClusterConfig(num_prefill=1, num_decode=1, decode_tp=2, disagg_policy="always",
+                                     worker_args=TP_WORKER_ARGS, name_prefix="tp12-", num_cpus_per_rank=0.5),
     }
     with running_clusters(configs, clusters["colocated"].loop) as started:
         yield started

@@ -46,7 +46,8 @@ pytestmark = pytest.mark.slow
 
 PREFILL, DECODE = "prefill-0", "decode-0"
 """tandem serve's actor names (no prefix) for --prefill 1 --decode 1."""
-LIGHT = ["--kv-cache-memory-gib", "0.1", "--max-num-batched-tokens", "256", "--num-threads", "1", "--quantization", "none"]
+LIGHT = ["--kv-cache-memory-gib", "0.1", "--max-num-batched-tokens", "256", "--num-threads", "1",
+         "--quantization", "none"]
 """What the one-Ray cluster tests give their workers (tests/cluster/conftest.py)."""
 
 
@@ -127,7 +128,8 @@ def test_pools_on_two_ray_nodes(make_llm, tokenizer):
         assert total(samples, "tandem_worker_up") == 2
         assert total(samples, "tandem_request_success_total") == len(prompts)
         assert total(samples, "tandem_kv_transfer_bytes_total", role="prefill", direction="sent") > 0
-        paths = {p: total(samples, "tandem_kv_transfer_paths_total", role="prefill", path=p) for p in ("zmq", "shm", "dist")}
+        paths = {p: total(samples, "tandem_kv_transfer_paths_total", role="prefill", path=p)
+                 for p in ("zmq", "shm", "dist")}
         assert paths == {"zmq": len(prompts), "shm": 0, "dist": 0}, paths
         stopping = time.monotonic()
     phase(f"stopped (in {time.monotonic() - stopping:.1f} s)")

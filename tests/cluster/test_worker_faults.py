@@ -11,6 +11,7 @@ import heapq
 import random
 import threading
 import time
+from typing import Any
 
 import grpc
 import pytest
@@ -107,7 +108,8 @@ def test_decode_worker_killed_mid_stream(clusters, tokenizer, fault_report):
     pool = concurrent.futures.ThreadPoolExecutor(8)
     try:
         for i in range(6):  # one at a time, so that least_loaded sees each and alternates
-            first, out = threading.Event(), {}
+            first = threading.Event()
+            out: dict[str, Any] = {}
             call = stub.Generate(request(english_token_ids(tokenizer, 20 + 10 * i, skip=31 * i), 2000), timeout=300)
             pool.submit(read_to_end, call, first, out)
             streams.append((call, first, out))
@@ -146,8 +148,8 @@ def test_decode_worker_killed_mid_stream(clusters, tokenizer, fault_report):
     assert all(out["code"] in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED) for _, _, out in streams)
     assert_workers_empty(cluster, timeout=30)
     assert backend.is_ready()
-    fault_report.add("decode worker killed mid-stream", injected=1, affected=len(ended), clear=len(ended), leaked=num_leaked_blocks(cluster),
-                     recovery_s=restart_s,
+    fault_report.add("decode worker killed mid-stream", injected=1, affected=len(ended), clear=len(ended),
+                     leaked=num_leaked_blocks(cluster), recovery_s=restart_s,
                      note=f"{len(streams)} streaming, the victim's {len(ended)} all UNAVAILABLE within {end_s:.2f} s, "
                           f"the other {len(streams) - len(ended)} went on; recovery = Ray's restart, serving again")
 
@@ -196,7 +198,8 @@ def test_prefill_worker_killed_with_requests_queued_and_in_prefill(clusters, tok
     pool = concurrent.futures.ThreadPoolExecutor(8)
     try:
         for i in range(6):
-            first, out = threading.Event(), {}
+            first = threading.Event()
+            out: dict[str, Any] = {}
             call = stub.Generate(request(english_token_ids(tokenizer, 600 + 80 * i, skip=40 * i), 8), timeout=300)
             pool.submit(read_to_end, call, first, out)
             calls.append((call, first, out))

@@ -57,7 +57,8 @@ def test_malformed_worker_calls_fail_alone(clusters, tokenizer, mode):
                                (duplicate, ("already in use",)),
                                (WorkerRequest("", [1], params), ("non-empty",)),
                                (WorkerRequest("x-1", [vocab + 5], params), ("vocab", "[0,")),
-                               (WorkerRequest("x-2", [1], "greedy"), ("SamplingParams",))]:
+                               # A str for the params: the wrong type is what this sends.
+                               (WorkerRequest("x-2", [1], "greedy"), ("SamplingParams",))]:  # type: ignore[arg-type]
             (ref,) = list(worker.handle.generate.options(num_returns="streaming").remote(bad))[:1]
             _fails(ref, *fragments)
     else:

@@ -240,10 +240,11 @@ def live_actors(address: str) -> dict[str, ActorPlace]:
     from ray.core.generated import gcs_pb2
 
     state = get_state_from_address(address)
-    alive = gcs_pb2.ActorTableData.ActorState.Value("ALIVE")
+    # ray's gcs_pb2 has no stubs: protobuf makes its classes when it is imported.
+    alive = gcs_pb2.ActorTableData.ActorState.Value("ALIVE")  # type: ignore[attr-defined]
     places = {}
     for raw in state._connect_and_get_accessor().get_actor_table(None, None):
-        actor = gcs_pb2.ActorTableData.FromString(raw)
+        actor = gcs_pb2.ActorTableData.FromString(raw)  # type: ignore[attr-defined]
         if actor.name and actor.state == alive:
             places[actor.name] = ActorPlace(actor.name, actor.ray_namespace, actor.address.node_id.hex(),
                                             actor.address.ip_address, actor.pid)

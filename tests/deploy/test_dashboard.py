@@ -82,6 +82,7 @@ def row_queries(title: str) -> list[str]:
 
 def test_json_is_the_generators_output():
     spec = importlib.util.spec_from_file_location("build_dashboard", GENERATOR)
+    assert spec is not None and spec.loader is not None
     generator = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(generator)
     assert DASHBOARD.read_text() == generator.render(), \
@@ -219,7 +220,7 @@ def test_dashboard_metadata_and_layout():
         if p["type"] != "row":
             assert p["targets"] and len({t["refId"] for t in p["targets"]}) == len(p["targets"])
     # Expanded rows' panels must not overlap.
-    cells = set()
+    cells: set[tuple[int, int]] = set()
     for p in board["panels"]:
         pos = p["gridPos"]
         area = {(x, y) for x in range(pos["x"], pos["x"] + pos["w"]) for y in range(pos["y"], pos["y"] + pos["h"])}

@@ -103,7 +103,8 @@ def test_services_select_pods_and_name_their_ports(rendered):
 def test_ray_cluster_layout(rendered):
     head = container(find(rendered, "Deployment", "ray-head"))
     assert head["command"] == ["ray"]
-    assert {"start", "--head", "--port=6379", "--num-cpus=0", "--include-dashboard=false", "--block"} <= set(head["args"])
+    assert {"start", "--head", "--port=6379", "--num-cpus=0", "--include-dashboard=false",
+            "--block"} <= set(head["args"])
     assert head["readinessProbe"]["tcpSocket"]["port"] == "gcs"
     for role in components(rendered) - {"ray-head", "router"}:
         dep = find(rendered, "Deployment", role)

@@ -50,7 +50,8 @@ def test_router_defaults():
     assert router["spec"]["strategy"]["type"] == "Recreate"
     assert "TANDEM_AUTH_TOKEN" not in {e["name"] for e in c["env"]}
     annotations = router["spec"]["template"]["metadata"]["annotations"]
-    assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": "9464", "prometheus.io/path": "/metrics"}
+    assert annotations == {"prometheus.io/scrape": "true", "prometheus.io/port": "9464",
+                           "prometheus.io/path": "/metrics"}
     assert {p["name"]: p["containerPort"] for p in c["ports"]} == {"grpc": 50051, "metrics": 9464, "http": 8000}
     svc = find(docs, "Service", "router")
     assert svc["spec"]["type"] == "ClusterIP"
@@ -85,15 +86,16 @@ def test_router_ports_follow_their_values():
     svc = find(docs, "Service", "router")
     assert {p["name"]: (p["port"], p["targetPort"]) for p in svc["spec"]["ports"]} == {
         "grpc": (50052, "grpc"), "metrics": (9100, "metrics"), "http": (8080, "http")}
-    notes = manifests({"router": {"grpcPort": 50052, "metricsPort": 9100, "httpPort": 8080}})["tandem/templates/NOTES.txt"]
+    values = {"router": {"grpcPort": 50052, "metricsPort": 9100, "httpPort": 8080}}
+    notes = manifests(values)["tandem/templates/NOTES.txt"]
     assert "port-forward service/demo-tandem-router 8080:8080" in notes
     assert "curl -s 127.0.0.1:8080/v1/chat/completions " in notes and ":8000" not in notes
 
 
 def notes_curl(values: dict) -> tuple[str, dict]:
     """The install notes' curl line for the OpenAI API, and the JSON body it sends."""
-    [line] = [l.strip() for l in manifests(values)["tandem/templates/NOTES.txt"].splitlines()
-              if l.strip().startswith("curl ")]
+    [line] = [note.strip() for note in manifests(values)["tandem/templates/NOTES.txt"].splitlines()
+              if note.strip().startswith("curl ")]
     return line, json.loads(line.rsplit(" -d ", 1)[1].strip("'"))
 
 
@@ -107,7 +109,8 @@ def test_notes_show_the_openai_api(tmp_path):
     assert body == {"model": DEFAULT_MODEL_NAME, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 20}
     (tmp_path / "Qwen2-0.5B-Instruct").mkdir()
     (tmp_path / "tiny-llama.Q4_0.gguf").write_bytes(b"")
-    for model in (tmp_path / "Qwen2-0.5B-Instruct", f"{tmp_path}/Qwen2-0.5B-Instruct/", tmp_path / "tiny-llama.Q4_0.gguf"):
+    for model in (tmp_path / "Qwen2-0.5B-Instruct", f"{tmp_path}/Qwen2-0.5B-Instruct/",
+                  tmp_path / "tiny-llama.Q4_0.gguf"):
         assert notes_curl({"model": str(model)})[1]["model"] == resolve_model_source(str(model)).name
     for auth in (SCENARIOS["auth-created"], SCENARIOS["auth-existing"]):
         assert ' -H "Authorization: Bearer $TANDEM_AUTH_TOKEN" ' in notes_curl(auth)[0]
@@ -160,7 +163,8 @@ def test_gpu_values_give_each_worker_one_gpu():
         c = container(dep)
         assert c["resources"]["limits"][GPU] == 1 and c["image"] == "tandem:cuda"
         assert "--num-gpus=1" in c["args"] and "--num-cpus=4" in c["args"]
-        assert {"key": GPU, "operator": "Exists", "effect": "NoSchedule"} in dep["spec"]["template"]["spec"]["tolerations"]
+        tolerations = dep["spec"]["template"]["spec"]["tolerations"]
+        assert {"key": GPU, "operator": "Exists", "effect": "NoSchedule"} in tolerations
     for role in ("router", "ray-head"):
         assert GPU not in json.dumps(find(docs, "Deployment", role))
     colocated = container(find(render(merged(gpu_values(), SCENARIOS["colocated"])), "Deployment", "colocated"))

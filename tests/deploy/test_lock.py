@@ -26,7 +26,7 @@ UNLOCKED = {"torch"}
 def read_lock(name: str) -> dict[str, tuple[str, list[str]]]:
     """name -> (version, sha256 hashes) for each requirement of a lock file."""
     text = re.sub(r"\\\n", " ", (LOCKS / name).read_text())
-    pins = {}
+    pins: dict[str, tuple[str, list[str]]] = {}
     for line in text.splitlines():
         line = line.split("#", 1)[0].strip()
         if not line:
@@ -60,7 +60,8 @@ def test_the_lock_satisfies_what_pyproject_asks_for(lock, extra):
     for requirement in needed(extra):
         name = canonicalize_name(requirement.name)
         assert name in pins, f"{lock} lacks {requirement}"
-        assert requirement.specifier.contains(pins[name][0], prereleases=True), f"{lock}: {name}=={pins[name][0]} vs {requirement}"
+        assert requirement.specifier.contains(pins[name][0], prereleases=True), \
+            f"{lock}: {name}=={pins[name][0]} vs {requirement}"
 
 
 def test_the_serving_lock_is_the_test_lock_without_the_test_tools():

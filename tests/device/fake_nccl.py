@@ -34,6 +34,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -134,7 +135,8 @@ class FakeNcclGroup(dist.ProcessGroup):
     """A communicator over `store` (see the module's docstring)."""
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> None:
-        super().__init__(rank, size)
+        # torch's stubs give only ProcessGroup(store, rank, size, ...); a Python backend's is (rank, size).
+        super().__init__(rank, size)  # type: ignore[call-arg]
         self.store, self.timeout = store, timeout
         self.device = current_device()
         host = socket.gethostname()
@@ -166,7 +168,8 @@ class FakeNcclGroup(dist.ProcessGroup):
         if self.aborted.is_set():
             raise FakeNcclError("NCCL communicator was aborted")
 
-    def _collective(self, op: str, tensors: list[torch.Tensor], root: int, outputs: list[torch.Tensor] = ()) -> FakeWork:
+    def _collective(self, op: str, tensors: list[torch.Tensor], root: int,
+                    outputs: Sequence[torch.Tensor] = ()) -> FakeWork:
         self._check([*tensors, *outputs])
         (t,) = tensors
         work = FakeWork(op, f"{NAME}/coll/{self._collectives}", t)
@@ -177,13 +180,15 @@ class FakeNcclGroup(dist.ProcessGroup):
             self._pending.append(work)
         return work
 
-    def allreduce(self, tensors: list[torch.Tensor], opts: object = None) -> FakeWork:
+    # The backend API's forms (a list of tensors and options): torch's stubs give the frontend's.
+    def allreduce(self, tensors: list[torch.Tensor], opts: object = None) -> FakeWork:  # type: ignore[override]
         return self._collective("allreduce", tensors, -1)
 
-    def broadcast(self, tensors: list[torch.Tensor], opts: dist.BroadcastOptions | None = None) -> FakeWork:
+    def broadcast(self, tensors: list[torch.Tensor],  # type: ignore[override]
+                  opts: dist.BroadcastOptions | None = None) -> FakeWork:
         return self._collective("broadcast", tensors, 0 if opts is None else opts.rootRank)
 
-    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],
+    def gather(self, output_tensors: list[list[torch.Tensor]], input_tensors: list[torch.Tensor],  # type: ignore[override]
                opts: dist.GatherOptions | None = None) -> FakeWork:
         outputs = output_tensors[0] if output_tensors else []
         return self._collective("gather", input_tensors, 0 if opts is None else opts.rootRank, outputs)
@@ -242,7 +247,7 @@ class FakeNcclGroup(dist.ProcessGroup):
                     print(f"[{NAME}] recv {work.key}: sent {sent}, received into {mine}", file=sys.stderr)
                 work.mismatch = True
                 return
-            self.store.set(ack, b"1")
+            self.store.set(ack, "1")
         elif not (work.op == "send" and self.store.check([ack])):
             return
         with _lock:

@@ -16,7 +16,7 @@ from tandem.decoding.draft_verify import sample_step
 from tandem.engine import step_inputs
 from tandem.engine.sampler import Sampler
 from tandem.engine.scheduler import ScheduledBatch
-from tandem.engine.sequence import SequenceGroup
+from tandem.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 from tandem.kvcache.block_manager import BlockManager
 from tandem.model.placement import weights_on
 from tandem.sampling_params import SamplingParams
@@ -94,7 +94,8 @@ def test_a_step_of_plain_rows_beams_and_drafts_reads_the_device_once(host_reads)
 def _group(root_params: SamplingParams, i: int, num_tokens: int):
     root = seq(i, num_tokens, num_tokens - 1, root_params)
     forks = [seq(i, num_tokens, 0, root_params) for _ in range(root_params.n - 1)]
-    beam = BeamSearch(root_params.beam_width, 1.0, 2 * root_params.beam_width) if root_params.use_beam_search else None
+    beam: BeamSearch[Sequence, SequenceStatus] | None = (
+        BeamSearch(root_params.beam_width, 1.0, 2 * root_params.beam_width) if root_params.use_beam_search else None)
     SequenceGroup(root, forks if beam is None else [], beam, lambda: None)
     return root
 

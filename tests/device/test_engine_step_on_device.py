@@ -9,12 +9,14 @@ into the forward fails here."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, cast
 
 import pytest
 import torch
 from fake_cuda import BATCHES, CUDA, SMOLLM2, DeviceAudit, runner
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
+from tandem.decoding.grammar import GrammarMatcher
 from tandem.decoding.grammar_mask import apply_grammar_masks
 from tandem.engine.sampler import Sampler, top_logprobs
 from tandem.engine.scheduler import ScheduledBatch
@@ -25,7 +27,8 @@ from tandem.sampling_params import SamplingParams
 
 def test_the_shapes_are_the_default_model_s() -> None:
     shape = read_model_shape(None)
-    same = dict(name=SMOLLM2.name, eos_token_ids=SMOLLM2.eos_token_ids, rms_norm_eps=SMOLLM2.rms_norm_eps)
+    same: dict[str, Any] = dict(name=SMOLLM2.name, eos_token_ids=SMOLLM2.eos_token_ids,
+                                rms_norm_eps=SMOLLM2.rms_norm_eps)
     assert shape.rms_norm_eps == pytest.approx(SMOLLM2.rms_norm_eps)  # float32 in the GGUF file
     assert dataclasses.replace(shape, **same) == SMOLLM2
 
@@ -47,7 +50,8 @@ def test_decodes_are_padded_to_a_static_batch(fake_cuda) -> None:
     r = runner()
     input_ids, positions, meta, logits_indices = r.prepare(BATCHES["decodes"][0]())
     assert (input_ids.shape[0], meta.num_decode_tokens, tuple(meta.decode_block_tables.shape)) == (16, 16, (16, 64))
-    assert logits_indices.shape[0] == 11 and [g.num_blocks for g in meta.decode_groups] == [3, 10]  # padding rows (1 token) sort first
+    # padding rows (1 token) sort first
+    assert logits_indices.shape[0] == 11 and [g.num_blocks for g in meta.decode_groups] == [3, 10]
     assert {t.device for t in (input_ids, positions, meta.slot_mapping, meta.decode_context_lens)} == {CUDA}
 
 
@@ -113,7 +117,8 @@ def test_grammar_masks_and_top_logprobs_stay_on_the_device(fake_cuda) -> None:
     logits = torch.randn(3, SMOLLM2.vocab_size, dtype=torch.bfloat16, device=CUDA)
     audit = DeviceAudit()
     with audit:
-        masked = apply_grammar_masks(logits, [_EveryOtherToken(), None, _EveryOtherToken()])
+        matcher = cast(GrammarMatcher, _EveryOtherToken())  # the one method apply_grammar_masks calls
+        masked = apply_grammar_masks(logits, [matcher, None, matcher])
         values, indices = top_logprobs(masked, 5)
     assert masked.device == values.device == indices.device == CUDA and masked.shape == logits.shape
     assert len(audit.transfers) == 1

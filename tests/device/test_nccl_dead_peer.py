@@ -21,7 +21,8 @@ def test_hung_peer_fails_the_send_and_spares_the_process():
     run = subprocess.run([sys.executable, str(HERE / "nccl_survivor.py")], capture_output=True, text=True,
                          timeout=60, env=env)
     lines = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
-    assert run.returncode != fake_nccl.WATCHDOG_EXIT, f"the watchdog ended the survivor:\n{run.stdout}{run.stderr[-2000:]}"
+    assert run.returncode != fake_nccl.WATCHDOG_EXIT, \
+        f"the watchdog ended the survivor:\n{run.stdout}{run.stderr[-2000:]}"
     assert run.returncode == 0, run.stderr[-3000:]
     first, last = lines
     assert first["hung"].startswith("PeerLost: send to rank 1 did not complete"), first

@@ -18,24 +18,32 @@ HERE = Path(__file__).parent
 TRANSFER_TIMEOUT_S = 2.0  # nccl_killed_peer.TIMEOUT_S
 
 
-def start(role: str, stderr: Path) -> subprocess.Popen:
+class Peer(subprocess.Popen[str]):
+    """nccl_killed_peer.py in a process of its own: JSON lines in and out, stderr to a file."""
+
+    stderr_path: Path
+
+
+def start(role: str, stderr: Path) -> Peer:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
     # (stderr to a file: torch logs every failed store operation against the dead peer, and
     # an unread pipe would fill and block the survivor)
-    p = subprocess.Popen([sys.executable, str(HERE / "nccl_killed_peer.py"), role], stdin=subprocess.PIPE,
-                         stdout=subprocess.PIPE, stderr=stderr.open("w"), text=True, env=env)
+    p = Peer([sys.executable, str(HERE / "nccl_killed_peer.py"), role], stdin=subprocess.PIPE,
+             stdout=subprocess.PIPE, stderr=stderr.open("w"), text=True, env=env)
     p.stderr_path = stderr
     return p
 
 
-def line(p: subprocess.Popen) -> dict:
+def line(p: Peer) -> dict:
     """The next JSON line `p` prints (its stderr's end when it prints none)."""
+    assert p.stdout is not None
     out = p.stdout.readline()
     assert out, f"exited {p.wait(5)}: {p.stderr_path.read_text()[-3000:]}"
     return json.loads(out)
 
 
-def tell(p: subprocess.Popen, **fields) -> None:
+def tell(p: Peer, **fields) -> None:
+    assert p.stdin is not None
     p.stdin.write(json.dumps(fields) + "\n")
     p.stdin.flush()
 

@@ -85,7 +85,7 @@ def test_reconnect_storm_leaves_only_live_pairs(pairs):
     forgets the old pair), half a new connection each after the old one closed (Peer.close);
     then exactly the live pair's two communicators are left."""
     receiver, before = pairs
-    context = zmq.Context.instance()
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     layout = KVLayout(30, 8, 16, *ROW_SHAPE, "bfloat16")
     for i in range(100):
         mine, _ = join(receiver, b"again" if i % 2 else f"new-{i}".encode())

@@ -47,7 +47,7 @@ def mixed_batch() -> list[Target]:
         Target(SamplingParams(temperature=0.7, seed=11), out),
         Target(SamplingParams(temperature=1.0, seed=12, min_p=0.05, repetition_penalty=1.3,
                               frequency_penalty=0.5, presence_penalty=0.4), out),
-        Target(SamplingParams(temperature=0, logit_bias={5: 3.0, 77: -2.0, 49151: 1.0}), out),
+        Target(SamplingParams(temperature=0, logit_bias=((5, 3.0), (77, -2.0), (49151, 1.0))), out),
         Target(SamplingParams(temperature=0.9, min_tokens=10, stop_token_ids=(8, 9)), out),
         Target(SamplingParams(temperature=0.6, seed=13, logprobs=5), out),
         Target(SamplingParams(temperature=0.5, seed=14), out, EvenTokens()),

@@ -29,7 +29,9 @@ def cuda_pin_memory(t: torch.Tensor, device=None) -> torch.Tensor:
 def real_crossing(fake_cuda, monkeypatch):
     monkeypatch.setattr(step_inputs, "to_device", REAL_TO_DEVICE)
     monkeypatch.setattr(torch.Tensor, "pin_memory", cuda_pin_memory)
-    fake_nccl.use_mode(detect_fake_mode())
+    mode = detect_fake_mode()
+    assert mode is not None  # fake_cuda's
+    fake_nccl.use_mode(mode)
 
 
 REAL_TO_DEVICE = step_inputs.to_device
@@ -40,6 +42,7 @@ def test_rows_received_on_the_device_stay_there(real_crossing):
     rows = fake_nccl.empty(6, SMOLLM2.num_kv_heads, SMOLLM2.head_dim, dtype=torch.bfloat16, device=CUDA)
     msg = StepMessage(StepOp.SWAP, KVWrites(torch.arange(6), rows))
     moved = on_device(msg, CUDA)
+    assert moved.writes is not None
     assert moved.writes.rows is rows, "rows already on the device were copied"
     assert moved.writes.index.device == CUDA
     assert step_inputs.to_device(rows, torch.device("cuda")) is rows

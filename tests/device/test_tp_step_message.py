@@ -108,6 +108,7 @@ def test_message_lands_on_the_device_in_one_transfer(fake_ranks):
     assert len(audit.transfers) == 2
     parts = device_parts(moved)
     assert parts.keys() == device_parts(msg).keys() and len(parts) == 12  # 2 decode groups
+    assert moved.writes is not None and moved.writes.rows is not None and moved.forward is not None
     assert all(t.device == CUDA for t in parts.values()) and moved.writes.rows.device == CUDA
     assert moved.copies == [(3, 4)] and [g.num_blocks for g in moved.forward.meta.decode_groups] == \
         [g.num_blocks for g in meta.decode_groups]

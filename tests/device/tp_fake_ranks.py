@@ -187,7 +187,7 @@ def run_step(rank: int, groups: Any, mode: FakeTensorMode, traffic: DeviceTraffi
         with mode, traffic:  # the step's device side; the message stays real host tensors
             return execute(self, msg, hook)
 
-    executor_module.RankExecutor.execute = on_the_device
+    setattr(executor_module.RankExecutor, "execute", on_the_device)
     if rank == 0:
         with mode:
             runner = TensorParallelRunner(config, part, groups.collectives, groups.step_group)

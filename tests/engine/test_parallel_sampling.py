@@ -14,7 +14,8 @@ def _peak_blocks(llm, requests: list[tuple[str, list[int], SamplingParams]]) -> 
     engine, bm = llm.engine, llm.engine.block_manager
     for rid, prompt, params in requests:
         engine.add_request(rid, prompt, params)
-    peak, outputs = 0, {}
+    peak = 0
+    outputs: dict[tuple[str, int], list[int]] = {}
     while engine.has_unfinished:
         for d in engine.step():
             outputs.setdefault((d.request_id, d.index), []).extend(d.new_token_ids)

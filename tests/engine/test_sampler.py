@@ -63,6 +63,7 @@ def test_seeded_rows_repeat_and_ignore_the_rest_of_the_batch() -> None:
 
     def run(batch_size: int, position: int, other_seed: int) -> list[int]:
         """Sample the target row 5 steps in a batch of the given size, at the given position."""
+        assert target.seed is not None
         gen = _gen(target.seed)
         other_gens = [_gen(other_seed + j) for j in range(batch_size)]
         tokens = []
@@ -209,6 +210,7 @@ def test_top_logprobs_are_the_raw_log_softmaxs_best() -> None:
     out = Sampler().sample(processed, params, [_gen(i) for i in range(4)], raw_logits=logits)
     assert out.token_ids == [7, 7, 7, 7]
     reference = torch.log_softmax(logits.double(), dim=-1).sort(dim=-1, descending=True)
+    assert out.top_logprobs is not None
     assert [len(t.token_ids) for t in out.top_logprobs] == [5, 0, 20, 0]
     for row, top in enumerate(out.top_logprobs):
         n = len(top.token_ids)

@@ -103,7 +103,8 @@ def test_preemption_recomputes_the_newest_sequence(prefix_caching: bool) -> None
 def test_a_step_that_preempts_admits_nothing() -> None:
     """A sequence that cannot grow and is the newest preempts itself; though a chunk of it
     would fit in the blocks it just freed, it is only readmitted on the next step."""
-    sched = make_scheduler(num_kv_blocks=5, max_num_batched_tokens=5, enable_prefix_caching=False, preemption_mode="recompute")
+    sched = make_scheduler(num_kv_blocks=5, max_num_batched_tokens=5, enable_prefix_caching=False,
+                           preemption_mode="recompute")
     a, b = add_seq(sched, "a", 3), add_seq(sched, "b", 3)
     assert run_step(sched) == [("a", 3, True), ("b", 2, False)]
     for _ in range(6):  # pool fills: a [0, 2, 4], b [1, 3]

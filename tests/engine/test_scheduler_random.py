@@ -131,7 +131,8 @@ def _random_workload(seed: int) -> None:
         _check_books(sched)
         _check_batch_and_kv(sched, batch, kv, host_kv)
         k = sum(batch.samples(i) for i in range(len(batch.seqs)))
-        toks = [rng.choice([EOS, 10, 11, 12, 13, 13, 14, 15]) if rng.random() < 0.3 else rng.randint(10, 12) for _ in range(k)]
+        toks = [rng.choice([EOS, 10, 11, 12, 13, 13, 14, 15]) if rng.random() < 0.3 else rng.randint(10, 12)
+                for _ in range(k)]
         sched.update(batch, StepOutput([[t] for t in toks], [[0.0]] * k))
     else:
         pytest.fail(f"seed {seed}: workload did not drain")

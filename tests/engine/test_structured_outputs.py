@@ -50,7 +50,8 @@ def test_json_object_regex_and_choice(llm):
     prompt = _prompt(llm, 'Return a JSON object with keys "name" and "age" for Alice, 30.')
     cases = [
         (StructuredOutputsParams(json_object=True), lambda text: isinstance(json.loads(text), dict)),
-        (StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2,4}"), lambda text: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", text)),
+        (StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2,4}"),
+         lambda text: re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", text)),
         (StructuredOutputsParams(choice=("yes", "no", "maybe not")), lambda text: text in ("yes", "no", "maybe not")),
     ]
     # Greedy, then sampled. (A prompt the 135M model answers briefly: asked for JSON on

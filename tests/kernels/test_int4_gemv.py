@@ -144,9 +144,15 @@ def test_ops_dispatch(backend, monkeypatch):
     monkeypatch.setenv(ops.BACKEND_ENV, backend)
     calls: list[str] = []
     real_triton, real_torch = triton_module.int4_gemv_triton, ops.int4_gemv_torch
-    monkeypatch.setattr(triton_module, "int4_gemv_triton",
-                        lambda *args: (calls.append("triton"), real_triton(*args))[1])
-    monkeypatch.setattr(ops, "int4_gemv_torch", lambda *args: (calls.append("torch"), real_torch(*args))[1])
+
+    def counted(name, fn):
+        def call(*args):
+            calls.append(name)
+            return fn(*args)
+        return call
+
+    monkeypatch.setattr(triton_module, "int4_gemv_triton", counted("triton", real_triton))
+    monkeypatch.setattr(ops, "int4_gemv_torch", counted("torch", real_torch))
     x, q, packed, scale, offset = make_inputs(3, 72, 96, 32, torch.float32, device_for(backend))
     check_close(ops.int4_gemv(x, packed, scale, offset, 32), x, q, scale, offset, 32)
     assert calls == [backend]

@@ -24,7 +24,8 @@ def kernel():
 @pytest.mark.parametrize("out_features, in_features", [(48, 576), (960, 576), (32, 1540)])
 def test_matches_float64(kernel, num_rows, out_features, in_features):
     gen = torch.Generator().manual_seed(num_rows * 100 + out_features)
-    w = quantize_int8(torch.randn(out_features, in_features, generator=gen) * torch.logspace(-3, 0, out_features)[:, None])
+    w = quantize_int8(torch.randn(out_features, in_features, generator=gen)
+                      * torch.logspace(-3, 0, out_features)[:, None])
     x = torch.randn(num_rows, in_features, generator=gen)
     out = w.gemv_pack.matmul(x)
     assert out.dtype == torch.float32 and out.shape == (num_rows, out_features)

@@ -79,7 +79,8 @@ def test_a_sequence_gives_the_same_bits_alone_and_in_a_batch(kernel):
     q = torch.randn(8, 9, 64, generator=gen)
     batch = cpu_kernel.paged_decode_attention_cpu(q, k_cache, v_cache, tables, lens, 0.125)
     for i in (0, 3, 6):
-        alone = cpu_kernel.paged_decode_attention_cpu(q[i:i + 1], k_cache, v_cache, tables[i:i + 1], lens[i:i + 1], 0.125)
+        alone = cpu_kernel.paged_decode_attention_cpu(q[i:i + 1], k_cache, v_cache, tables[i:i + 1], lens[i:i + 1],
+                                                      0.125)
         assert torch.equal(alone[0], batch[i])
 
 

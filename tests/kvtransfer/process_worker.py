@@ -116,7 +116,8 @@ class ReceiverWorker:
 
     def wait_events(self, lane: str, count: int, timeout_s: float) -> list[tuple[TransferEvent, float]]:
         """-> `count` events (fewer if the time runs out), each with seconds since its `expect`."""
-        deadline, events = time.monotonic() + timeout_s, []
+        deadline = time.monotonic() + timeout_s
+        events: list[tuple[TransferEvent, float]] = []
         while len(events) < count and time.monotonic() < deadline:
             event = self.receivers[lane].get_event(timeout=max(0.0, deadline - time.monotonic()))
             if event is not None:
@@ -197,7 +198,8 @@ class SenderWorker:
         sender = self.senders[lane]
         (peer,) = sender._peers.values()  # the world's payload, or the pair's made in the handshake
         payload = peer.dist
-        payload.send = lambda peer, k, v: None  # an instance attribute shadows the method
+        assert payload is not None  # (a torch.distributed lane)
+        setattr(payload, "send", lambda peer, k, v: None)  # an instance attribute shadows the method
         try:
             return self.senders[lane].send_layer(plan.request_id, layer)
         finally:
@@ -296,6 +298,7 @@ class WorkerProcess:
 
     def kill(self) -> None:
         """SIGKILL: no cleanup runs in the child, as when a worker's machine goes away."""
+        assert self.process.pid is not None  # (started with the worker)
         os.kill(self.process.pid, signal.SIGKILL)
         self.process.join(timeout=10)
 

@@ -22,7 +22,7 @@ class RawSender:
     """A hand-driven peer that can put any bytes on the wire after a proper handshake."""
 
     def __init__(self, receiver: KVReceiver, dtype: torch.dtype = torch.float32) -> None:
-        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.IDENTITY, uuid.uuid4().bytes)
         self.socket.connect(receiver.address)

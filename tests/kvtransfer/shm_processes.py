@@ -54,5 +54,28 @@ def hold_the_lock(name: str, layout: dict, dest: Destination, holding: Event) ->
 def own_a_pool(shape: tuple[int, ...], conn: Connection) -> None:
     """Make a shared pool, give its name, and wait to be killed (no cleanup runs)."""
     pool = HostSharedPool.create(shape, torch.float32)
+    assert pool is not None
     conn.send(pool.name)
     time.sleep(3600)
+
+
+def write_what_is_given(name: str, layout: dict, dests: Connection, counts: SynchronizedArray, stop: Event) -> None:
+    """As write_forever, each round for the latest Destination sent down `dests` (none yet: wait)."""
+    torch.set_num_threads(1)
+    pool = _mapped(name, layout)
+    dest, rows, i = None, None, 0
+    while not stop.is_set():
+        if dests.poll(0 if dest is not None else 0.01):
+            dest = dests.recv()
+            rows = torch.empty(2, dest.num_tokens - dest.num_cached_tokens, pool.layout.num_kv_heads,
+                               pool.layout.head_dim)
+        if dest is None or rows is None:
+            continue
+        i += 1
+        rows[0].fill_(i)
+        rows[1].fill_(-i)
+        writes = InPlaceWrites(pool, dest, pool.layout.block_size)
+        for layer in range(pool.layout.num_layers):
+            ok = writes.write(layer, dest.num_cached_tokens, dest.num_tokens, rows, None)
+            with counts.get_lock():
+                counts[WRITES if ok else REFUSED] += 1

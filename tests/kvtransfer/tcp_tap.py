@@ -28,6 +28,7 @@ class TcpTap:
         while not self._stop.is_set():
             for key, _ in selector.select(timeout=0.05):
                 sock = key.fileobj
+                assert isinstance(sock, socket.socket)  # (only sockets are registered)
                 if sock is self._listener:
                     client, _ = self._listener.accept()
                     upstream = socket.create_connection(self._target)

@@ -59,9 +59,9 @@ def test_random_transfers_and_aborts_leak_nothing():
                 checked += 1
             src_pool.release(event.request_id)
             active.pop(event.request_id, None)
-        while (event := receiver.get_event(0)) is not None:
-            outcome["done" if event.status is TransferStatus.DONE else "sender_abort"] += 1
-            dst_pool.release(event.request_id)
+        while (received := receiver.get_event(0)) is not None:
+            outcome["done" if received.status is TransferStatus.DONE else "sender_abort"] += 1
+            dst_pool.release(received.request_id)
 
     active_tokens: dict[str, int] = {}
     try:
@@ -73,6 +73,7 @@ def test_random_transfers_and_aborts_leak_nothing():
                 if src_ids is not None:
                     src_pool.release(rid)
             else:
+                assert src_ids is not None  # (dst_ids are taken only after src_ids)
                 sender.begin(receiver.expect(rid, dst_ids, n), src_ids)
                 active[rid], active_tokens[rid] = 0, n
             for other in rng.sample(sorted(active), min(len(active), 8)):

@@ -61,8 +61,9 @@ class FakeDeviceExport:
 
     def __init__(self, kv_cache: torch.Tensor, fields: dict[str, Any]) -> None:
         self.kv_cache = kv_cache
-        self._file = FenceFile.create(LAYOUT)
-        assert self._file is not None
+        fence_file = FenceFile.create(LAYOUT)
+        assert fence_file is not None
+        self._file = fence_file
         self.name, self.num_bytes, self.fence = self._file.name, self._file.num_bytes, self._file.fence
         self.fields = fields
         self.num_exports = 0
@@ -95,10 +96,11 @@ def test_only_a_sender_on_the_pools_gpu_gets_the_handle():
         assert pool.num_exports == 2  # exported for those two alone
         # Never a pair with a sender on its GPU; none at all with the secret, unless acknowledged.
         nccl = hello(pool, device="GPU-1111", dist_pair="nccl", dist_required=True)
-        assert "one GPU" in answer_hello(nccl, LAYOUT, None, None, pool, lambda b: None, device="GPU-1111")[0]
+        why, _ = answer_hello(nccl, LAYOUT, None, None, pool, lambda b: None, device="GPU-1111")
+        assert why is not None and "one GPU" in why
         gloo = {"layout": LAYOUT.as_dict(), "dist_pair": "gloo", "dist_required": True}
         why, _ = answer_hello(gloo, LAYOUT, None, None, None, lambda b: None, unencrypted_pairs_refused=True)
-        assert "TANDEM_KV_SECRET is set" in why and "--kv-allow-unencrypted-pairs" in why
+        assert why is not None and "TANDEM_KV_SECRET is set" in why and "--kv-allow-unencrypted-pairs" in why
         assert answer_hello(gloo, LAYOUT, None, None, None, lambda b: None)[1]["dist_pair"] == {"backend": "gloo"}
     finally:
         pool.close()

@@ -34,7 +34,8 @@ def send_through_tap(curve: CurveKeys | None) -> tuple[TcpTap, torch.Tensor, tor
         for layer in range(2):
             sender.send_layer("r", layer)
         assert sender.wait("r", 10).status is TransferStatus.DONE
-        assert receiver.get_event(10).status is TransferStatus.DONE
+        received = receiver.get_event(10)
+        assert received is not None and received.status is TransferStatus.DONE
         return tap, token_rows(src, [1, 2, 4], 10), token_rows(dst, BLOCK_IDS, 10)
     finally:
         sender.close()

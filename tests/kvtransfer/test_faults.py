@@ -53,7 +53,8 @@ def test_bad_message_is_dropped_and_the_connection_stays_usable(receiver, reason
     # The same connection then completes the request, and only its blocks change.
     raw.send_all_layers()
     assert raw.next_kind() is MessageKind.DONE
-    assert receiver.get_event(5).status is TransferStatus.DONE
+    received = receiver.get_event(5)
+    assert received is not None and received.status is TransferStatus.DONE
     assert torch.equal(token_rows(receiver.kv_cache, DST_BLOCKS, NUM_TOKENS), token_rows(raw.src, [0], NUM_TOKENS))
     others = [b for b in range(BLOCKS) if b not in DST_BLOCKS]
     assert torch.equal(receiver.kv_cache[:, :, others], before[:, :, others])
@@ -102,6 +103,7 @@ def test_abort_from_the_sender_fails_the_request_on_the_receiver():
         # The owner gets its blocks back once ZMQ has let go of the frames read from them.
         assert sender.wait("req", 5).reason == "aborted by the sender" and sender.num_pending == 0
         event = receiver.get_event(5)
+        assert event is not None
         assert (event.request_id, event.status) == ("req", TransferStatus.FAILED)
         assert "sender" in event.reason and receiver.num_pending == 0
     finally:
@@ -138,6 +140,7 @@ def test_a_transfer_that_stalls_times_out_on_both_sides(fault_report):
         sender.send_layer("req", 0)
         start = time.monotonic()
         event = receiver.get_event(5)
+        assert event is not None
         assert event.status is TransferStatus.FAILED and "timed out" in event.reason
         receiver_s = time.monotonic() - start
         assert receiver_s < 2 and receiver.num_pending == 0
@@ -164,7 +167,8 @@ def test_waiting_before_the_first_layer_is_never_timed():
         assert sender.poll() == [] and receiver.get_event(0) is None
         assert receiver.num_pending == 1 and sender.num_pending == 1
         assert all(sender.send_layer("req", layer) for layer in range(2))
-        assert receiver.get_event(5).status is TransferStatus.DONE
+        received = receiver.get_event(5)
+        assert received is not None and received.status is TransferStatus.DONE
         assert sender.wait("req", 5).status is TransferStatus.DONE
         assert torch.equal(token_rows(dst, [1], 10), token_rows(src, [3], 10))
     finally:
@@ -180,13 +184,14 @@ def test_kv_due_once_all_of_it_was_sent(receiver):
     assert receiver.get_event(0) is None  # not yet due: the prompt may still be queued
     receiver.all_sent("req")
     event = receiver.get_event(5)
+    assert event is not None
     assert (event.request_id, event.status) == ("req", TransferStatus.FAILED)
     assert receiver.num_pending == 0 and receiver.dropped["timeout"] == 1
 
 
 def test_sender_gives_up_on_a_receiver_that_never_answers():
     sender = KVSender(random_pool(2, 4, 16, 1, 4, torch.float32, 1))
-    dead = zmq.Context.instance().socket(zmq.ROUTER)  # bound, but nobody reads it
+    dead: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)  # bound, but nobody reads it
     port = dead.bind_to_random_port("tcp://127.0.0.1")
     try:
         with pytest.raises(TimeoutError, match="no KV receiver answered"):

@@ -67,6 +67,7 @@ def test_a_corrupted_layer_fails_only_its_request(fault_report):
         raw.send(raw.header("bad", 0, crc32=good_crc), [bytes(f) for f in corrupted], "bad")
         assert raw.next_kind() is MessageKind.FAILED
         event = receiver.get_event(5)
+        assert event is not None
         assert (event.request_id, event.status) == ("bad", TransferStatus.FAILED) and "checksum" in event.reason
         assert receiver.dropped["checksum"] == 1 and receiver.num_pending == 0
         # The receiver goes on: the next request, checksummed and intact, completes.
@@ -74,7 +75,8 @@ def test_a_corrupted_layer_fails_only_its_request(fault_report):
         for layer in range(LAYERS):
             raw.send(raw.header("next", layer, crc32=payload_crc32(raw.frames(layer))), raw.frames(layer), "next")
         assert raw.next_kind() is MessageKind.DONE
-        assert receiver.get_event(5).status is TransferStatus.DONE
+        received = receiver.get_event(5)
+        assert received is not None and received.status is TransferStatus.DONE
     finally:
         receiver.close()
     fault_report.add("KV corrupted in flight (one bit, CRC-32 on)", injected=1, affected=1, clear=1,

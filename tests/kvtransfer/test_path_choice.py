@@ -9,11 +9,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import types
+from typing import cast
 
 import pytest
 import torch
 
 import tandem.kvtransfer.sender as sender_module
+from tandem.kvtransfer.curve import CurveKeys
 from tandem.kvtransfer.path_choice import (
     ALLOW_UNENCRYPTED_FLAG,
     CUDA_IPC,
@@ -87,15 +89,18 @@ CPU_A = PoolPlace("node-a", "cpu")
      "both pools on one GPU (GPU-1); nccl asked for, but NCCL allows one rank per GPU"),
     (PairFacts(gpu("node-a", "GPU-1"), gpu("node-a", "GPU-2"), True, True), CUDA_IPC,
      "GPU GPU-1 writes GPU GPU-2 by peer access"),
-    (PairFacts(gpu("node-a", "GPU-1"), gpu("node-a", "GPU-2"), True, False), NCCL, "two GPU pools on different devices"),
-    (PairFacts(gpu("node-a", "GPU-1"), gpu("node-b", "GPU-2"), False, False), NCCL, "two GPU pools on different devices"),
+    (PairFacts(gpu("node-a", "GPU-1"), gpu("node-a", "GPU-2"), True, False), NCCL,
+     "two GPU pools on different devices"),
+    (PairFacts(gpu("node-a", "GPU-1"), gpu("node-b", "GPU-2"), False, False), NCCL,
+     "two GPU pools on different devices"),
     (PairFacts(gpu("node-a", "GPU-1"), gpu("node-a", "GPU-1"), False, False), ZMQ,
      "both pools may be on one GPU and the receiver's pool is not shared by CUDA IPC with this sender "
      "(no NCCL pair on one device)"),
     (PairFacts(gpu("node-a", "GPU-1"), gpu("node-b", "GPU-2"), False, False, has_secret=True), ZMQ,
      f"two GPUs, but TANDEM_KV_SECRET is set and an NCCL pair is not encrypted: CurveZMQ frames "
      f"({ALLOW_UNENCRYPTED_FLAG} allows NCCL)"),
-    (PairFacts(gpu("node-a", "GPU-1"), gpu("node-b", "GPU-2"), False, False, "nccl", True, True), NCCL, "nccl asked for"),
+    (PairFacts(gpu("node-a", "GPU-1"), gpu("node-b", "GPU-2"), False, False, "nccl", True, True), NCCL,
+     "nccl asked for"),
     (PairFacts(gpu("node-a", "GPU-1"), gpu("node-a", "GPU-1"), True, False, "zmq", True), ZMQ, "zmq asked for"),
 ])
 def test_main_cases(facts: PairFacts, path: str, reason: str):
@@ -126,9 +131,9 @@ def test_default_serve_on_one_gpu_puts_both_workers_on_it_and_shares_by_ipc():
 def sender_on_gpu(transport: str, secret: bool = False) -> KVSender:
     sender = KVSender(torch.zeros(2, 2, 4, 4, 2, 8), transport=transport, node_id="node-a")
     # The prefill pool on GPU 0: all the handshake reads of it is its device (no GPU here).
-    sender.kv_cache = types.SimpleNamespace(device=torch.device("cuda", 0))
+    sender.kv_cache = cast(torch.Tensor, types.SimpleNamespace(device=torch.device("cuda", 0)))
     sender.device = "GPU-1111"
-    sender.curve = object() if secret else None  # (only its presence is read before the handshake)
+    sender.curve = cast(CurveKeys, object()) if secret else None  # (only its presence is read before the handshake)
     return sender
 
 

@@ -37,7 +37,8 @@ def test_bytes_equal_for_block_layouts(dtype, src_block_size, dst_block_size):
                 if split < num_tokens:
                     sender.send_layer(f"r{i}", layer, split)
             assert sender.wait(f"r{i}", 10).status is TransferStatus.DONE
-            assert receiver.get_event(10).status is TransferStatus.DONE
+            received = receiver.get_event(10)
+            assert received is not None and received.status is TransferStatus.DONE
             assert torch.equal(token_rows(dst, dst_ids, num_tokens), token_rows(src, src_ids, num_tokens))
         untouched = [b for b in range(96) if b not in reserved]
         assert torch.equal(dst[:, :, untouched], before[:, :, untouched])

@@ -10,6 +10,7 @@ import dataclasses
 import os
 import random
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,6 +19,7 @@ import zmq
 from kv_pools import pick_blocks, random_pool, token_rows
 
 from tandem.kvtransfer import shared_pool as shared_pool_module
+from tandem.kvtransfer.handshake import SharedPool
 from tandem.kvtransfer.protocol import MessageKind, TransferStatus, decode, encode
 from tandem.kvtransfer.receiver import KVReceiver
 from tandem.kvtransfer.row_copy import row_copier
@@ -34,6 +36,18 @@ def shared_receiver(num_blocks: int, block_size: int, dtype: torch.dtype, seed: 
     assert pool is not None, "these tests need /dev/shm"
     pool.kv_cache.copy_(random_pool(LAYERS, num_blocks, block_size, HEADS, DIM, dtype, seed))
     return KVReceiver(pool.kv_cache, timeout_s=10, shared_pool=pool)
+
+
+def pool_of(receiver: KVReceiver) -> torch.Tensor:
+    """The receiver's pool (every receiver here has one: no sink)."""
+    assert receiver.kv_cache is not None
+    return receiver.kv_cache
+
+
+def shared_pool_of(receiver: KVReceiver) -> SharedPool:
+    """The receiver's pool in shared memory (shared_receiver's)."""
+    assert receiver.shared_pool is not None
+    return receiver.shared_pool
 
 
 def close(sender: KVSender | None, receiver: KVReceiver) -> None:
@@ -58,11 +72,16 @@ def test_rows_land_in_place_byte_exact(dtype, src_block_size, dst_block_size):
     rng = random.Random(src_block_size * 100 + dst_block_size)
     src = random_pool(LAYERS, 64, src_block_size, HEADS, DIM, dtype, seed=1)
     receiver = shared_receiver(48, dst_block_size, dtype, seed=2)
-    dst, before = receiver.kv_cache, receiver.kv_cache.clone()
+    dst = pool_of(receiver)
+    before = dst.clone()
     sender = KVSender(src)
     messages: list[int] = []
     send = sender._send
-    sender._send = lambda rid, peer, frames: messages.append(len(frames)) or send(rid, peer, frames)
+
+    def counting_send(rid: str, peer: Any, frames: list[Any]) -> bool:
+        messages.append(len(frames))
+        return send(rid, peer, frames)
+    setattr(sender, "_send", counting_send)
     src_free, dst_free, reserved = list(range(64)), list(range(48)), []
     try:
         # The second request's first two blocks are in the receiver's prefix cache: never written.
@@ -72,18 +91,19 @@ def test_rows_land_in_place_byte_exact(dtype, src_block_size, dst_block_size):
             cached = cached_blocks * dst_block_size
             reserved += dst_ids[cached_blocks:]
             dest = receiver.expect(f"r{i}", dst_ids, num_tokens, num_cached_tokens=cached)
-            assert dest.shm_pool == receiver.shared_pool.name and dest.node_id and dest.shm_grant
+            assert dest.shm_pool == shared_pool_of(receiver).name and dest.node_id and dest.shm_grant
             assert sender.begin(dest, src_ids) == "shm"
             send_all(sender, f"r{i}", cached, rng.randint(cached + 1, num_tokens), num_tokens)
             assert sender.wait(f"r{i}", 10).status is TransferStatus.DONE
-            assert receiver.get_event(10).status is TransferStatus.DONE
+            received = receiver.get_event(10)
+            assert received is not None and received.status is TransferStatus.DONE
             got, want = token_rows(dst, dst_ids, num_tokens), token_rows(src, src_ids, num_tokens)
             assert torch.equal(got[:, :, cached:].view(torch.int16), want[:, :, cached:].view(torch.int16))
         untouched = [b for b in range(48) if b not in reserved]
         assert torch.equal(dst[:, :, untouched].view(torch.int16), before[:, :, untouched].view(torch.int16))
         assert set(messages) == {1}  # headers alone: no payload frames
         assert not receiver.dropped and receiver.num_bytes_received == sender.num_bytes_sent > 0
-        assert not receiver.shared_pool.fence.table.any()  # every grant revoked once its request ended
+        assert not shared_pool_of(receiver).fence.table.any()  # every grant revoked once its request ended
     finally:
         close(sender, receiver)
 
@@ -91,11 +111,11 @@ def test_rows_land_in_place_byte_exact(dtype, src_block_size, dst_block_size):
 @pytest.mark.parametrize("offer", ["none", "another pool", "wrong size"])
 def test_in_place_headers_need_the_path_negotiated(offer):
     receiver = shared_receiver(8, 4, torch.float32, seed=3)
-    pool = receiver.shared_pool
-    hello = {"layout": receiver.layout.as_dict(),
+    pool = shared_pool_of(receiver)
+    hello: dict[str, Any] = {"layout": receiver.layout.as_dict(),
              **{"none": {}, "another pool": {"shm_pool": "tandem-kv-" + "0" * 32, "shm_bytes": pool.num_bytes},
                 "wrong size": {"shm_pool": pool.name, "shm_bytes": pool.num_bytes - 8}}[offer]}
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(receiver.address)
     try:
@@ -120,7 +140,7 @@ def test_the_sender_writes_only_its_reservation_in_order():
     src = random_pool(LAYERS, 8, 4, HEADS, DIM, torch.float32, seed=4)
     receiver = shared_receiver(16, 4, torch.float32, seed=5)
     sender = KVSender(src)
-    dst = receiver.kv_cache
+    dst = pool_of(receiver)
     try:
         mine = receiver.expect("mine", [3, 7], 8)
         theirs = receiver.expect("theirs", [9, 1], 8)
@@ -155,13 +175,15 @@ def test_falls_back_to_the_socket(why):
     sender = KVSender(src, node_id="another-host/boot" if why == "another node" else None)
     try:
         if why == "pool not mappable":  # a descriptor this process does not have
-            receiver.shared_pool.name = f"tandem-kv-{os.getpid()}-999999-{'0' * 32}"
+            pool = receiver.shared_pool
+            assert isinstance(pool, HostSharedPool)
+            pool.name = f"tandem-kv-{os.getpid()}-999999-{'0' * 32}"
         src_ids, dst_ids = pick_blocks(rng, list(range(16)), 30, 4), pick_blocks(rng, list(range(16)), 30, 4)
         dest = receiver.expect("r", dst_ids, 30)
         assert sender.begin(dest, src_ids) == "zmq"
         send_all(sender, "r", 0, 13, 30)
         assert sender.wait("r", 10).status is TransferStatus.DONE
-        assert torch.equal(token_rows(receiver.kv_cache, dst_ids, 30), token_rows(src, src_ids, 30))
+        assert torch.equal(token_rows(pool_of(receiver), dst_ids, 30), token_rows(src, src_ids, 30))
     finally:
         close(sender, receiver)
 
@@ -212,6 +234,6 @@ def test_given_rows_land_in_place():
         for layer in range(LAYERS):
             assert sender.send_layer("r", layer, 0, 10, src_block_ids=[0], rows=(rows[layer, 0], rows[layer, 1]))
         assert sender.wait("r", 10).status is TransferStatus.DONE
-        assert torch.equal(token_rows(receiver.kv_cache, [7, 2, 11], 10), rows)
+        assert torch.equal(token_rows(pool_of(receiver), [7, 2, 11], 10), rows)
     finally:
         close(sender, receiver)

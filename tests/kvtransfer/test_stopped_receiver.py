@@ -12,7 +12,7 @@ import zmq
 from kv_pools import random_pool
 
 from tandem.kvtransfer import sender as sender_module
-from tandem.kvtransfer.protocol import Destination, KVLayout, MessageKind, TransferStatus, encode
+from tandem.kvtransfer.protocol import Destination, KVLayout, MessageKind, TransferEvent, TransferStatus, encode
 from tandem.kvtransfer.sender import KVSender
 
 LAYERS, BLOCKS, BLOCK_SIZE, HEADS, DIM = 24, 64, 16, 8, 64  # a layer of 1024 tokens: 2 MiB of K
@@ -21,7 +21,7 @@ LAYERS, BLOCKS, BLOCK_SIZE, HEADS, DIM = 24, 64, 16, 8, 64  # a layer of 1024 to
 def test_a_receiver_that_stops_reading_cannot_pin_the_blocks():
     src = random_pool(LAYERS, BLOCKS, BLOCK_SIZE, HEADS, DIM, torch.float32, seed=5)
     layout = KVLayout(LAYERS, BLOCKS, BLOCK_SIZE, HEADS, DIM, "float32")
-    stopped = zmq.Context.instance().socket(zmq.ROUTER)
+    stopped: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
     stopped.setsockopt(zmq.LINGER, 0)
     stopped.setsockopt(zmq.RCVHWM, 1)  # it takes one message in, and then reads nothing more
     stopped.setsockopt(zmq.RCVBUF, 65536)
@@ -45,7 +45,7 @@ def test_a_receiver_that_stops_reading_cannot_pin_the_blocks():
         sender.abort("r")  # the request ends (as at its timeout): ZMQ still holds most of its frames
         ended = time.monotonic()
         assert sender.poll() == [] and sender.num_pending == 1  # pinned: not reported while ZMQ reads them
-        events = []
+        events: list[TransferEvent] = []
         while not events:
             assert time.monotonic() - ended < sender_module.RELEASE_GRACE_S + 5, "the blocks stay pinned"
             events = sender.poll()

@@ -36,7 +36,8 @@ def test_only_the_suffix_travels(src_block_size, dst_block_size, num_cached, chu
             else:
                 assert sender.send_layer("r", layer)
         assert sender.wait("r", 10).status is TransferStatus.DONE
-        assert receiver.get_event(10).status is TransferStatus.DONE
+        received = receiver.get_event(10)
+        assert received is not None and received.status is TransferStatus.DONE
         row_bytes = 2 * 8 * 4
         assert receiver.num_bytes_received == sender.num_bytes_sent == \
             2 * NUM_LAYERS * (NUM_TOKENS - num_cached) * row_bytes
@@ -77,6 +78,7 @@ def test_the_receiver_drops_writes_into_its_cached_prefix():
         for layer in range(NUM_LAYERS):
             sender.send_layer("r", layer)
         event = receiver.get_event(5)
+        assert event is not None
         assert event.status is TransferStatus.FAILED  # timed out: the suffix never came
         assert receiver.dropped["duplicate_layer"] == NUM_LAYERS
         assert torch.equal(dst, before) and receiver.num_bytes_received == 0

@@ -41,7 +41,8 @@ def test_gloo_pair_round_trip():
             src_ids, dst_ids = pick_blocks(rng, src_free, n, 16), pick_blocks(rng, dst_free, n, 4)
             assert send_all(sender, receiver, f"r{i}", src_ids, dst_ids, n, 3) == "dist"
             assert sender.wait(f"r{i}", 10).status is TransferStatus.DONE
-            assert receiver.get_event(10).status is TransferStatus.DONE
+            received = receiver.get_event(10)
+            assert received is not None and received.status is TransferStatus.DONE
             assert torch.equal(token_rows(dst, dst_ids, n), token_rows(src, src_ids, n))
         assert not receiver.dropped and sender.num_bytes_sent == receiver.num_bytes_received > 0
     finally:
@@ -116,7 +117,8 @@ def test_staged_layers_go_out_once_copied_in_order():
         assert receiver.get_event(0.5) is None  # the last layer is still on its way
         ops.done = 6
         assert sender.wait("r", 10).status is TransferStatus.DONE
-        assert receiver.get_event(10).status is TransferStatus.DONE
+        received = receiver.get_event(10)
+        assert received is not None and received.status is TransferStatus.DONE
         assert torch.equal(token_rows(dst, [9, 1], 20), token_rows(src, [3, 7], 20))
         # An aborted request's staged layers are dropped, and its blocks held until they are copied.
         sender.begin(receiver.expect("a", [4], 5), [2])

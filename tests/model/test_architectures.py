@@ -3,6 +3,8 @@ exactly what transformers generates; anything else is refused with a clear error
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from reference import hf_greedy
@@ -14,7 +16,7 @@ from tandem.model.source import resolve_model_source
 
 pytestmark = pytest.mark.slow
 
-SMALL = dict(
+SMALL: dict[str, Any] = dict(
     vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
     # Wide initial weights spread the logits, so greedy choices are not near-ties.

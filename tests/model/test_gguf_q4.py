@@ -67,12 +67,16 @@ def default_source():
 @pytest.fixture(scope="module")
 def kept(loaded, default_source):
     """The default model's weights with the file's Q4_1 blocks kept (read once)."""
-    return keep_gguf_int4(loaded.weights, loaded.config, gguf_path(default_source))
+    path = gguf_path(default_source)
+    assert path is not None
+    return keep_gguf_int4(loaded.weights, loaded.config, path)
 
 
 @pytest.mark.slow
 def test_default_file_is_q4_1_but_its_embedding(default_source):
-    types = Q4File(gguf_path(default_source)).types
+    path = gguf_path(default_source)
+    assert path is not None
+    types = Q4File(path).types
     projections = [n for n in types if n.startswith("blk.") and ("attn_" in n or "ffn_" in n) and "norm" not in n]
     assert len(projections) == 30 * 7 and {types[n] for n in projections} == {"Q4_1"}
     assert types["token_embd.weight"] == "Q8_0"  # the tied LM head: quantized from its float copy

@@ -14,6 +14,7 @@ import json
 import math
 import os
 import shutil
+from typing import Any
 
 import numpy as np
 import pytest
@@ -41,8 +42,9 @@ from tandem.model.source import resolve_model_source
 
 # (method, checkpoint_format: GPTQ v1 or v2; AWQ has only "gemm") of each kind of checkpoint tested
 KINDS = {"gptq-v1": ("gptq", "gptq"), "gptq-v2": ("gptq", "gptq_v2"), "awq": ("awq", "gemm")}
-TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+TINY: dict[str, Any] = dict(
+    vocab_size=512, hidden_size=256, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
 
 
 def module_of_fused(weights: ModelWeights, config, module: str):

@@ -4,6 +4,8 @@ when a snapshot directory is given by path. A model missing offline is refused c
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hub_cache import add_snapshot
@@ -16,9 +18,10 @@ from tandem.model.source import resolve_model_source
 
 REPO = "acme/tiny-llama"
 COMMIT_A, COMMIT_B = "a" * 40, "b" * 40
-CONFIG = dict(vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, bos_token_id=1,
-              eos_token_id=2, tie_word_embeddings=True)
+CONFIG: dict[str, Any] = dict(
+    vocab_size=49152, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, bos_token_id=1, eos_token_id=2,
+    tie_word_embeddings=True)
 
 
 @pytest.fixture(scope="module")

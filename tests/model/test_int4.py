@@ -175,8 +175,15 @@ def test_decode_sized_products_go_to_the_triton_gemv_when_triton_is_the_backend(
 
     calls = []
     monkeypatch.setattr(ops, "backend_for", lambda t: ops.Backend.TRITON)
-    monkeypatch.setattr(ops, "int4_gemv", lambda x2, *a: calls.append(("int4", x2.shape[0], a)) or x2[:, :32] * 0)
-    monkeypatch.setattr(ops, "int8_gemv", lambda x2, *a: calls.append(("int8", x2.shape[0], a)) or x2[:, :32] * 0)
+
+    def recording(kind):
+        def gemv(x2, *a):
+            calls.append((kind, x2.shape[0], a))
+            return x2[:, :32] * 0
+        return gemv
+
+    monkeypatch.setattr(ops, "int4_gemv", recording("int4"))
+    monkeypatch.setattr(ops, "int8_gemv", recording("int8"))
     q4, q8 = quantize_int4(random_weight(32, 64)), quantize_int8(random_weight(32, 64))
     for m in (1, 16, 17):
         quantized_matmul(torch.randn(m, 64), q4)

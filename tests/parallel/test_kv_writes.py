@@ -24,6 +24,7 @@ def test_rows_index_the_cache_flattened_over_layer_kv_and_slot():
     writes.write(1, 0, np.array([6]), [rows(3.0)])  # layer 1 K: rows 16 + slot
     assert writes.num_rows == 3
     taken = writes.take()
+    assert taken is not None and taken.rows is not None
     assert taken.index.tolist() == [10, 11, 22]
     assert torch.equal(taken.rows, rows(1.0, 2.0, 3.0))
     assert writes.take() is None and writes.num_rows == 0
@@ -35,6 +36,7 @@ def test_a_slot_written_twice_keeps_its_last_rows():
     writes.write(0, 0, np.array([4, 5]), [rows(1.0, 2.0)])
     writes.write(0, 0, np.array([5, 6]), [rows(3.0, 4.0)])
     taken = writes.take()
+    assert taken is not None and taken.rows is not None
     assert taken.index.tolist() == [4, 5, 6]
     assert torch.equal(taken.rows, rows(1.0, 3.0, 4.0))
 
@@ -44,4 +46,6 @@ def test_rows_are_copied_out_of_the_message():
     message = rows(1.0)
     writes.write(0, 0, np.array([0]), [message])
     message.zero_()
-    assert torch.equal(writes.take().rows, rows(1.0))
+    taken = writes.take()
+    assert taken is not None and taken.rows is not None
+    assert torch.equal(taken.rows, rows(1.0))

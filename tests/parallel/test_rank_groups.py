@@ -65,7 +65,11 @@ def test_two_cpu_ranks_run_the_steps_of_one():
         for msg in messages:
             broadcast_step(msg, groups.step_group)
             sends = msg.forward is not None and msg.forward.gather_slots is not None
-            hook = lambda layer: gathered.append(tuple(t.clone() for t in executor.gathered))  # noqa: E731
+
+            def hook(layer: int) -> None:
+                assert executor.gathered is not None
+                gathered.append(tuple(t.clone() for t in executor.gathered))
+
             logits.append(executor.execute(msg, hook if sends else None))
         broadcast_step(StepMessage(StepOp.STOP), groups.step_group)
         assert results.get(timeout=60) == len(messages)
@@ -77,12 +81,14 @@ def test_two_cpu_ranks_run_the_steps_of_one():
     # The whole model, the same steps, in this process.
     ref.kv_cache.view(-1, TINY_TP.num_kv_heads, TINY_TP.head_dim).index_copy_(0, index, rows)
     f = messages[1].forward
+    assert f is not None
     want_prefill = ref.model.forward(f.input_ids, f.positions, ref.kv_cache, f.meta, f.logits_indices)
     for layer, (k, v) in enumerate(gathered):
         assert torch.allclose(k, ref.kv_cache[layer, 0].flatten(0, 1)[f.gather_slots], atol=1e-5)
         assert torch.allclose(v, ref.kv_cache[layer, 1].flatten(0, 1)[f.gather_slots], atol=1e-5)
     ref.swapper.copy([(0, 5)])
     f = messages[3].forward
+    assert f is not None
     want_decode = ref.model.forward(f.input_ids, f.positions, ref.kv_cache, f.meta, f.logits_indices)
     assert len(gathered) == TINY_TP.num_layers
     assert logits[0] is None and logits[2] is None

@@ -56,6 +56,8 @@ def test_shard_weights_cut_the_fused_projections_at_the_rank_heads(loaded):
     part = shard_weights(w, config, shard).layers[0]
     full = w.layers[0]
     q, k, v = full.qkv_proj.split([h * d, hkv * d, hkv * d])
+    assert isinstance(part.qkv_proj, torch.Tensor) and isinstance(part.o_proj, torch.Tensor)  # float weights
+    assert isinstance(part.gate_up_proj, torch.Tensor) and isinstance(part.down_proj, torch.Tensor)
     assert torch.equal(part.qkv_proj, torch.cat([q[6 * d:9 * d], k[2 * d:3 * d], v[2 * d:3 * d]]))
     assert torch.equal(part.o_proj, full.o_proj[:, 6 * d:9 * d])
     gate, up = full.gate_up_proj.split([inter, inter])
@@ -74,7 +76,10 @@ class ThreadAllReduce:
         def all_reduce(t: torch.Tensor) -> torch.Tensor:
             self.parts[rank] = t.clone()
             self.barrier.wait()
-            total = sum(self.parts)
+            parts = [p for p in self.parts if p is not None]
+            assert len(parts) == len(self.parts)  # every rank's, after the barrier
+            total = sum(parts)
+            assert isinstance(total, torch.Tensor)
             self.barrier.wait()
             return t.copy_(total)
         return all_reduce
@@ -116,6 +121,7 @@ def test_ranks_forward_equals_the_whole_model_in_float64(loaded, float64_weights
             t.join()
         expected = whole.forward(input_ids, positions, runners[0].kv_cache, meta, logits_indices)
         for out in outputs:
+            assert out is not None
             # the logits come back in float32: equal to its rounding of the float64 sums
             assert torch.allclose(out, expected, rtol=0, atol=1e-5), (out - expected).abs().max()
 

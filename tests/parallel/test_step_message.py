@@ -8,6 +8,7 @@ import dataclasses
 import multiprocessing
 import socket
 import types
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -17,6 +18,7 @@ from tandem.config import EngineConfig, ModelConfig
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
+from tandem.model.llama import LlamaModel
 from tandem.parallel.step_message import HOST, ForwardInputs, KVWrites, StepMessage, StepOp, broadcast_step, on_device
 from tandem.sampling_params import SamplingParams
 
@@ -32,8 +34,8 @@ def host_runner(pad_decode: bool = False) -> ModelRunner:
     config = EngineConfig.build(TINY, device="cpu", dtype="float32", block_size=4, num_kv_blocks=16,
                                 max_model_len=64)
     weights = types.SimpleNamespace(layers=[], lm_head=None)  # nothing for the CPU kernels to pack
-    return ModelRunner(config, types.SimpleNamespace(num_kv_heads=TINY.num_kv_heads, weights=weights),
-                       pad_decode=pad_decode)
+    model = cast(LlamaModel, types.SimpleNamespace(num_kv_heads=TINY.num_kv_heads, weights=weights))
+    return ModelRunner(config, model, pad_decode=pad_decode)
 
 
 def batch_of(specs: list[tuple[int, int, list[int]]], num_new: list[int]) -> ScheduledBatch:
@@ -67,6 +69,7 @@ def test_messages_arrive_field_for_field():
     writes = KVWrites(torch.tensor([5, 40]), torch.arange(12, dtype=torch.float32).view(2, 3, 2))
     mixed = forward_message(host_runner(), mixed_batch(), torch.tensor([9, 2, 9]))
     padded = forward_message(host_runner(pad_decode=True), many_decodes(), None)
+    assert padded.forward is not None and mixed.forward is not None
     assert len(padded.forward.meta.decode_groups) == 2 and len(padded.forward.input_ids) == 16
     messages = [
         StepMessage(StepOp.SWAP, writes, swap_out=[(3, 0)], copies=[(1, 2), (4, 6)], swap_in=[]),

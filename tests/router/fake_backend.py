@@ -57,6 +57,7 @@ class Seen:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    priority: int = 0
 
 
 @dataclass
@@ -122,10 +123,11 @@ class FakeBackend:
         # As an engine would: reaching max_tokens first is "length", the reply's own end "stop".
         return own[: params.max_tokens], "length" if params.max_tokens <= len(own) else "stop"
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[StreamDelta]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[StreamDelta]:
         if self.closed_event is None:
             self.closed_event = asyncio.Event()
-        self.seen.append(Seen(client_id(request_id), list(prompt_token_ids), params))
+        self.seen.append(Seen(client_id(request_id), list(prompt_token_ids), params, priority))
         if isinstance(self.fail_with, Exception):
             raise self.fail_with
         if self.fail_prompts and self.tokenizer.decode(prompt_token_ids) in self.fail_prompts:

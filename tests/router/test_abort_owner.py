@@ -84,6 +84,7 @@ def test_keys_from_the_environment(monkeypatch):
     monkeypatch.setenv(API_KEYS_ENV, "acme=k1, bobs=k2,")
     monkeypatch.setenv(AUTH_TOKEN_ENV, "k0")
     keys = api_keys_from_env()
+    assert keys is not None
     assert keys.tenants == {"k1": "acme", "k2": "bobs", "k0": "default"}
     assert keys.tenant_of("Bearer k2") == "bobs" and keys.tenant_of("Bearer k3") is None
     assert keys.tenant_of("k1") is None  # the scheme is part of it

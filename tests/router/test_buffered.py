@@ -15,7 +15,8 @@ from tandem.proto import generation_pb2_grpc as pb_grpc
 from tandem.router.buffered import MAX_RERUNS
 
 
-def call(backend: FakeBackend, buffered: bool, max_tokens: int = 100) -> tuple[list[pb.GenerateResponse], grpc.aio.AioRpcError | None]:
+def call(backend: FakeBackend, buffered: bool,
+         max_tokens: int = 100) -> tuple[list[pb.GenerateResponse], grpc.aio.AioRpcError | None]:
     async def body():
         responses = []
         async with serving(backend) as (channel, _):
@@ -31,6 +32,7 @@ def call(backend: FakeBackend, buffered: bool, max_tokens: int = 100) -> tuple[l
 
 
 def reruns(backend: FakeBackend) -> float:
+    assert backend.metrics is not None
     return backend.metrics.reruns._value.get()
 
 
@@ -57,6 +59,7 @@ def test_a_worker_failure_midway_runs_it_again_unseen_by_the_client(router_token
 def test_it_gives_up_after_max_reruns(router_tokenizer):
     backend = FakeBackend(router_tokenizer, worker_failures=[1] * (MAX_RERUNS + 2))
     responses, error = call(backend, buffered=True)
+    assert error is not None
     assert responses == [] and error.code() == grpc.StatusCode.UNAVAILABLE and "died" in error.details()
     assert len(backend.seen) == MAX_RERUNS + 1 and reruns(backend) == MAX_RERUNS
     assert backend.worker_failures == [1]  # the run after the last allowed never happened
@@ -66,6 +69,7 @@ def test_no_rerun_when_no_worker_is_healthy(router_tokenizer):
     backend = FakeBackend(router_tokenizer, worker_failures=[2])
     backend.ready = False
     responses, error = call(backend, buffered=True)
+    assert error is not None
     assert error.code() == grpc.StatusCode.UNAVAILABLE and len(backend.seen) == 1 and reruns(backend) == 0
 
 
@@ -73,5 +77,6 @@ def test_no_rerun_when_no_worker_is_healthy(router_tokenizer):
 def test_a_streamed_request_is_not_run_again(router_tokenizer, fail_at):
     backend = FakeBackend(router_tokenizer, worker_failures=[fail_at])
     responses, error = call(backend, buffered=False)
+    assert error is not None
     assert len(responses) == fail_at and error.code() == grpc.StatusCode.UNAVAILABLE
     assert len(backend.seen) == 1 and reruns(backend) == 0

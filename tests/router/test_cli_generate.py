@@ -15,6 +15,7 @@ async def run_cli(*args: str) -> tuple[int, str, str]:
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )
     stdout, stderr = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode is not None  # communicate() waited for the exit
     return process.returncode, stdout.decode(), stderr.decode()
 
 

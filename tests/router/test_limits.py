@@ -34,7 +34,8 @@ OVER_THE_DEFAULT_LIMITS = [
     ("chat characters", {"messages": [("user", "a" * (DEFAULT_MAX_PROMPT_CHARS // 2))] * 3}, "messages",
      f"max_prompt_chars={DEFAULT_MAX_PROMPT_CHARS}"),
     ("messages", {"messages": [("user", "hi")] * 513}, "messages", "max_messages=512"),
-    ("prompt tokens (token_ids)", {"token_ids": [5] * MAX_MODEL_LEN}, "token_ids", f"max_prompt_tokens={MAX_MODEL_LEN - 1}"),
+    ("prompt tokens (token_ids)", {"token_ids": [5] * MAX_MODEL_LEN}, "token_ids",
+     f"max_prompt_tokens={MAX_MODEL_LEN - 1}"),
     ("prompt tokens (text)", {"prompt": "hello " * MAX_MODEL_LEN}, "prompt", f"max_prompt_tokens={MAX_MODEL_LEN - 1}"),
     ("prompt tokens (chat)", {"messages": [("user", "hello " * MAX_MODEL_LEN)]}, "messages",
      f"max_prompt_tokens={MAX_MODEL_LEN - 1}"),
@@ -53,7 +54,7 @@ def test_each_limit_names_the_field_and_the_limit(router_tokenizer, fields, fiel
 
 def test_at_the_default_limits_passes(router_tokenizer):
     sampling = {"stop": [f"{i:03d}" + "y" * 253 for i in range(16)], "stop_token_ids": list(range(64)), "max_tokens": 1}
-    _, _, params = validate_request(request(token_ids=[5] * (MAX_MODEL_LEN - 1), sampling=sampling), router_tokenizer)
+    params = validate_request(request(token_ids=[5] * (MAX_MODEL_LEN - 1), sampling=sampling), router_tokenizer).params
     assert len(params.stop) == 16 and len(params.stop_token_ids) == 64
     validate_request(request(messages=[("user", "hi"), ("assistant", "hi")] * 2), router_tokenizer)
 
@@ -90,8 +91,8 @@ def test_a_limit_set_by_config_takes_effect(router_tokenizer, limits, fields, fi
 
 def test_raised_limits_let_more_through_but_never_past_the_context(router_tokenizer):
     loose = RequestLimits(max_stop_strings=100, max_stop_token_ids=1000, max_prompt_tokens=10 * MAX_MODEL_LEN)
-    _, _, params = validate_request(request(prompt="hi", sampling={"stop": ["s"] * 100, "stop_token_ids": [3] * 1000}),
-                                    router_tokenizer, loose)
+    params = validate_request(request(prompt="hi", sampling={"stop": ["s"] * 100, "stop_token_ids": [3] * 1000}),
+                              router_tokenizer, loose).params
     assert len(params.stop) == 100 and len(params.stop_token_ids) == 1000
     with pytest.raises(ValueError, match=rf"^token_ids: .*max_prompt_tokens={MAX_MODEL_LEN - 1} \(max_model_len"):
         validate_request(request(token_ids=[5] * MAX_MODEL_LEN), router_tokenizer, loose)
@@ -106,7 +107,7 @@ def test_max_tokens_past_the_context_names_both_numbers(router_tokenizer):
     for number in ("200", "57", "257", f"max_model_len={MAX_MODEL_LEN}", "at most 56"):
         assert number in message, (number, message)
     # Exactly filling the context is allowed.
-    _, _, params = validate_request(request(token_ids=prompt, sampling={"max_tokens": 56}), router_tokenizer)
+    params = validate_request(request(token_ids=prompt, sampling={"max_tokens": 56}), router_tokenizer).params
     assert params.max_tokens == 56
     with pytest.raises(ValueError, match="^sampling.max_tokens: .*2147483647"):
         validate_request(request(prompt="hi", sampling={"max_tokens": 2**31 - 1}), router_tokenizer)
@@ -115,9 +116,9 @@ def test_max_tokens_past_the_context_names_both_numbers(router_tokenizer):
 def test_unset_max_tokens_is_clamped_to_the_room_left(router_tokenizer):
     default = validate_request(request(token_ids=[5] * 10), router_tokenizer).params.max_tokens
     assert default == 16  # SamplingParams' default, room permitting
-    _, _, params = validate_request(request(token_ids=[5] * (MAX_MODEL_LEN - 3)), router_tokenizer)
+    params = validate_request(request(token_ids=[5] * (MAX_MODEL_LEN - 3)), router_tokenizer).params
     assert params.max_tokens == 3
-    _, _, params = validate_request(request(token_ids=[5] * (MAX_MODEL_LEN - 1)), router_tokenizer)
+    params = validate_request(request(token_ids=[5] * (MAX_MODEL_LEN - 1)), router_tokenizer).params
     assert params.max_tokens == 1
 
 
@@ -216,7 +217,8 @@ def test_a_message_past_grpcs_receive_limit_is_resource_exhausted(router_tokeniz
             stub = pb_grpc.GenerationStub(channel)
             with pytest.raises(grpc.aio.AioRpcError) as error:
                 [r async for r in stub.Generate(pb.GenerateRequest(prompt="a" * RequestLimits().max_body_bytes))]
-            ok = [r async for r in stub.Generate(pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=1)))]
+            one_token = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=1))
+            ok = [r async for r in stub.Generate(one_token)]
             return error.value.code(), ok
 
     code, ok = asyncio.run(body())

@@ -225,6 +225,7 @@ def test_a_client_that_goes_away_aborts_its_request(router_tokenizer, stream):
                 else:
                     with pytest.raises(openai.APITimeoutError):
                         await client.with_options(timeout=0.2).chat.completions.create(**args)
+            assert backend.closed_event is not None  # set by the first generate
             await asyncio.wait_for(backend.closed_event.wait(), 5)
             await asyncio.sleep(0.05)  # the handler's bookkeeping after the close
             return served.count("tandem_request_status_total", code="CANCELLED"), served.metrics.num_running

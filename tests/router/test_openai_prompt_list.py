@@ -103,7 +103,8 @@ def test_a_stream_interleaves_the_prompts_and_ends_with_one_usage_chunk(router_t
     for index in range(4):
         text = "".join(c["choices"][0]["text"] for c in text_chunks if c["choices"][0]["index"] == index)
         assert text == expected_text(backend, prompt_ids[index // 2], index % 2, 50)
-        assert [c["choices"][0]["finish_reason"] for c in text_chunks if c["choices"][0]["index"] == index][-1] == "stop"
+        finishes = [c["choices"][0]["finish_reason"] for c in text_chunks if c["choices"][0]["index"] == index]
+        assert finishes[-1] == "stop"
     assert usage_chunk["choices"] == [] and [c for c in chunks if c["choices"] == []] == [usage_chunk]
     total = usage_chunk["usage"]
     assert total["prompt_tokens"] == sum(len(ids) for ids in prompt_ids)

@@ -46,7 +46,8 @@ def test_chat_max_tokens_unset_takes_the_room_left(router_tokenizer):
 
 def _json() -> st.SearchStrategy:
     scalars = (st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | st.text(max_size=4)
-               | st.sampled_from(["text", "user", "system", MODEL, "image_url", "\ud800", "json_object", "json_schema"]))
+               | st.sampled_from(["text", "user", "system", MODEL, "image_url", "\ud800", "json_object",
+                                  "json_schema"]))
     keys = st.sampled_from(["type", "text", "role", "content", "name", "include_usage", "x", "json_schema", "schema",
                             "json", "regex", "choice", "json_object"])
     return st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(keys, inner, max_size=3),

@@ -235,7 +235,7 @@ class EndsEarly(FakeBackend):
     """A backend whose stream ends after one delta, before the request finished."""
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[StreamDelta]:
+                       params: SamplingParams, priority: int = 0) -> AsyncIterator[StreamDelta]:
         yield StreamDelta(request_id=request_id, token_ids=[1], text="a", finish_reason=None,
                           num_prompt_tokens=len(prompt_token_ids), num_output_tokens=1)
 

@@ -37,7 +37,7 @@ class ScriptedBackend(FakeBackend):
 
     script: list[StreamDelta] = field(default_factory=list)
 
-    async def generate(self, request_id, prompt_token_ids, params):
+    async def generate(self, request_id, prompt_token_ids, params, priority=0):
         self.seen.append(None)
         for delta in self.script:
             yield delta
@@ -185,6 +185,7 @@ def test_client_cancel_mid_stream_closes_the_backend_stream(router_tokenizer):
             for _ in range(3):
                 await call.read()
             call.cancel()
+            assert backend.closed_event is not None  # set by the first generate
             await asyncio.wait_for(backend.closed_event.wait(), 5)
 
     asyncio.run(body())
@@ -232,15 +233,16 @@ def test_a_tighter_max_completions_bounds_n_and_the_default_beam_width(router_to
 
 def test_the_completion_fields_arrive(router_tokenizer):
     sampling = {"n": 2, "use_beam_search": True, "beam_width": 3, "length_penalty": 0.5, "temperature": 0.0}
-    _, _, params = validate_request(request(prompt="hi", sampling=sampling), router_tokenizer)
+    params = validate_request(request(prompt="hi", sampling=sampling), router_tokenizer).params
     assert params == SamplingParams(**sampling) and params.num_completions == 3
-    _, _, params = validate_request(request(prompt="hi", sampling={"n": 16, "seed": 7}), router_tokenizer)
+    params = validate_request(request(prompt="hi", sampling={"n": 16, "seed": 7}), router_tokenizer).params
     assert (params.n, params.use_beam_search, params.beam_width, params.length_penalty) == (16, False, 4, 1.0)
 
 
 def test_the_context_check_is_per_completion(router_tokenizer):
     # n completions each fit the context on their own: prompt + max_tokens, not n times that.
-    _, _, params = validate_request(request(token_ids=[5] * 200, sampling={"max_tokens": 56, "n": 3}), router_tokenizer)
+    params = validate_request(request(token_ids=[5] * 200, sampling={"max_tokens": 56, "n": 3}),
+                              router_tokenizer).params
     assert (params.n, params.max_tokens) == (3, 56)
     with pytest.raises(ValueError, match=r"^sampling\.max_tokens: "):
         validate_request(request(token_ids=[5] * 200, sampling={"max_tokens": 57, "n": 3}), router_tokenizer)

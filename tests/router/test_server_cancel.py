@@ -19,6 +19,7 @@ LONG = pb.SamplingParams(max_tokens=200, ignore_eos=True)  # more than the reply
 
 
 async def wait_closed(backend: FakeBackend, timeout: float = 5.0) -> None:
+    assert backend.closed_event is not None  # set by the first generate
     await asyncio.wait_for(backend.closed_event.wait(), timeout)
 
 
@@ -27,7 +28,8 @@ def test_client_cancel_mid_stream_closes_the_backend_stream(router_tokenizer):
 
     async def body():
         async with running_router(backend) as (channel, _):
-            call = pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(request_id="c1", prompt="hi", sampling=LONG))
+            call = pb_grpc.GenerationStub(channel).Generate(
+                pb.GenerateRequest(request_id="c1", prompt="hi", sampling=LONG))
             first = [await call.read(), await call.read()]
             call.cancel()
             await wait_closed(backend)
@@ -50,7 +52,8 @@ def test_client_cancel_while_the_server_waits_to_write_closes_the_backend_stream
     async def body():
         async with running_router(backend) as (channel, _):
             sampling = pb.SamplingParams(max_tokens=100_000)  # more than the transport's window holds
-            call = pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(request_id="w1", prompt="hi", sampling=sampling))
+            call = pb_grpc.GenerationStub(channel).Generate(
+                pb.GenerateRequest(request_id="w1", prompt="hi", sampling=sampling))
             await call.read()
             await asyncio.sleep(0.2)
             call.cancel()

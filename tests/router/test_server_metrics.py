@@ -50,7 +50,8 @@ def test_requests_are_counted_exactly(router_tokenizer):
         async with serving(backend, metrics_port=0) as (channel, server):
             stub = pb_grpc.GenerationStub(channel)
             for n in max_tokens:
-                async for _ in stub.Generate(pb.GenerateRequest(prompt="Hi there", sampling=pb.SamplingParams(max_tokens=n))):
+                request = pb.GenerateRequest(prompt="Hi there", sampling=pb.SamplingParams(max_tokens=n))
+                async for _ in stub.Generate(request):
                     pass
             with pytest.raises(grpc.aio.AioRpcError):  # invalid: counted as rejected
                 async for _ in stub.Generate(pb.GenerateRequest(prompt="")):
@@ -96,9 +97,11 @@ def test_a_stream_closed_by_the_client_counts_as_cancelled(router_tokenizer):
 
     async def body() -> str:
         async with serving(backend, metrics_port=0) as (channel, server):
-            call = pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParams(max_tokens=50)))
+            call = pb_grpc.GenerationStub(channel).Generate(
+                pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParams(max_tokens=50)))
             await call.read()
             call.cancel()
+            assert backend.closed_event is not None  # set by the first generate
             await asyncio.wait_for(backend.closed_event.wait(), 5)
             for _ in range(100):  # the servicer counts it as its task unwinds
                 text = await scrape(server)

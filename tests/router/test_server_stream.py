@@ -127,7 +127,8 @@ def test_backend_errors_map_to_status_codes(router_tokenizer, error, code):
             stub = pb_grpc.GenerationStub(channel)
             status = await status_of(stub, pb.GenerateRequest(prompt="hi"))
             backend.fail_with = None  # the server keeps serving once the backend recovers
-            return status, await collect(stub, pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=1)))
+            return status, await collect(stub,
+                                         pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=1)))
 
     (got, details), after = asyncio.run(body())
     assert got == code

@@ -43,14 +43,15 @@ def post_completion(url: str, context: ssl.SSLContext | None) -> dict:
 def test_grpc_and_http_over_tls(router_tokenizer, tls_files):
     tls, ca_file = tls_files
 
-    def calls(grpc_port: int, web_port: int) -> tuple:
+    def calls(grpc_port: int, web_port: int | None) -> tuple:
         with GenerationClient(f"127.0.0.1:{grpc_port}", tls_ca=ca_file) as client:
             served = [r for r in client.generate(pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(
                 max_tokens=2)), timeout=30)]
         with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as plain:
             with pytest.raises(grpc.RpcError) as refused:
                 list(pb_grpc.GenerationStub(plain).Generate(pb.GenerateRequest(prompt="hi"), timeout=5))
-        https = post_completion(f"https://127.0.0.1:{web_port}/v1/completions", ssl.create_default_context(cafile=ca_file))
+        https = post_completion(f"https://127.0.0.1:{web_port}/v1/completions",
+                                ssl.create_default_context(cafile=ca_file))
         with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
             post_completion(f"https://127.0.0.1:{web_port}/v1/completions", ssl.create_default_context())
         with pytest.raises((urllib.error.URLError, ConnectionError)):

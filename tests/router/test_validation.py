@@ -98,28 +98,29 @@ def test_bad_field_is_named(router_tokenizer, fields, field):
 
 
 def test_unset_sampling_fields_take_the_defaults(router_tokenizer):
-    _, ids, params = validate_request(request(prompt="Hello world"), router_tokenizer)
+    _, ids, params, _ = validate_request(request(prompt="Hello world"), router_tokenizer)
     assert params == SamplingParams()
     assert ids == router_tokenizer.encode("Hello world")
 
 
 def test_zero_is_not_unset(router_tokenizer):
     # proto3 optional: temperature 0 (greedy) and top_k 0 must arrive, not become the defaults.
-    _, _, params = validate_request(request(prompt="hi", sampling={"temperature": 0.0, "top_k": 0, "seed": 0}),
-                                    router_tokenizer)
+    params = validate_request(request(prompt="hi", sampling={"temperature": 0.0, "top_k": 0, "seed": 0}),
+                              router_tokenizer).params
     assert params.temperature == 0.0 and params.top_k == 0 and params.seed == 0
 
 
 def test_every_sampling_field_arrives(router_tokenizer):
     sampling = {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "seed": 1234,
                 "stop": ["\n\n", "END"], "stop_token_ids": [2, 0], "ignore_eos": True, "logprobs": 3}
-    _, _, params = validate_request(request(prompt="hi", sampling=sampling), router_tokenizer)
+    params = validate_request(request(prompt="hi", sampling=sampling), router_tokenizer).params
     expected = {**sampling, "stop": tuple(sampling["stop"]), "stop_token_ids": tuple(sampling["stop_token_ids"])}
     assert params == SamplingParams(**expected)
 
 
 def test_request_id_kept_or_assigned(router_tokenizer):
-    assert validate_request(request(prompt="hi", request_id="client-7:a.b_c"), router_tokenizer).request_id == "client-7:a.b_c"
+    kept = validate_request(request(prompt="hi", request_id="client-7:a.b_c"), router_tokenizer).request_id
+    assert kept == "client-7:a.b_c"
     first = validate_request(request(prompt="hi"), router_tokenizer).request_id
     second = validate_request(request(prompt="hi"), router_tokenizer).request_id
     assert re.fullmatch(r"[0-9a-f]{32}", first) and first != second
@@ -127,14 +128,14 @@ def test_request_id_kept_or_assigned(router_tokenizer):
 
 def test_inputs_become_the_model_prompt(router_tokenizer):
     messages = [("system", "Be brief."), ("user", "Capital of France?")]
-    _, ids, _ = validate_request(request(messages=messages), router_tokenizer)
+    ids = validate_request(request(messages=messages), router_tokenizer).prompt_token_ids
     assert ids == router_tokenizer.apply_chat_template([{"role": r, "content": c} for r, c in messages])
-    _, ids, _ = validate_request(request(token_ids=[1, 2, VOCAB_SIZE - 1]), router_tokenizer)
+    ids = validate_request(request(token_ids=[1, 2, VOCAB_SIZE - 1]), router_tokenizer).prompt_token_ids
     assert ids == [1, 2, VOCAB_SIZE - 1]
 
 
 def test_longest_allowed_prompt_passes(router_tokenizer):
-    _, ids, _ = validate_request(request(token_ids=[5] * (MAX_MODEL_LEN - 1)), router_tokenizer)
+    ids = validate_request(request(token_ids=[5] * (MAX_MODEL_LEN - 1)), router_tokenizer).prompt_token_ids
     assert len(ids) == MAX_MODEL_LEN - 1
 
 
@@ -146,7 +147,8 @@ def test_longest_allowed_prompt_passes(router_tokenizer):
     (so(choice=pb.StringChoices(choices=["yes", "no"])), StructuredOutputsParams(choice=("yes", "no"))),
 ], ids=["json_schema", "json_object", "regex", "choice"])
 def test_structured_outputs_arrive(router_tokenizer, constraint, expected):
-    _, _, params = validate_request(request(prompt="hi", sampling={"structured_outputs": constraint}), router_tokenizer)
+    params = validate_request(request(prompt="hi", sampling={"structured_outputs": constraint}),
+                              router_tokenizer).params
     assert params.structured_outputs == expected
     assert validate_request(request(prompt="hi"), router_tokenizer).params.structured_outputs is None
 

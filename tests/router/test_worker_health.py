@@ -177,7 +177,7 @@ def test_a_worker_hung_past_the_bound_is_killed_for_ray_to_restart(router_tokeni
     decode.handle.load.remote = decode.handle.heartbeat.remote = late
     b = backend(decode, router_tokenizer)
     b.health.unresponsive_after_s, b.health.restart_hung_after_s = 0.1, 0.5
-    marked_down_at = []
+    marked_down_at: list[float] = []
 
     async def body():
         loop = asyncio.get_running_loop()

@@ -87,6 +87,7 @@ def test_a_decode_heavy_workload_with_a_loose_ttft_makes_colocated_win() -> None
     colo, disagg = s.best(("colocated",)), s.best(("always",))
     assert colo is not None and outcomes[0] is colo and colo.bound == "bracketed"
     tp1 = s.outcomes[Candidate.colocated(1, 1, 512, 64)]
+    assert tp1.max_rate is not None
     assert 1.5 < tp1.max_rate < 4  # (tp 2: 1 ms a stream, 40 streams on two GPUs, ~3 req/s per GPU)
     assert disagg is None or colo.score > 1.5 * disagg.score
 

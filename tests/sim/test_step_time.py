@@ -184,7 +184,12 @@ def test_load_or_measure_keeps_a_fit_for_this_machine(tmp_path, monkeypatch):
     CpuStepModel(dict.fromkeys(FEATURES, 1e-3), 46080, 160, here).to_json(path)
     measured = []
     fresh = CpuStepModel(dict.fromkeys(FEATURES, 2e-3), 46080, 160, {**here, "num_threads": 2, "clock": "wall"})
-    monkeypatch.setattr(measure_steps, "measure_and_fit", lambda *a, **k: measured.append(k) or fresh)
+
+    def measure_and_fit(*a, **k):
+        measured.append(k)
+        return fresh
+
+    monkeypatch.setattr(measure_steps, "measure_and_fit", measure_and_fit)
     assert step_time.load_or_measure(path).coefficients["constant"] == 1e-3 and not measured
     assert step_time.load_or_measure(path, num_threads=2) is fresh and measured == [{"num_threads": 2}]
     assert CpuStepModel.from_json(path).meta["num_threads"] == 2  # the new fit replaced the old

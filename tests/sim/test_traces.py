@@ -8,6 +8,7 @@ import asyncio
 import json
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -118,7 +119,7 @@ def _sent(bench, rate: float, monkeypatch) -> tuple[list, list[float]]:
     """The requests and send offsets Bench.measure hands the load generator at ``rate``."""
     from tandem.bench.serving import load
 
-    captured = {}
+    captured: dict[str, Any] = {}
 
     async def run_load(target, requests, offsets, **kwargs):
         captured.update(requests=requests, offsets=offsets)

@@ -66,6 +66,7 @@ def test_a_runs_cluster_is_the_benchs(shape, machine):
     results, _ = machine
     specs = {run["label"]: spec_of_run(run, results["config"], shape, "float32") for run in results["runs"]}
     d, c = specs["disaggregated"], specs["colocated/1024"]
+    assert d.prefill is not None and d.decode is not None and c.colocated is not None
     assert (d.prefill.num_workers, d.decode.num_workers, d.decode.max_num_batched_tokens) == (1, 1, 1024)
     assert d.disagg_policy == "auto" and c.colocated.num_workers == 1
     # 1.0 GiB of KV at 46080 bytes a token (30 layers x 3 KV heads x 64 x 2 x 4 bytes), blocks of 16

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from tandem.worker.api import EngineDown, StreamDelta
 from tandem.worker.engine_loop import EngineLoop
+
+if TYPE_CHECKING:
+    from tandem.engine.engine import LLMEngine
 
 
 class CountingEngine:
@@ -28,19 +33,23 @@ def test_commands_that_keep_coming_do_not_hold_back_the_steps():
     """Each command submits the next (as a client whose reservation was refused asks again):
     the queue is never empty, yet the engine steps between them."""
     engine = CountingEngine()
-    loop = EngineLoop(engine)
+    loop = EngineLoop(cast("LLMEngine", engine))  # a fake with what the loop calls
     steps_seen: dict[int, list[int]] = {chain: [] for chain in range(50)}
     num_done = threading.Semaphore(0)
 
-    def command(e: CountingEngine, chain: int, left: int) -> None:
+    def command(e: Any, chain: int, left: int) -> None:  # e: the CountingEngine
         steps_seen[chain].append(e.num_steps)
         if left:
             loop.submit(lambda e: command(e, chain, left - 1))
         else:
             num_done.release()
+
+    def first_command(chain: int) -> Callable[[Any], None]:
+        return lambda e: command(e, chain, 20)
+
     try:
         for chain in steps_seen:
-            loop.submit(lambda e, chain=chain: command(e, chain, 20))
+            loop.submit(first_command(chain))
         for _ in steps_seen:
             assert num_done.acquire(timeout=30)
     finally:
@@ -63,7 +72,7 @@ class FailingEngine:
 def test_an_error_in_the_step_fails_every_stream_and_call():
     downs: list[EngineDown] = []
     engine = FailingEngine()
-    loop = EngineLoop(engine, on_down=downs.append)
+    loop = EngineLoop(cast("LLMEngine", engine), on_down=downs.append)  # a fake with what the loop calls
 
     async def main() -> tuple[StreamDelta, BaseException]:
         queue = loop.open_stream("r1")

@@ -7,10 +7,14 @@ import subprocess
 import sys
 import threading
 import time
+from typing import TYPE_CHECKING, cast
 
 from tandem.cli import main
 from tandem.worker.engine_loop import EngineLoop
 from tandem.worker.heartbeat_file import BEAT_EVERY_S, HeartbeatFile, stale_heartbeats
+
+if TYPE_CHECKING:
+    from tandem.engine.engine import LLMEngine
 
 
 class StuckEngine:
@@ -32,7 +36,7 @@ def age(path) -> float:
 
 def test_the_file_goes_stale_while_a_step_is_stuck_and_fresh_again_after(tmp_path):
     engine = StuckEngine()
-    loop = EngineLoop(engine)
+    loop = EngineLoop(cast("LLMEngine", engine))  # a fake with what the loop calls
     loop.heartbeat_file = HeartbeatFile(tmp_path, "decode-0")
     path = loop.heartbeat_file.path
     assert path.name == f"decode-0.{os.getpid()}"

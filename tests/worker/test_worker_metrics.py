@@ -37,9 +37,9 @@ def test_colocated_engine_metrics(make_llm, tokenizer):
 
 
 def test_transfer_failures_are_labelled_from_a_fixed_set():
-    assert [failure_kind(r) for r in ("timed out waiting for the receiver", "aborted by the sender",
-                                      "receiver: refused: layout", "receiver not accepting messages",
-                                      "the disk is on fire")] == ["timeout", "aborted", "refused", "unreachable", "error"]
+    reasons = ("timed out waiting for the receiver", "aborted by the sender", "receiver: refused: layout",
+               "receiver not accepting messages", "the disk is on fire")
+    assert [failure_kind(r) for r in reasons] == ["timeout", "aborted", "refused", "unreachable", "error"]
 
 
 def test_transfer_paths_are_counted_on_prefill_workers_only(make_llm):

@@ -9,6 +9,7 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -38,7 +39,7 @@ def check(setup: GpuSetup, num_tokens: int) -> dict:
     ours = [strip_eos(t, eos) for t in _tandem(setup, prompts, num_tokens)]
     diverged = [first_difference(a, b) for a, b in zip(ours, theirs)]
     exact = all(d is None for d in diverged)
-    result = {"num_prompts": len(prompts), "num_tokens": num_tokens, "dtype": "float32",
+    result: dict[str, Any] = {"num_prompts": len(prompts), "num_tokens": num_tokens, "dtype": "float32",
               "num_exact": sum(d is None for d in diverged), "exact": exact, "first_difference": diverged,
               "tandem": ours, "transformers": theirs, "diagnosis": None}
     if not exact:

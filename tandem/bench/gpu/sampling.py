@@ -49,7 +49,7 @@ def check(setup: GpuSetup) -> list[str]:
                  f"CPU and on CUDA; the exponential draws differ in {differ} of {host.numel()} entries "
                  f"(at most {ulps} ulp: log1p's rounding)")
     mixed = SamplingParams(temperature=0.8, top_p=0.9, top_k=50, seed=7, repetition_penalty=1.2,
-                           frequency_penalty=0.5, presence_penalty=0.3, logit_bias={11: -5.0}, min_tokens=5, n=2,
+                           frequency_penalty=0.5, presence_penalty=0.3, logit_bias=((11, -5.0),), min_tokens=5, n=2,
                            logprobs=3, max_tokens=NUM_TOKENS)
     first, second = _tokens(setup, mixed), _tokens(setup, mixed)
     num_tokens = sum(len(t) for prompt in first for t in prompt)

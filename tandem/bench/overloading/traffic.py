@@ -48,6 +48,7 @@ class Load:
         if num is not None:
             offsets = arrival_offsets(num, rate, 1.0, seed)
         else:
+            assert duration_s is not None, "poisson() takes num or duration_s"
             # More arrivals than the window holds (6 sigma above the mean count), cut at its end.
             drawn = math.ceil(rate * duration_s + 6 * math.sqrt(rate * duration_s) + 10)
             offsets = [t for t in arrival_offsets(drawn, rate, 1.0, seed) if t < duration_s]

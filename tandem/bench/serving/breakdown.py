@@ -121,11 +121,11 @@ def _breakdown(delta: Snapshot) -> dict | None:
     if ttft is None:
         return None
     if mean(PREFILL, "prefill") is not None:
-        parts = (mean(QUEUE, "prefill"), mean(PREFILL, "prefill"), mean(TRANSFER, "prefill"),
-                 mean(TRANSFER, "decode"), mean(DECODE, "decode"))
-        if any(p is None for p in parts):
+        p_queue, p_prefill, p_transfer, d_transfer, decode = (
+            mean(QUEUE, "prefill"), mean(PREFILL, "prefill"), mean(TRANSFER, "prefill"), mean(TRANSFER, "decode"),
+            mean(DECODE, "decode"))
+        if p_queue is None or p_prefill is None or p_transfer is None or d_transfer is None or decode is None:
             return None
-        p_queue, p_prefill, p_transfer, d_transfer, decode = parts
         queue = router_queue + p_queue + d_transfer - p_transfer
         return {"mode": "disaggregated", "requests": count, "queue_ms": queue, "prefill_ms": p_prefill,
                 "transfer_tail_ms": p_transfer - p_queue - p_prefill, "delivery_ms": ttft - queue - p_prefill,
@@ -134,11 +134,11 @@ def _breakdown(delta: Snapshot) -> dict | None:
                 "prefill_admission_ms": d_transfer - p_transfer}
     # No prefill on the prefill pool: colocated, or every prompt prefilled on its decode worker.
     role = "colocated" if mean(PREFILL, "colocated") is not None else "decode"
-    parts = (mean(QUEUE, role), mean(PREFILL, role), mean(DECODE, role))
-    if any(p is None for p in parts):
+    c_queue, c_prefill, decode = mean(QUEUE, role), mean(PREFILL, role), mean(DECODE, role)
+    if c_queue is None or c_prefill is None or decode is None:
         return None
-    c_queue, c_prefill, decode = parts
-    return {"mode": "colocated" if role == "colocated" else "disaggregated", "requests": count, "queue_ms": router_queue + c_queue, "prefill_ms": c_prefill,
+    return {"mode": "colocated" if role == "colocated" else "disaggregated", "requests": count,
+            "queue_ms": router_queue + c_queue, "prefill_ms": c_prefill,
             "transfer_tail_ms": None, "delivery_ms": ttft - router_queue - c_queue - c_prefill, "ttft_ms": ttft,
             "decode_ms": decode, "tpot_ms": tpot, "e2e_ms": e2e}
 

@@ -272,11 +272,12 @@ def summarize(results: list[RequestResult], duration: float, slo: dict[str, floa
         "request_throughput": len(done) / duration, "output_throughput": out_tokens / duration,
         "total_token_throughput": (in_tokens + out_tokens) / duration,
         "good_requests": len(good), "goodput": len(good) / duration,
-        "ttft_ms": stats([r.ttft_ms for r in done]),
+        # A success has both (conclude()); the filters only tell the type checker so.
+        "ttft_ms": stats([r.ttft_ms for r in done if r.ttft_ms is not None]),
         "tpot_ms": stats([r.tpot_ms for r in done if r.tpot_ms is not None]),
         "itl_ms": stats([x for r in done for x in r.itl_ms]),
-        "e2el_ms": stats([r.e2el_ms for r in done]),
-        "by_kind": {kind: {"completed": len(rs), "ttft_ms": stats([r.ttft_ms for r in rs]),
+        "e2el_ms": stats([r.e2el_ms for r in done if r.e2el_ms is not None]),
+        "by_kind": {kind: {"completed": len(rs), "ttft_ms": stats([r.ttft_ms for r in rs if r.ttft_ms is not None]),
                            "tpot_ms": stats([r.tpot_ms for r in rs if r.tpot_ms is not None])}
                     for kind in ("short", "long") if (rs := [r for r in done if r.kind == kind])},
     }

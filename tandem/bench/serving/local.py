@@ -245,7 +245,7 @@ def run_clusters(bench: Bench, cluster_configs: Callable[[int, int, dict], dict]
         "router": "in the benchmark's process, on the load generator's event loop",
         "clusters": "a fresh cluster for every run"}
     # Logical CPUs for Ray's bookkeeping only: workers are limited by their torch threads.
-    ray.init(num_cpus=max(4, cores), include_dashboard=False, logging_level="WARNING")
+    ray.init(num_cpus=max(4, cores), include_dashboard=False, logging_level=logging.WARNING)
     try:
         asyncio.run(run_local(bench, make_setups(configs, args.modes, args.max_num_batched_tokens, settings.budgets)))
     finally:

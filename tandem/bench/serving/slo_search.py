@@ -58,6 +58,7 @@ class RateSearch:
             return self.start
         lo, hi = self.max_rate(), self.lowest_fail()
         if hi is None:
+            assert lo is not None  # something passed, nothing failed
             return 2 * lo
         if lo is None:
             return hi / 2 if hi / 2 >= self.min_rate else None

@@ -50,7 +50,7 @@ def free_port() -> int:
 def kv_digest(kv_cache: torch.Tensor, block_ids: Sequence[int], num_tokens: int) -> str:
     """blake2b of tokens [0, num_tokens) of a block table, every layer, K then V."""
     rows = kv_cache[:, :, list(block_ids)].flatten(2, 3)[:, :, :num_tokens].contiguous()
-    return hashlib.blake2b(memoryview(rows.view(torch.uint8).numpy()), digest_size=16).hexdigest()
+    return hashlib.blake2b(rows.view(torch.uint8).numpy().data, digest_size=16).hexdigest()
 
 
 def _serve(conn: Connection, shape: tuple[int, ...], transports: Sequence[str], ipc_path: str,
@@ -93,7 +93,10 @@ def _serve(conn: Connection, shape: tuple[int, ...], transports: Sequence[str], 
                 conn.send(Arrival("FAILED", "no event from the receiver", done_at, None))
                 continue
             ok = event.status is TransferStatus.DONE
-            digest = kv_digest(receiver.kv_cache, block_ids, num_tokens) if want_digest and ok else None
+            digest = None
+            if want_digest and ok:
+                assert receiver.kv_cache is not None  # every receiver above writes into a pool
+                digest = kv_digest(receiver.kv_cache, block_ids, num_tokens)
             conn.send(Arrival("DONE" if ok else "FAILED", event.reason, done_at, digest))
     finally:
         for r in receivers.values():

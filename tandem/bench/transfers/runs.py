@@ -64,7 +64,8 @@ class CopyTimer:
             torch.set_num_threads(before)
 
 
-def block_tables(order: str, num_blocks: int, pool_blocks: int, rng: np.random.Generator) -> tuple[list[int], list[int]]:
+def block_tables(order: str, num_blocks: int, pool_blocks: int,
+                 rng: np.random.Generator) -> tuple[list[int], list[int]]:
     """-> (source, destination) tables of `num_blocks` blocks: one run of blocks, as a fresh
     pool hands them out, or shuffled, as a busy one does."""
     if order == "contiguous":
@@ -98,7 +99,8 @@ def one_transfer(remote: RemoteReceiver, sender: KVSender, transport: str, reque
 
 
 def bench_transfers(remote: RemoteReceiver, senders: dict[str, KVSender], cfg: ModelConfig, prompt_lens: list[int],
-                    transports: list[str], block_orders: list[str], repeats: int, rng: np.random.Generator) -> list[dict]:
+                    transports: list[str], block_orders: list[str], repeats: int,
+                    rng: np.random.Generator) -> list[dict]:
     """Every transport x block order x prompt length: a checked warm-up, then `repeats` timed
     transfers, each right after a copy of the same bytes here, with all of this process's
     threads and with one; medians kept."""
@@ -137,8 +139,8 @@ def one_prefill(runner: ModelRunner, remote: RemoteReceiver | None, sender: KVSe
     """Prefill one prompt; with `remote`, send each layer over ipc from on_layer_stored.
 
     -> its timeline: prefill_s (the step), first_stored_s (step start -> layer 0 stored),
-    transfer_s (first layer stored -> receiver DONE), tail_s (prefill step end -> DONE) and tail_after_last_stored_s (last layer
-    stored -> DONE), the tails also as fractions of transfer_s.
+    transfer_s (first layer stored -> receiver DONE), tail_s (prefill step end -> DONE) and
+    tail_after_last_stored_s (last layer stored -> DONE), the tails also as fractions of transfer_s.
     """
     n = len(token_ids)
     seq = Seq(request_id, token_ids, SamplingParams(temperature=0, max_tokens=1), 0)
@@ -184,7 +186,8 @@ def bench_overlap(runner: ModelRunner, remote: RemoteReceiver, lens: list[int], 
             alone.append(one_prefill(runner, None, sender, f"alone-{n}-{i}", tokens)["prefill_s"])
             runs.append(one_prefill(runner, remote, sender, f"prefill-{n}-{i}", tokens))
         row = {"num_tokens": n, "transport": "ipc", "bytes": kv_bytes(runner.config.model, n),
-               "prefill_alone_s": statistics.median(alone), **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
+               "prefill_alone_s": statistics.median(alone),
+               **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
         logger.info("prefill of %d tokens: %.2f s (%.2f s alone), transfer %.3f s, tail %.1f%%", n, row["prefill_s"],
                     row["prefill_alone_s"], row["transfer_s"], 100 * row["tail_fraction"])
         rows.append(row)
