@@ -46,13 +46,16 @@ class Peer:
         """The data path: "shm" or "cuda_ipc" (in place), "dist" (torch.distributed) or "zmq" (frames)."""
         return self.target.path if self.target is not None else "zmq" if self.dist_rank is None else "dist"
 
-    def unmap_if_orphaned(self, address: str) -> None:
+    def unmap_if_orphaned(self, address: str) -> bool:
         """Let go of the receiver's pool once its owner is gone: mapped here, a dead
-        worker's pool would stay in memory."""
-        if self.target is not None and not self.target.owner_alive():
-            logger.warning("kv sender: the pool of %s has no owner any more: unmapped", address)
-            self.target.close()
-            self.target = None  # its tensors go with it, and with them the mapping
+        worker's pool would stay in memory. -> whether it did (then no transfer may write
+        into it any more: its fence's descriptor is closed)."""
+        if self.target is None or self.target.owner_alive():
+            return False
+        logger.warning("kv sender: the pool of %s has no owner any more: unmapped", address)
+        self.target.close()
+        self.target = None  # its tensors go with it, and with them the mapping
+        return True
 
     def close(self) -> None:
         self.socket.close()

@@ -354,7 +354,8 @@ class KVSender:
         if now >= self._next_pool_check:  # a syscall per shared pool now and then, not every tick
             self._next_pool_check = now + POOL_CHECK_S
             for address, peer in self._peers.items():
-                peer.unmap_if_orphaned(address)
+                if peer.unmap_if_orphaned(address):  # NOTE: its transfers end before their next write
+                    self._lose(address, peer, "the receiver's shared pool has no owner any more")
         for address, peer in self._peers.items():
             while peer.socket.poll(0):
                 try:

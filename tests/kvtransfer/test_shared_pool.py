@@ -237,3 +237,22 @@ def test_given_rows_land_in_place():
         assert torch.equal(token_rows(pool_of(receiver), [7, 2, 11], 10), rows)
     finally:
         close(sender, receiver)
+
+
+def test_a_pool_whose_owner_is_gone_ends_its_transfers_before_another_write():
+    """The receiver goes (its pool's file closed: at a worker's death the kernel does that)
+    while a transfer writes into the pool in place: the sender's next poll unmaps the pool and
+    ends the transfer, so its later layers are skipped, never written through the closed fence."""
+    src = random_pool(LAYERS, 8, 4, HEADS, DIM, torch.float32, seed=4)
+    receiver = shared_receiver(16, 4, torch.float32, seed=5)
+    sender = KVSender(src)
+    try:
+        sender.begin(receiver.expect("r", [3, 7], 8), [0, 1])
+        assert sender.send_layer("r", 0, 0, 4)
+        receiver.close()
+        shared_pool_of(receiver).close()
+        assert sender.poll() == []  # (its event comes once ZMQ lets go of the header frames)
+        assert not sender.send_layer("r", 1, 0, 4)  # ended: skipped, no EBADF from the fence
+        assert sender.num_pending == 1
+    finally:
+        sender.close()
