@@ -148,13 +148,14 @@ class RayBackend:
         clock = asyncio.get_running_loop()
         stream = decode.handle.stream.options(num_returns="streaming").remote(request.request_id)
         died: list[BaseException] = []
+        failed: list[BaseException] = []
         prefill_s: list[float] = []
         phase = (None if prefill is None else
-                 clock.create_task(self._prefill(placement, request, died, prefill_s)))
+                 clock.create_task(self._prefill(placement, request, died, failed, prefill_s)))
         holders = [decode] if prefill is None else [decode, prefill]
         first = True
         try:
-            async for delta in self._follow(decode, stream, request, holders, phase, died):
+            async for delta in self._follow(decode, stream, request, holders, died, failed):
                 if first and delta.token_ids:
                     first = False
                     placement.release_prompt()
@@ -223,11 +224,11 @@ class RayBackend:
         self.calls.later(undo(), f"undoing the reservation of {request_id} on {worker.instance}")
 
     async def _prefill(self, placement: PrefillPlacement, request: WorkerRequest, died: list[BaseException],
-                       prefill_s: list[float]) -> None:
-        """Prefill on one worker, then hand the first token to the decode worker. A worker that
-        dies under it goes into `died` before the decode worker is told to abort (its abort
-        delta may reach the stream before this task has ended). prefill_s gets how long the
-        prefill call took."""
+                       failed: list[BaseException], prefill_s: list[float]) -> None:
+        """Prefill on one worker, then hand the first token to the decode worker. A failure
+        goes into `failed` (and a prefill worker that died under it into `died`) before the
+        decode worker is told to abort: its abort delta may reach the stream before this task
+        has ended. prefill_s gets how long the prefill call took."""
         prefill, decode = placement.prefill, placement.decode
         assert prefill is not None
         self.prefill_router.record(prefill, request.prompt_token_ids, request.params.cache_salt)
@@ -244,6 +245,7 @@ class RayBackend:
             raise
         except Exception as e:  # the decode stream then ends with this request aborted
             logger.warning("prefill of %s failed on %s: %s", request.request_id, worker.instance, short_error(e))
+            failed.append(e)
             if isinstance(e, WORKER_GONE):
                 # NOTE: only the worker whose call failed is marked down: a decode worker
                 # dying as it is handed the first token says nothing about the prefill pool.
@@ -254,11 +256,12 @@ class RayBackend:
             raise
 
     async def _follow(self, streamer: WorkerState, stream, request: WorkerRequest, holders: list[WorkerState],
-                      phase: asyncio.Task | None = None, died: list[BaseException] | None = None
+                      died: list[BaseException] | None = None, failed: list[BaseException] | None = None
                       ) -> AsyncIterator[StreamDelta]:
         """Yield a worker stream's deltas; on any early exit abort the request on every holder.
         A streamer that dies is marked unhealthy (the request then fails with UNAVAILABLE), and
-        so does a request aborted because its prefill worker died (`died`)."""
+        so does a request aborted because its prefill worker died (`died`); one aborted because
+        its prefill phase failed otherwise (`failed`) ends with that failure, not as an abort."""
         finished = False
         refs = stream.__aiter__()
         try:
@@ -272,9 +275,8 @@ class RayBackend:
                     raise WorkerFailed(f"{request.request_id}: {delta.error}")
                 if delta.finish_reason == "abort" and died:
                     raise WorkerFailed(f"{request.request_id}: the prefill worker is gone: {short_error(died[0])}")
-                if (delta.finish_reason == "abort" and phase is not None and phase.done()
-                        and (prefill_error := phase.exception())):
-                    raise NoHealthyWorker(f"{request.request_id}: prefill failed: {short_error(prefill_error)}")
+                if delta.finish_reason == "abort" and failed:
+                    raise NoHealthyWorker(f"{request.request_id}: prefill failed: {short_error(failed[0])}")
                 finished = delta.request_finished  # with n > 1, each completion finishes on its own
                 yield delta
                 if finished:

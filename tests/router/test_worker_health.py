@@ -150,17 +150,43 @@ def test_a_decode_worker_dying_at_the_hand_off_is_its_failure_not_the_prefill_wo
     prefill.handle.prefill = Method(lambda request, destination: "first token")
     prefill.handle.abort = decode.handle.abort
     died: list[BaseException] = []
+    failed: list[BaseException] = []
     request = WorkerRequest("r-1", [1, 2, 3], SamplingParams())
 
     async def body():
         placement = place(b.disagg, b.decode_router, b.prefill_router, decode, prefill, request.prompt_token_ids,
                           None, 0.0)
         with pytest.raises(RayActorError):
-            await b._prefill(placement, request, died, [])
+            await b._prefill(placement, request, died, failed, [])
 
     asyncio.run(body())
     assert not decode.healthy and decode.num_failures == 1
     assert prefill.healthy and prefill.num_failures == 0 and died == []
+    assert len(failed) == 1 and isinstance(failed[0], RayActorError)
+
+
+def test_a_failed_hand_off_is_recorded_before_the_abort_goes_out(router_tokenizer):
+    """The decode worker refuses the first token (a ValueError, not a death): the failure is in
+    `failed` before the abort is sent, since the abort's delta may reach the stream before the
+    prefill phase has ended, and the stream must then end with the failure, not as an abort."""
+    decode = WorkerState("d-0", Handle(lambda: LOAD))
+    decode.handle.start = Method(_raise(ValueError("r-1 has its first token already")))
+    failed: list[BaseException] = []
+    known_at_abort: list[int] = []
+    decode.handle.abort = Method(lambda request_id: known_at_abort.append(len(failed)))
+    b = backend(decode, router_tokenizer)
+    prefill = b.prefill[0]
+    prefill.handle.prefill = Method(lambda request, destination: "first token")
+    request = WorkerRequest("r-1", [1, 2, 3], SamplingParams())
+
+    async def body():
+        placement = place(b.disagg, b.decode_router, b.prefill_router, decode, prefill, request.prompt_token_ids,
+                          None, 0.0)
+        with pytest.raises(ValueError):
+            await b._prefill(placement, request, [], failed, [])
+
+    asyncio.run(body())
+    assert decode.healthy and [type(e) for e in failed] == [ValueError] and known_at_abort == [1]
 
 
 def test_a_worker_hung_past_the_bound_is_killed_for_ray_to_restart(router_tokenizer, monkeypatch):
