@@ -67,7 +67,7 @@ def _check_and_report(cluster, tokenizer, fault_report, name: str, outs: list[di
     # no Ray traceback, pid or address.
     assert any(cause in o["details"] for o in unavailable), outs
     for o in unavailable:
-        assert (cause in o["details"] or "went down" in o["details"]
+        assert (cause in o["details"] or "went down" in o["details"] or "the prefill worker is gone" in o["details"]
                 or "no prefill worker is healthy" in o["details"]) and len(o["details"]) < 400, o["details"]
         assert not any(s in o["details"] for s in ("Traceback", "pid=", "ip=", ".py")), o["details"]
     assert_serves(cluster, tokenizer)

@@ -45,8 +45,9 @@ def test_without_keys_a_connection_aborts_only_its_own(router_tokenizer):
                 # They name my id (which is also theirs): only their own request ends.
                 theirs_aborted = await their_stub.Abort(pb.AbortRequest(request_ids=["same", "other"]))
                 their_rest = await rest_of(their_call)
+                still_running = await my_call.read()  # after their Abort, mine goes on
                 mine_aborted = await my_stub.Abort(pb.AbortRequest(request_ids=["same"]))
-                my_rest = await rest_of(my_call)
+                my_rest = [still_running, *await rest_of(my_call)]
                 return theirs_aborted, their_rest, mine_aborted, my_rest
 
     theirs_aborted, their_rest, mine_aborted, my_rest = asyncio.run(body())
