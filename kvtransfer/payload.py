@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tandem.config_names import DTYPE_BYTES
+from tandem.config.names import DTYPE_BYTES
 from tandem.kvtransfer.protocol import KVLayout
 
 logger = logging.getLogger(__name__)

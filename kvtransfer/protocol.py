@@ -17,8 +17,8 @@ from typing import Any
 
 import msgpack
 
-from tandem.config_names import DTYPE_BYTES as ITEM_SIZES
-from tandem.config_names import DTYPE_NAMES as DTYPES
+from tandem.config.names import DTYPE_BYTES as ITEM_SIZES
+from tandem.config.names import DTYPE_NAMES as DTYPES
 
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 1 << 20

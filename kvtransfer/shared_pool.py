@@ -30,7 +30,7 @@ from typing import Any, Self, TypeVar
 import numpy as np
 import torch
 
-from tandem.config_names import DTYPE_BYTES
+from tandem.config.names import DTYPE_BYTES
 from tandem.kvtransfer.fence import OFD_LOCKS, GrantFence, ofd_held, ofd_lock
 from tandem.kvtransfer.payload import TORCH_DTYPES, layout_for
 from tandem.kvtransfer.protocol import KVLayout

@@ -12,12 +12,12 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from tandem.engine_options import ENGINE_DEFAULTS, add_engine_options, engine_options_from_args
+from tandem.config.engine_options import ENGINE_DEFAULTS, add_engine_options, engine_options_from_args
+from tandem.config.model_args import add_model_args, model_of
 from tandem.kvtransfer.curve import SECRET_ENV
 from tandem.kvtransfer.path_choice import ALLOW_UNENCRYPTED_FLAG, PAIR_PATHS
 from tandem.kvtransfer.protocol import KV_TRANSPORTS
 from tandem.model.generation_defaults import GENERATION_CONFIG_CHOICES_HELP
-from tandem.model_args import add_model_args, model_of
 from tandem.router.auth import API_KEYS_ENV, AUTH_TOKEN_ENV, api_keys_from_env
 from tandem.router.disagg import DEFAULT_MAX_LOCAL_STALL_S, DISAGG_POLICIES
 from tandem.router.limits import add_limit_args, limits_from_args
@@ -130,7 +130,7 @@ def worker_args(args: argparse.Namespace) -> dict[str, Any]:
     """Each worker's engine options from the flags; a bad one refused before any worker starts.
 
     Only the options that differ from their defaults are passed: a worker builds its engine
-    with the same defaults (tandem.engine_options), and its arguments show what was asked."""
+    with the same defaults (tandem.config.engine_options), and its arguments show what was asked."""
     if args.num_speculative_tokens < 0:
         raise ValueError(f"--num-speculative-tokens must be >= 0, got {args.num_speculative_tokens}")
     options = engine_options_from_args(args)

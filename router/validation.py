@@ -17,7 +17,7 @@ import uuid
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
-from tandem.engine_options import PRIORITY_POLICY
+from tandem.config.engine_options import PRIORITY_POLICY
 from tandem.proto import generation_pb2 as pb
 from tandem.router.limits import RequestLimits
 from tandem.router.tokenizer import ChatTemplateError, RouterTokenizer

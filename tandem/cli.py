@@ -12,15 +12,15 @@ import os
 import sys
 from typing import Any
 
-from tandem.engine_options import MODEL_HELP, add_engine_options, engine_options_from_args
-from tandem.model_args import add_model_args, model_of
-from tandem.option_sources import add_config_arg, option_defaults
+from tandem.config.engine_options import MODEL_HELP, add_engine_options, engine_options_from_args
+from tandem.config.model_args import add_model_args, model_of
+from tandem.config.option_sources import add_config_arg, option_defaults
 from tandem.sampling_params import SamplingParams
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """``tandem chat``'s flags for its one engine: the model, torch threads and every engine
-    option (the same definitions as ``tandem serve``'s, see tandem.engine_options)."""
+    option (the same definitions as ``tandem serve``'s, see tandem.config.engine_options)."""
     add_model_args(parser)
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's choice)")
     add_engine_options(parser)

@@ -11,10 +11,10 @@ import torch
 from tqdm.auto import tqdm
 
 from tandem.config import EngineConfig
-from tandem.device import resolve_device, resolve_dtype
+from tandem.config.device import resolve_device, resolve_dtype
+from tandem.config.engine_options import ENGINE_DEFAULTS, from_vllm_keywords
 from tandem.engine.engine import LLMEngine
 from tandem.engine.setup import engine_config_and_weights
-from tandem.engine_options import ENGINE_DEFAULTS, from_vllm_keywords
 from tandem.model.dtypes import torch_dtype
 from tandem.model.loader import LoadedModel, load_model
 from tandem.model.source import ModelSource, resolve_model_source
@@ -42,7 +42,7 @@ class LLM:
     kv_cache_memory_gib, num_kv_blocks, max_model_len, max_num_seqs,
     max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill,
     swap_space_gib, num_swap_blocks, preemption_mode, num_speculative_tokens, quantization,
-    tensor_parallel_size, seed), whose defaults are the engine options' (tandem.engine_options),
+    tensor_parallel_size, seed), whose defaults are the engine options' (tandem.config.engine_options),
     the same as ``tandem chat``'s and ``tandem serve``'s flags; vLLM's names are taken too
     (``swap_space``; ``enforce_eager`` and the like without effect: see engine_options).
     With tensor_parallel_size > 1 the other ranks are Ray actors (call :meth:`shutdown` to

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tandem.config import ARCHITECTURE_OF_MODEL_TYPE, ModelConfig, gib_to_bytes, kv_heads_per_rank
-from tandem.config_names import AUTO, DTYPE_BYTES, auto_dtype_name
-from tandem.engine_options import ENGINE_DEFAULTS
+from tandem.config.engine_options import ENGINE_DEFAULTS
+from tandem.config.names import AUTO, DTYPE_BYTES, auto_dtype_name
 from tandem.kvcache.capacity import KVCapacity
 from tandem.kvcache.memory_plan import DeviceMemoryPlan, estimated_step_peak_bytes
 from tandem.model.source import resolve_model_source

@@ -42,6 +42,9 @@ WALLS = (
     Wall("kvtransfer knows blocks and bytes, not models", "tandem.kvtransfer",
          ("tandem.model", "tandem.engine", "tandem.decoding", "tandem.worker", "tandem.parallel", "tandem.llm",
           "tandem.prefill_node", "tandem.decode_node", "tandem.router", "transformers")),
+    Wall("configuration is beneath everything else", "tandem.config",
+         ("tandem.model", "tandem.engine", "tandem.kvcache", "tandem.decoding", "tandem.worker", "tandem.parallel",
+          "tandem.kvtransfer", "tandem.router", "tandem.llm", "tandem.bench", "tandem.sim", "transformers")),
     Wall("the core never imports the router", "tandem",
          ("tandem.router",),
          except_in=("tandem.router", "tandem.bench", "tandem.sim", "tandem.cli", "tandem.__main__")),
@@ -93,6 +96,13 @@ def test_no_wall_is_crossed_in_the_source_tree() -> None:
     assert found == []
 
 
+def test_the_top_of_tandem_is_its_public_api() -> None:
+    """The parts live in sub-packages; the top of tandem/ keeps the public API (LLM, the
+    parameters and outputs, the command), at most 12 modules."""
+    top = sorted(p.name for p in (ROOT / "tandem").glob("*.py"))
+    assert "llm.py" in top and len(top) <= 12, top
+
+
 @pytest.mark.parametrize(("module", "source", "wall"), [
     ("tandem.router.policy", "import torch", "the router imports no torch"),
     ("tandem.router.openai.generation", "def f():\n    from transformers import AutoTokenizer",
@@ -104,6 +114,8 @@ def test_no_wall_is_crossed_in_the_source_tree() -> None:
     ("tandem.kernels.ops", "from tandem.engine.engine import LLMEngine", "kernels import nothing"),
     ("tandem.kvtransfer.sender", "import tandem.model.llama", "kvtransfer knows blocks and bytes"),
     ("tandem.engine.engine", "from tandem import router", "the core never imports the router"),
+    ("tandem.config.engine_config", "from tandem.kvcache.capacity import pool_capacity",
+     "configuration is beneath everything else"),
     ("tandem.worker.base", "from tandem.router.tokenizer import RouterTokenizer", "the core never imports the router"),
 ])
 def test_each_wall_catches_a_crossing(module: str, source: str, wall: str) -> None:

@@ -186,9 +186,9 @@ def test_tandem_plan_imports_neither_torch_nor_transformers() -> None:
 
 
 def test_config_and_the_engine_options_import_no_torch() -> None:
-    """config.py is beneath the model layer, the engine and kvcache: importing it (and the
+    """tandem/config/ is beneath the model layer, the engine and kvcache: importing it (and the
     names and options it checks against) loads none of them, nor torch."""
-    code = ("import sys, tandem.config, tandem.config_names, tandem.engine_options, tandem.kvcache.capacity; "
+    code = ("import sys, tandem.config, tandem.config.names, tandem.config.engine_options, tandem.kvcache.capacity; "
             "loaded = sorted(m for m in sys.modules if m in ('torch', 'transformers', 'tandem.model', 'tandem.engine') "
             "or m.startswith(('tandem.model.', 'tandem.engine.'))); assert not loaded, loaded")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tandem import cli
-from tandem.engine_options import from_vllm_keywords
+from tandem.config.engine_options import from_vllm_keywords
 from tandem.router import serve_command
 from tandem.router.auth import DEFAULT_TENANT, api_keys_from_env
 

@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from tandem.config import EngineConfig
-from tandem.engine_options import ENGINE_DEFAULTS as DEFAULTS
+from tandem.config.engine_options import ENGINE_DEFAULTS as DEFAULTS
 from tandem.model.gguf_format import resolve_quantization
 from tandem.model.loader import LoadedModel, on_device, quantized
 from tandem.model.source import ModelSource

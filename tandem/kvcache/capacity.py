@@ -16,7 +16,7 @@ per token shrink about ``tp`` times and its capacity per GiB grows as much, unti
 
 A pool of ``memory_bytes`` holds ``memory_bytes // (block_size × bytes_per_token)`` blocks:
 exactly how :meth:`tandem.config.EngineConfig.build` sizes it from ``kv_cache_memory_gib``
-(after :func:`tandem.config.gib_to_bytes`, the same rounding), by the same formula: config.py
+(after :func:`tandem.config.gib_to_bytes`, the same rounding), by the same formula: tandem/config/
 holds it (so config imports nothing of kvcache). Torch-free, so ``tandem plan`` stays light.
 """
 

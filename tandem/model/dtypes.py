@@ -1,6 +1,6 @@
 """The engine's dtypes on the torch side: the one mapping between a dtype's name and torch.
 
-The names and their sizes are torch-free facts (tandem.config_names.DTYPE_BYTES); each name is
+The names and their sizes are torch-free facts (tandem.config.names.DTYPE_BYTES); each name is
 also torch's attribute name, so the mapping is derived from that table rather than kept as a
 second one.
 """
@@ -12,7 +12,7 @@ from types import MappingProxyType
 
 import torch
 
-from tandem.config_names import DTYPE_BYTES
+from tandem.config.names import DTYPE_BYTES
 
 DTYPES: Mapping[str, torch.dtype] = MappingProxyType({name: getattr(torch, name) for name in DTYPE_BYTES})
 """torch dtype by name, for each of DTYPE_BYTES (read-only)."""

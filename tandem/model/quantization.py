@@ -58,7 +58,7 @@ from typing import TYPE_CHECKING, Callable, Union
 import torch
 import torch.nn.functional as F
 
-from tandem.config_names import QUANTIZATION_METHODS
+from tandem.config.names import QUANTIZATION_METHODS
 from tandem.kernels import int4_gemv_cpu, int8_gemv_cpu, ops
 from tandem.kernels.int8_gemv_cpu import Int8GemvPack
 from tandem.model.int4 import Int4Weight, quantize_int4

@@ -17,7 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 from tandem.config import ModelConfig, gib_to_bytes
-from tandem.engine_options import ENGINE_DEFAULTS, MODEL_HELP
+from tandem.config.engine_options import ENGINE_DEFAULTS, MODEL_HELP
 from tandem.sim.spec import ClusterSpec, PoolSpec, SimRequest, StepTimeModel
 
 logger = logging.getLogger(__name__)

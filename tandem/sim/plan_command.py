@@ -79,7 +79,7 @@ def build_search(args: argparse.Namespace, on_probe: Callable[[Candidate, dict],
                  ) -> tuple[PlanSearch, dict[str, float]]:
     """The flags -> the search (not run) and the SLO."""
     from tandem.bench.serving.load import parse_goodput
-    from tandem.config_names import AUTO, auto_dtype_name
+    from tandem.config.names import AUTO, auto_dtype_name
     from tandem.sim import workloads
     from tandem.sim.command import mix_of, model_shape
     from tandem.sim.gpus import gpu

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from tandem.bench.serving.slo_search import RateSearch, attainment
 from tandem.config import ModelConfig
-from tandem.config_names import DTYPE_BYTES
+from tandem.config.names import DTYPE_BYTES
 from tandem.sim.gpus import GpuSpec
 from tandem.sim.spec import ClusterSpec, PoolSpec, StepTimeModel
 from tandem.sim.workloads import Workload

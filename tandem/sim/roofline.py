@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.config import ModelConfig
-from tandem.config_names import DTYPE_BYTES
+from tandem.config.names import DTYPE_BYTES
 from tandem.sim.gpus import GpuSpec, gpu
 
 PREFILL_COMPUTE_EFFICIENCY = 0.6

@@ -10,7 +10,8 @@ from typing import Any
 
 import torch
 
-from tandem.device import resolve_device, resolve_dtype
+from tandem.config.device import resolve_device, resolve_dtype
+from tandem.config.engine_options import ENGINE_DEFAULTS
 from tandem.engine.engine import LLMEngine
 from tandem.engine.grammars import Grammars
 from tandem.engine.hooks import PrefillHooks
@@ -18,7 +19,6 @@ from tandem.engine.model_runner import KVAllocator, ModelRunner, private_pool
 from tandem.engine.setup import engine_config_and_weights
 from tandem.engine.snapshots import EngineInventory
 from tandem.engine.step_threads import StepThreads
-from tandem.engine_options import ENGINE_DEFAULTS
 from tandem.model.dtypes import DTYPES
 from tandem.model.fingerprint import model_fingerprint
 from tandem.model.generation_defaults import sampling_defaults

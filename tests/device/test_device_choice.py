@@ -11,8 +11,8 @@ import time
 import pytest
 
 from tandem.config import EngineConfig
-from tandem.config_names import auto_dtype_name, check_device_name
-from tandem.device import resolve_device, resolve_dtype
+from tandem.config.device import resolve_device, resolve_dtype
+from tandem.config.names import auto_dtype_name, check_device_name
 from tandem.engine.setup import engine_config_and_weights
 from tandem.kvcache.memory_plan import DeviceMemoryPlan
 from tandem.plan import make_plan

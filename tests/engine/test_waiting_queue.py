@@ -7,9 +7,9 @@ import pytest
 from scheduler_harness import MODEL
 
 from tandem.config import EngineConfig
+from tandem.config.engine_options import ENGINE_DEFAULTS, SCHEDULING_POLICIES
 from tandem.engine.sequence import Sequence
 from tandem.engine.waiting_queue import WAITING_QUEUES, FCFSQueue, PriorityQueue, make_waiting_queue
-from tandem.engine_options import ENGINE_DEFAULTS, SCHEDULING_POLICIES
 from tandem.sampling_params import SamplingParams
 
 

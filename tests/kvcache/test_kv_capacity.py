@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from tandem.config import EngineConfig, ModelConfig, gib_to_bytes, kv_bytes_per_token, kv_heads_per_rank
-from tandem.config_names import DTYPE_BYTES
+from tandem.config.names import DTYPE_BYTES
 from tandem.kvcache.capacity import KVCapacity
 from tandem.model.dtypes import DTYPES
 

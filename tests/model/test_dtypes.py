@@ -1,11 +1,11 @@
-"""The engine's dtypes: one table of names and sizes (config_names), one mapping to torch (model.dtypes)."""
+"""The engine's dtypes: one table of names and sizes (config.names), one mapping to torch (model.dtypes)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tandem.config_names import DTYPE_BYTES, DTYPE_NAMES
+from tandem.config.names import DTYPE_BYTES, DTYPE_NAMES
 from tandem.kvtransfer.payload import TORCH_DTYPES
 from tandem.kvtransfer.protocol import DTYPES as WIRE_DTYPES
 from tandem.model.dtypes import DTYPES, dtype_name, torch_dtype

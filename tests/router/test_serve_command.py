@@ -1,5 +1,5 @@
 """``tandem serve`` and ``tandem chat`` flags that become engine options: one definition of them
-(tandem.engine_options) for both and for LLM(...), --num-speculative-tokens, swap and preemption."""
+(tandem.config.engine_options) for both and for LLM(...), --num-speculative-tokens, swap and preemption."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from tandem import LLM
 from tandem.cli import add_engine_args, engine_kwargs
 from tandem.config import EngineConfig
-from tandem.engine_options import ENGINE_DEFAULTS, engine_options_from_args
+from tandem.config.engine_options import ENGINE_DEFAULTS, engine_options_from_args
 from tandem.router import serve_command
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from tandem.engine_options import MODEL_HELP
+from tandem.config.engine_options import MODEL_HELP
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from tandem.config import ModelConfig
-from tandem.device import resolve_device, resolve_dtype
+from tandem.config.device import resolve_device, resolve_dtype
 from tandem.model.dtypes import torch_dtype
 from tandem.model.loader import LoadedModel, load_hf_model, loaded_from_hf_model
 from tandem.model.source import resolve_model_source

@@ -2,12 +2,12 @@
 
 Resolved once, before an EngineConfig is built (configs are frozen with resolved names).
 torch is imported only to ask about CUDA, so that the CPU case stays torch-free like
-config.py.
+model_config.py.
 """
 
 from __future__ import annotations
 
-from tandem.config_names import AUTO, DTYPE_BYTES, auto_dtype_name, check_device_name
+from tandem.config.names import AUTO, DTYPE_BYTES, auto_dtype_name, check_device_name
 
 
 def resolve_device(name: str) -> str:

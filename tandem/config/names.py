@@ -1,5 +1,5 @@
-"""The names engine flags are checked against, in one torch-free table beside config.py, so
-that config.py imports nothing above it (not the model layer, not the engine, not torch).
+"""The names engine flags are checked against, in one torch-free table beside model_config.py, so
+that the configs import nothing above it (not the model layer, not the engine, not torch).
 
 Everything here is a plain fact about a name: ``tandem plan``, ``tandem serve`` (the router)
 and the KV transfer headers use these without loading torch; the torch side maps a dtype's
@@ -55,3 +55,9 @@ def auto_dtype_name(device: str, bfloat16_supported: bool = True) -> str:
     if device == "cpu":
         return "float32"
     return "bfloat16" if bfloat16_supported else "float16"
+
+
+def require(ok: bool, name: str, value: object, rule: str) -> None:
+    """ValueError naming the option, its rule and the value given, unless `ok`."""
+    if not ok:
+        raise ValueError(f"{name} must be {rule}, got {value!r}")

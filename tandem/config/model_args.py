@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from tandem.engine_options import MODEL_HELP
+from tandem.config.engine_options import MODEL_HELP
 
 
 def add_model_args(parser: argparse.ArgumentParser, served_names: bool = False) -> None:

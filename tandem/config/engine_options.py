@@ -3,7 +3,7 @@ keyword defaults of ``LLM(...)`` and :meth:`tandem.config.EngineConfig.build`.
 
 With one definition the three entry points cannot drift apart (they did: the KV pool was
 1.0 GiB in ``chat`` and ``LLM`` but 0.5 GiB in ``serve``, and ``serve`` had no swap or
-preemption flags). Torch-free, like config_names.py beneath it: the router builds its
+preemption flags). Torch-free, like names.py beneath it: the router builds its
 parser without loading torch.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from tandem.config_names import DTYPE_CHOICES, PREEMPTION_MODES, QUANTIZATION_CHOICES, check_device_name
+from tandem.config.names import DTYPE_CHOICES, PREEMPTION_MODES, QUANTIZATION_CHOICES, check_device_name
 
 logger = logging.getLogger(__name__)
 
