@@ -27,6 +27,7 @@ from typing import Any, AsyncIterator
 
 import torch
 
+from tandem.config import WorkerConfig
 from tandem.decode_node.handoff import DecodeHandoff as S
 from tandem.decode_node.handoff import Handoff, handoff_table
 from tandem.decoding.beam_search import num_candidates
@@ -54,40 +55,28 @@ logger = logging.getLogger(__name__)
 class DecodeWorker(Worker):
     role = Role.DECODE
 
-    def __init__(self, instance: str = "decode-0", transfer_address: str = DEFAULT_ADDRESS,
-                 transfer_timeout_s: float = 30.0, node_id: str | None = None, kv_shm_dir: str | None = SHM_DIR,
-                 kv_transport: str = "auto", kv_allow_unencrypted_pairs: bool = False, **kwargs: Any) -> None:
-        """transfer_timeout_s: how long a reservation waits for the rest of its KV after the
-        latest layer message (a prompt queued on the prefill worker has no deadline here: the
-        router ends its reservation on every exit path).
-        node_id: this worker's node (Ray's node id under Ray; default: the host's identity).
-        kv_shm_dir: where the KV pool's file goes, so that prefill workers of this node write
-        the KV straight into it (None, or no room there: a private pool, KV by socket only).
-        kv_transport: the prefill workers' (kvtransfer.protocol.KV_TRANSPORTS): only auto
-        writes into a pool in host shared memory, so the others need none; a pool on a GPU
+    def __init__(self, config: WorkerConfig, instance: str = "decode-0", placement_group: Any = None) -> None:
+        """config.kv_transfer: where the receiver listens, how long a reservation waits for
+        the rest of its KV after the latest layer message (a prompt queued on the prefill
+        worker has no deadline here: the router ends its reservation on every exit path), and
+        the prefill workers' transport (kvtransfer.connectors.registry.kv_transports()): only auto writes
+        into a pool in host shared memory (SHM_DIR), so the others need none; a pool on a GPU
         is exported by CUDA IPC to a sender on the same GPU unless zmq (two pools on one GPU
         never pair: path_choice.py). The receiver takes any path a sender asks for that its
-        pool allows (torch.distributed pairs: dist_pairs.py).
-        kv_allow_unencrypted_pairs: with TANDEM_KV_SECRET set, torch.distributed pairs are
-        taken all the same (--kv-allow-unencrypted-pairs); else refused."""
-        self._kv_allow_unencrypted_pairs = kv_allow_unencrypted_pairs
-        if kv_transport == "zmq":
-            kv_shm_dir = None
-        self._transfer_address = transfer_address
-        self._transfer_timeout_s = transfer_timeout_s
-        self._node_id = node_id
+        pool allows (torch.distributed pairs: dist_pairs.py)."""
+        kv = self._kv = config.kv_transfer
         self._shared_pool: SharedPool | None = None
         """The KV pool offered to same-node senders (tensor_parallel_size 1): its file in
         shared memory, or, on a GPU, its CUDA IPC export."""
 
         def allocate_kv(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-            if device.type == "cuda":  # the pool stays on its GPU; its grant table goes to kv_shm_dir
+            if device.type == "cuda":  # the pool stays on its GPU; its grant table goes to SHM_DIR
                 pool = private_pool(shape, dtype, device)
-                self._shared_pool = (None if kv_shm_dir is None else DevicePoolExport.create(
-                    pool, layout_for(shape, dtype), node_id or host_identity(), kv_shm_dir))
+                self._shared_pool = (None if kv.transport == "zmq" else DevicePoolExport.create(
+                    pool, layout_for(shape, dtype), kv.node_id or host_identity(), SHM_DIR))
                 return pool
-            host = (HostSharedPool.create(shape, dtype, kv_shm_dir)
-                    if kv_transport == "auto" and kv_shm_dir is not None else None)
+            # None when SHM_DIR has no room: a private pool, KV by socket only.
+            host = HostSharedPool.create(shape, dtype, SHM_DIR) if kv.transport == "auto" else None
             self._shared_pool = host
             return private_pool(shape, dtype, device) if host is None else host.kv_cache
 
@@ -95,17 +84,18 @@ class DecodeWorker(Worker):
         """Where each reserved request stands until it runs or is freed (the loop thread's)."""
         self._readers: set[str] = set()
         """Requests whose stream is being read (on the actor's event loop)."""
-        super().__init__(instance, allocate_kv=allocate_kv, **kwargs)
+        super().__init__(config, instance, placement_group, allocate_kv)
 
     def _start_loop(self) -> EngineLoop:
         runner = self.engine.runner
         # Tensor-parallel: arriving KV waits on the first rank for the next step, which
         # carries it to every rank (see parallel.kv_writes).
         sink = runner.kv_writes if isinstance(runner, TensorParallelRunner) else None
-        self.receiver = KVReceiver(runner.kv_cache, self._transfer_address, self._transfer_timeout_s,
+        kv = self._kv
+        self.receiver = KVReceiver(runner.kv_cache, kv.receiver_address or DEFAULT_ADDRESS, kv.timeout_s,
                                    model=self.fingerprint, sink=sink, shared_pool=self._shared_pool,
-                                   node_id=self._node_id, curve=CurveKeys.from_env(),
-                                   allow_unencrypted_pairs=self._kv_allow_unencrypted_pairs)
+                                   node_id=kv.node_id, curve=CurveKeys.from_env(),
+                                   allow_unencrypted_pairs=kv.allow_unencrypted_pairs)
         self.metrics.kv_bytes["received"] = lambda: self.receiver.num_bytes_received
         self.metrics.kv_dropped = lambda: dict(self.receiver.dropped)
         self.metrics.num_transferring = lambda: self.receiver.num_pending

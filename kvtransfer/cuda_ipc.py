@@ -226,15 +226,3 @@ class DeviceTarget:
     def close(self) -> None:
         """Let go of the grant table; the pool's mapping goes with the last tensor over it."""
         self._file.close()
-
-
-@dataclass(frozen=True)
-class IpcOffer:
-    """A sender's offer to write a receiver's GPU pool by CUDA IPC (peer.connect_peer)."""
-
-    receiver_device: str
-    """The receiver's GPU (Destination.device), which this process must see to open the pool."""
-    node_id: str
-    """This sender's node (for device identities without a UUID)."""
-    peer_access: bool = False
-    """The receiver's GPU is another one, which this sender's reaches by peer access."""

@@ -1,16 +1,16 @@
 """The receiver's side of the handshake: whether a sender may send KV here at all, and by
-which path (frames, torch.distributed, or written in place into the shared pool)."""
+which path (the connector that answers it: connectors/)."""
 
 from __future__ import annotations
 
-import logging
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+from tandem.kvtransfer.connectors.registry import answer_order, load_connector
 from tandem.kvtransfer.fence import GrantFence
-from tandem.kvtransfer.path_choice import ALLOW_UNENCRYPTED_FLAG
 from tandem.kvtransfer.protocol import KVLayout
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from tandem.kvtransfer.connectors.base import ReceivePath, ReceiverSide
 
 
 class SharedPool(Protocol):
@@ -52,63 +52,25 @@ class SharedPool(Protocol):
         ...
 
 
-def in_place_reply(hello: dict[str, Any], pool: SharedPool) -> dict[str, Any] | None:
-    """The HELLO_OK fields that let this sender write `pool` in place, or None: its offer
-    must be this very file (name and size), by this pool's path; CUDA IPC only for a sender
-    on the pool's GPU, or one that says it reaches that GPU by peer access.
-    NOTE: no other sender is ever sent the IPC handle."""
-    if hello.get("shm_pool") != pool.name or hello.get("shm_bytes") != pool.num_bytes \
-            or hello.get("in_place", "shm") != pool.path:
-        return None
-    if pool.path == "cuda_ipc" and not (hello.get("device") == pool.device
-                                        or hello.get("peer_access") is True and hello.get("device")):
-        return None
-    try:
-        exported = pool.export()
-    except RuntimeError as e:  # CUDA would not export it: the sender sends frames instead
-        logger.warning("kv receiver cannot export its pool by %s: %s", pool.path, e)
-        return None
-    return {"shm_pool": pool.name, **exported}
+def answer_hello(hello: dict[str, Any], side: ReceiverSide, model: str | None, sender: bytes
+                 ) -> tuple[str | None, dict[str, Any], ReceivePath | None]:
+    """-> (why the sender is refused, or None; the HELLO_OK fields; how its rows come in).
+    ProtocolError on a bad layout.
 
-
-def answer_hello(hello: dict[str, Any], layout: KVLayout, model: str | None, dist_rank: int | None,
-                 shared_pool: SharedPool | None, pair_refused: Callable[[str], str | None] | None = None,
-                 device: str = "", unencrypted_pairs_refused: bool = False) -> tuple[str | None, dict[str, Any]]:
-    """-> (why the sender is refused, or None; the HELLO_OK fields otherwise). The reply
-    names the pool (`shm_pool`, with a CUDA IPC export `cuda_ipc` for a pool on a GPU) when
-    the sender offered to write into it in place and its offer is this very pool
-    (in_place_reply). ProtocolError on a bad layout.
-
-    pair_refused: why this receiver cannot take KV by a given torch.distributed backend in a
-    pair (None: it can); the reply then carries `dist_pair` (the caller fills in where to meet).
-    A sender that offered a pair this receiver cannot take is refused only when it required it.
-    device: this receiver's pool's CUDA device identity: never a pair with a sender on it.
-    unencrypted_pairs_refused: TANDEM_KV_SECRET is set here and the operator did not
-    acknowledge unencrypted pairs (path_choice.ALLOW_UNENCRYPTED_FLAG): no pair at all."""
+    Past the checks every path shares (the layouts can exchange KV, the model is the same),
+    the first registered connector the HELLO asks for, and that agrees, answers: frames over
+    the socket when none does (registry.answer_order())."""
     theirs = KVLayout.from_dict(hello.get("layout"))
-    why = layout.incompatibility(theirs)
+    why = side.layout.incompatibility(theirs)
     if why is None and model is not None and hello.get("model") != model:
         why = f"model differs: receiver serves {model!r}, sender {hello.get('model')!r}"
-    if why is None and ("dist_rank" in hello) != (dist_rank is not None):
-        why = "one side sends KV on torch.distributed, the other expects it in ZMQ frames"
-    pair = hello.get("dist_pair")
-    take_pair = False
-    if why is None and pair is not None:
-        cannot = (f"both pools on one GPU ({device}), where NCCL allows one rank per device"
-                  if device and hello.get("device") == device
-                  else "TANDEM_KV_SECRET is set and a torch.distributed pair is not encrypted "
-                       f"({ALLOW_UNENCRYPTED_FLAG} allows it)" if unencrypted_pairs_refused
-                  else "no torch.distributed here" if pair_refused is None else pair_refused(str(pair)))
-        if cannot is not None and hello.get("dist_required"):
-            why = f"KV by torch.distributed {pair!r} was required: {cannot}"
-        take_pair = cannot is None
     if why is not None:
-        return why, {}
-    reply: dict[str, Any] = {"layout": layout.as_dict()}
-    if take_pair:
-        reply["dist_pair"] = {"backend": pair}
-    if dist_rank is not None:
-        reply["dist_rank"] = dist_rank
-    in_place = None if shared_pool is None or take_pair else in_place_reply(hello, shared_pool)
-    reply.update(in_place or {})
-    return None, reply
+        return why, {}, None
+    for name in answer_order():
+        answer = load_connector(name).answer(name, hello, side, sender)
+        if answer is None:
+            continue
+        if answer.refused:
+            return answer.refused, {}, None
+        return None, {"layout": side.layout.as_dict(), **answer.fields}, answer.path
+    raise AssertionError("the zmq connector answers every HELLO")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.kvtransfer.protocol import KV_TRANSPORTS
+from tandem.kvtransfer.connectors.registry import kv_transports
 
 SHM, CUDA_IPC, NCCL, GLOO, ZMQ = "shm", "cuda_ipc", "nccl", "gloo", "zmq"
 PATHS = (SHM, CUDA_IPC, NCCL, GLOO, ZMQ)
@@ -62,7 +62,7 @@ class PairFacts:
     can_peer_access: bool
     """The sender's GPU can write the receiver's GPU directly (two devices of one node)."""
     transport: str = "auto"
-    """What the operator asked for (protocol.KV_TRANSPORTS)."""
+    """What the operator asked for (registry.kv_transports())."""
     has_secret: bool = False
     """TANDEM_KV_SECRET is set: the KV must not cross a network unencrypted."""
     allow_unencrypted_pairs: bool = False
@@ -116,10 +116,15 @@ def _unencrypted_pair_refused(facts: PairFacts) -> bool:
 
 
 def choose_path(facts: PairFacts) -> PathChoice:
-    """The data path for a pair (ValueError for a transport not in KV_TRANSPORTS)."""
+    """The data path for a pair: a registered connector's name (ValueError for a transport
+    not in registry.kv_transports()). A selectable connector beyond the built-in ones is
+    taken when asked for (its receiver may still decline it: frames then); auto never
+    takes it, until a rule here says when it is the best."""
     transport = facts.transport
-    if transport not in KV_TRANSPORTS:
-        raise ValueError(f"transport must be one of {KV_TRANSPORTS}, got {transport!r}")
+    if transport not in kv_transports():
+        raise ValueError(f"transport must be one of {kv_transports()}, got {transport!r}")
+    if transport not in ("auto", *PATHS):
+        return PathChoice(transport, f"{transport} asked for")
     if transport == ZMQ:
         return PathChoice(ZMQ, "zmq asked for")
     in_place = _in_place(facts)

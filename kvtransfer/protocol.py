@@ -23,15 +23,6 @@ from tandem.config.names import DTYPE_NAMES as DTYPES
 PROTOCOL_VERSION = 1
 MAX_HEADER_BYTES = 1 << 20
 
-KV_TRANSPORTS = ("auto", "zmq", "gloo", "nccl")
-"""How a prefill worker sends KV (`tandem serve --kv-transport`): auto: in place into a
-same-host decode pool in shared memory, or by CUDA IPC into a decode pool on the same GPU
-(or a GPU it reaches by peer access), else NCCL between two GPUs, else ZMQ frames; zmq:
-always frames; gloo, nccl: a torch.distributed group of two made in the handshake
-(dist_pairs.py), even on one host, but never two pools on one GPU (CUDA IPC instead).
-The rule, per pair: path_choice.choose_path."""
-
-
 class ProtocolError(ValueError):
     """A message that does not follow the protocol; the `reason` names the counter it bumps."""
 

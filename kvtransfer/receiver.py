@@ -6,10 +6,11 @@ sender, and fails requests whose deadline passes (the sweep runs on a timer, tra
 not). The owner (the decode worker) reserves blocks, calls `expect`, and frees the blocks
 when `get_event` reports the request DONE and done with, or FAILED.
 
-With a pool in shared memory (shared_pool.py), or on a GPU exported by CUDA IPC to a sender
-on the same GPU (cuda_ipc.py), a same-node sender that negotiated it writes the rows itself;
-its headers are checked all the same, and its grant is revoked under the fence (fence.py)
-whenever its reservation ends.
+How each sender's rows come in is its connector's (connectors/), settled in its handshake:
+in the frames, by its torch.distributed pair, or written by the sender itself into this pool
+(in shared memory, shared_pool.py, or on a GPU by CUDA IPC, cuda_ipc.py), whose headers are
+checked all the same, and whose grant is revoked under the fence (fence.py) whenever its
+reservation ends.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ import time
 import torch
 import zmq
 
+from tandem.kvtransfer.connectors.base import CorruptPayload, PathBroken, ReceivePath, ReceiverSide
+from tandem.kvtransfer.connectors.zmq_frames import FRAMES
 from tandem.kvtransfer.cuda_ipc import device_identity
 from tandem.kvtransfer.curve import CurveKeys
-from tandem.kvtransfer.dist_pairs import SENDER_RANK, ReceiverPairs, can_host
+from tandem.kvtransfer.dist_pairs import ReceiverPairs
 from tandem.kvtransfer.fence import granted_blocks
 from tandem.kvtransfer.handshake import SharedPool, answer_hello
-from tandem.kvtransfer.payload import TORCH_DTYPES, DistPayload, rows_of
 from tandem.kvtransfer.placement import host_identity
 from tandem.kvtransfer.protocol import (
     MAX_HEADER_BYTES,
@@ -44,23 +46,29 @@ from tandem.kvtransfer.protocol import (
     encode,
     grant_of,
     layer_header,
-    payload_crc32,
 )
-from tandem.kvtransfer.reservation import Reservation, check_layer, is_granted, layer_slots, new_grant
+from tandem.kvtransfer.reservation import (
+    RecentlyEnded,
+    Reservation,
+    check_layer,
+    check_reservation,
+    is_granted,
+    layer_slots,
+    new_grant,
+)
 from tandem.kvtransfer.revoker import Revoker
+from tandem.kvtransfer.router_socket import RouterSocket
 from tandem.kvtransfer.sink import KVSink, PoolSink
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_ADDRESS = "tcp://127.0.0.1:0"  # loopback unless told otherwise; port 0 picks a free one
 SWEEP_INTERVAL_S = 0.05
-MAX_ENDED = 100_000  # ended request ids remembered, so late messages are told to stop
 
 
 class KVReceiver:
     def __init__(self, kv_cache: torch.Tensor | None, address: str = DEFAULT_ADDRESS, timeout_s: float = 30.0,
-                 dist_payload: DistPayload | None = None, model: str | None = None,
-                 sink: KVSink | None = None, shared_pool: SharedPool | None = None,
+                 model: str | None = None, sink: KVSink | None = None, shared_pool: SharedPool | None = None,
                  node_id: str | None = None, curve: CurveKeys | None = None,
                  allow_unencrypted_pairs: bool = False) -> None:
         """kv_cache: the pool written into, [layers, 2, blocks, block_size, kv_heads, head_dim]
@@ -84,8 +92,9 @@ class KVReceiver:
         self.device = (shared_pool.device if shared_pool is not None
                        else "" if kv_cache is None else device_identity(kv_cache.device, self.node_id))
         """The pool's CUDA device identity, which Destinations name ("" in host memory)."""
-        self._shm_senders: set[bytes] = set()
-        """ZMQ identities of the senders that negotiated the shared-memory path (the I/O thread's)."""
+        self._paths: dict[bytes, ReceivePath] = {}
+        """How each sender's rows come in, by its ZMQ identity (the I/O thread's; frames when
+        it never shook hands)."""
         self.model = model
         self.kv_cache = kv_cache
         if sink is None:
@@ -94,7 +103,6 @@ class KVReceiver:
         self.sink: KVSink = sink
         self.layout: KVLayout = self.sink.layout
         self.timeout_s = timeout_s
-        self.dist_payload = dist_payload
         layout = self.layout
         self.max_frame_bytes = max(MAX_HEADER_BYTES, layout.num_blocks * layout.block_size * layout.row_bytes)
         """The largest frame taken: a header, or one layer's K (or V) rows for the whole pool."""
@@ -103,23 +111,17 @@ class KVReceiver:
         self.num_bytes_received = 0
         """KV payload bytes written into the pool (K and V), for the metrics."""
         self._expected: dict[str, Reservation] = {}
-        self._ended: collections.OrderedDict[str, None] = collections.OrderedDict()
+        self._ended = RecentlyEnded()
         self._lock = threading.Lock()
         self._events: queue.Queue[TransferEvent] = queue.Queue()
         self._outbox: queue.Queue[tuple[bytes, bytes]] = queue.Queue()
-        # A context of its own under CURVE: its ZAP handler (one per context) admits the senders.
-        self._context = zmq.Context.instance() if curve is None else zmq.Context()
-        self._auth = None if curve is None else curve.authenticator(self._context, self._count_unauthenticated)
-        self._socket = self._context.socket(zmq.ROUTER)
-        if curve is not None:
-            curve.serve(self._socket)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        # NOTE: ZMQ disconnects a peer that sends a larger frame, before buffering it whole.
-        self._socket.setsockopt(zmq.MAXMSGSIZE, self.max_frame_bytes)
-        self._socket.bind(address)
-        self.address: str = self._socket.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._router = RouterSocket(address, self.max_frame_bytes, curve, self._count_unauthenticated)
+        self._socket = self._router.socket
+        self.address: str = self._router.address
         self._pairs = ReceiverPairs(self.address, timeout_s)
         """torch.distributed pairs, with the senders that asked for one (the I/O thread's)."""
+        self._side = ReceiverSide(layout, self.device, kv_cache.device if kv_cache is not None else torch.device("cpu"),
+                                  shared_pool, self._pairs, self.unencrypted_pairs_refused)
         self._revoker = None if shared_pool is None else Revoker(shared_pool.fence, self._events)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-receiver", daemon=True)
@@ -130,21 +132,14 @@ class KVReceiver:
                timeout_s: float | None = None, num_cached_tokens: int = 0) -> Destination:
         """Wait for the KV of tokens [num_cached_tokens, num_tokens) into `block_ids`
         (reserved by the caller; their first num_cached_tokens tokens already hold theirs)."""
-        if num_tokens < 1 or len(block_ids) != -(-num_tokens // self.layout.block_size):
-            raise ValueError(f"{request_id}: {len(block_ids)} blocks cannot hold exactly {num_tokens} tokens")
-        if any(not 0 <= b < self.layout.num_blocks for b in block_ids):
-            raise ValueError(f"{request_id}: block ids outside the pool of {self.layout.num_blocks}")
-        # Whole blocks only: a block that is part cached, part written would be shared while written.
-        if not 0 <= num_cached_tokens < num_tokens or num_cached_tokens % self.layout.block_size:
-            raise ValueError(f"{request_id}: {num_cached_tokens} cached tokens is not a whole number of "
-                             f"blocks of {self.layout.block_size} below {num_tokens}")
+        check_reservation(request_id, block_ids, num_tokens, num_cached_tokens, self.layout)
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         pool = self.shared_pool
         granted = None if pool is None else granted_blocks(block_ids, self.layout.block_size, num_cached_tokens)
         with self._lock:
             if request_id in self._expected:
                 raise ValueError(f"{request_id}: already expected")
-            self._ended.pop(request_id, None)
+            self._ended.discard(request_id)
             dest = Destination(request_id, self.address, tuple(block_ids), num_tokens, num_cached_tokens, self.node_id,
                                "" if pool is None else pool.name,
                                0 if pool is None or granted is None else pool.fence.grant(granted),
@@ -196,11 +191,8 @@ class KVReceiver:
         self._thread.join()
         if self._revoker is not None:
             self._revoker.close()
-        self._socket.close()
+        self._router.close()
         self._pairs.close()
-        if self._auth is not None:
-            self._auth.stop()
-            self._context.term()
 
     # -- the I/O thread ---------------------------------------------------------------
     def _count_unauthenticated(self) -> None:  # (on the ZAP handler's thread)
@@ -237,7 +229,7 @@ class KVReceiver:
         if kind is MessageKind.HELLO:
             self._handshake(sender, msg)
         elif kind is MessageKind.LAYER:
-            self._receive_layer(sender, layer_header(request_id, msg), frames[1:], msg.get("dist_rank"))
+            self._receive_layer(sender, layer_header(request_id, msg), frames[1:], msg)
         elif kind is MessageKind.ABORT:
             with self._lock:
                 exp = self._expected.get(request_id)
@@ -249,38 +241,28 @@ class KVReceiver:
             raise ProtocolError("malformed", f"a receiver does not expect {kind.name}")
 
     def _handshake(self, sender: bytes, msg: dict) -> None:
-        dist_rank = None if self.dist_payload is None else self.dist_payload.rank
-        device = self.kv_cache.device if self.kv_cache is not None else torch.device("cpu")
+        self._forget_path(sender)  # (a sender shaking hands again starts afresh)
         try:
-            why, reply = answer_hello(msg, self.layout, self.model, dist_rank, self.shared_pool,
-                                      pair_refused=lambda backend: can_host(backend, device),
-                                      device=self.device,
-                                      unencrypted_pairs_refused=self.unencrypted_pairs_refused)
+            why, reply, path = answer_hello(msg, self._side, self.model, sender)
         except ProtocolError as e:
             self._socket.send_multipart([sender, encode(MessageKind.REFUSED, reason=str(e))])
             raise
-        self._shm_senders.discard(sender)
-        self._pairs.forget(sender)
         if why is not None:
             logger.warning("kv receiver refused a sender: %s", why)
             self._socket.send_multipart([sender, encode(MessageKind.REFUSED, reason=why)])
             return
-        if "shm_pool" in reply:  # the offer taken: this sender writes in place
-            self._shm_senders.add(sender)
-        if "dist_pair" in reply:  # this side of the pair is built while the sender builds its own
-            try:
-                reply["dist_pair"] = self._pairs.offer(sender, reply["dist_pair"]["backend"])
-            except (OSError, RuntimeError) as e:
-                logger.warning("kv receiver cannot host a torch.distributed pair: %s", e)
-                self._socket.send_multipart([sender, encode(MessageKind.REFUSED, reason=f"no pair here: {e}")])
-                return
+        assert path is not None  # (not refused: a path answered)
+        self._paths[sender] = path
         self._socket.send_multipart([sender, encode(MessageKind.HELLO_OK, **reply)])
 
-    def _receive_layer(self, sender: bytes, h: LayerHeader, frames: list[zmq.Frame], dist_rank: object) -> None:
+    def _forget_path(self, sender: bytes) -> None:
+        self._paths.pop(sender, FRAMES).forget()
+
+    def _receive_layer(self, sender: bytes, h: LayerHeader, frames: list[zmq.Frame], msg: dict) -> None:
         with self._lock:
             exp = self._expected.get(h.request_id)
             granted = exp is not None and is_granted(exp, h.grant)
-        k_parts, v_parts = self._payload(sender, h, frames, dist_rank, granted)
+        k_parts, v_parts = self._payload(sender, h, frames, msg, granted)
         with self._lock:
             exp = self._expected.get(h.request_id)
             if exp is None:
@@ -305,53 +287,21 @@ class KVReceiver:
         if complete:
             self._socket.send_multipart([sender, encode(MessageKind.DONE, h.request_id)])
 
-    def _payload(self, sender: bytes, h: LayerHeader, frames: list[zmq.Frame], dist_rank: object, granted: bool
+    def _payload(self, sender: bytes, h: LayerHeader, frames: list[zmq.Frame], msg: dict, granted: bool
                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """-> the K and the V rows the message carries, as pieces ([n_i, *row_shape]) in token order.
-        granted: the message carries its request's grant (else it fails no request)."""
-        dist_parts = None
-        if h.in_place:
-            if sender not in self._shm_senders or frames:
-                raise ProtocolError("not_negotiated", f"{h.request_id}: rows in place from a sender that did not "
-                                    "negotiate shared memory (or with frames)")
-        elif self.dist_payload is not None or sender in self._pairs:
-            # Drained before any check (see DistPayload), as the header claims it.
-            if not isinstance(dist_rank, int) or frames or h.dtype not in TORCH_DTYPES:
-                raise ProtocolError("malformed", "a torch.distributed LAYER has dist_rank, a dtype and no frames")
-            try:
-                if sender in self._pairs:
-                    payload, dist_rank = self._pairs.payload(sender), SENDER_RANK
-                else:
-                    assert self.dist_payload is not None  # (not a pair's: this receiver's own payload)
-                    payload = self.dist_payload
-                k, v = payload.recv(dist_rank, h.num_tokens, h.row_shape, h.dtype)
-            except Exception as e:  # the peer died between header and tensors (or never joined its pair)
-                self._pairs.forget(sender)  # out of step for good: the sender must shake hands again
-                self._fail_sender(sender, h.request_id if granted else None, f"torch.distributed peer lost: {e}")
-                raise ProtocolError("peer_lost", f"{h.request_id}: {e}") from None
-            dist_parts = ([k], [v])
-        if h.dtype != self.layout.dtype:
-            raise ProtocolError("wrong_dtype", f"{h.request_id}: {h.dtype}, the pool holds {self.layout.dtype}")
-        if h.row_shape != (self.layout.num_kv_heads, self.layout.head_dim):
-            raise ProtocolError("wrong_shape", f"{h.request_id}: rows of {h.row_shape}")
-        if h.in_place:
-            return [], []
-        if dist_parts is not None:
-            return dist_parts
-        if len(frames) != 2 * len(h.frame_tokens) or sum(h.frame_tokens) != h.num_tokens \
-                or min(h.frame_tokens, default=0) < 1:
-            raise ProtocolError("truncated", f"{h.request_id}: {len(frames)} frames for {h.frame_tokens}")
-        parts: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-        for i, (frame, n) in enumerate(zip(frames, h.frame_tokens * 2)):
-            if len(frame.buffer) != n * self.layout.row_bytes:
-                raise ProtocolError("truncated", f"{h.request_id}: {len(frame.buffer)} bytes for {n} rows")
-            parts[i // len(h.frame_tokens)].append(rows_of(frame.buffer, h.dtype, h.row_shape))
-        if h.crc32 is not None and payload_crc32(f.buffer for f in frames) != h.crc32:
-            # Corrupted on the way: this request's KV can never be whole, the others are unharmed.
+        """-> the K and the V rows the message carries, by the sender's path, as pieces
+        ([n_i, *row_shape]) in token order. granted: the message carries its request's grant
+        (else it fails no request)."""
+        try:
+            return self._paths.get(sender, FRAMES).rows(h, frames, msg, self.layout)
+        except PathBroken as e:  # out of step for good: the sender must shake hands again
+            self._forget_path(sender)
+            self._fail_sender(sender, h.request_id if granted else None, e.detail)
+            raise
+        except CorruptPayload:  # this request's KV can never be whole, the others are unharmed
             if granted:
                 self._fail_request(sender, h.request_id, "checksum mismatch: the KV was corrupted in transit")
-            raise ProtocolError("checksum", f"{h.request_id}: layer {h.layer}")
-        return parts
+            raise
 
     def _fail_request(self, sender: bytes, request_id: str, reason: str) -> None:
         """Fail one request that is expected (nothing when it is not) and tell its sender."""
@@ -372,8 +322,7 @@ class KVReceiver:
     def _sweep_deadlines(self) -> None:
         now = time.monotonic()
         with self._lock:
-            expired = [rid for rid, e in self._expected.items() if e.deadline is not None and e.deadline <= now]
-            ended = [(rid, self._expected[rid]) for rid in expired]
+            ended = [(rid, e) for rid, e in self._expected.items() if e.deadline is not None and e.deadline <= now]
             for rid, exp in ended:
                 logger.warning("kv transfer %s timed out: nothing for %.1f s", rid, exp.timeout_s)
                 self.dropped["timeout"] += 1
@@ -393,13 +342,8 @@ class KVReceiver:
         NOTE: the fence: frames are written under self._lock, so none lands after this; an
         in-place write lands only under its grant, which the revoke takes back."""
         exp = self._expected.pop(request_id, None)
-        self._remember_ended(request_id)
+        self._ended.add(request_id)
         if exp is None or exp.granted is None:
             return True
         assert self._revoker is not None  # (a grant comes only with a shared pool)
         return self._revoker.close_then_report(exp.granted, event)
-
-    def _remember_ended(self, request_id: str) -> None:
-        self._ended[request_id] = None
-        while len(self._ended) > MAX_ENDED:
-            self._ended.popitem(last=False)

@@ -3,6 +3,7 @@ against it, whichever path its rows took."""
 
 from __future__ import annotations
 
+import collections
 import hmac
 import secrets
 from dataclasses import dataclass
@@ -66,3 +67,37 @@ def layer_slots(h: LayerHeader, layout: KVLayout) -> np.ndarray:
     """The pool slots a checked LAYER message's rows go to, in token order."""
     return token_slots(h.block_ids, layout.block_size, h.token_start, h.token_start + h.num_tokens,
                        h.token_start // layout.block_size)
+
+
+def check_reservation(request_id: str, block_ids: list[int], num_tokens: int, num_cached_tokens: int,
+                      layout: KVLayout) -> None:
+    """ValueError unless `block_ids` hold exactly `num_tokens` tokens of the pool and the cached
+    prefix is whole blocks below them (a block part cached, part written would be shared while
+    written)."""
+    if num_tokens < 1 or len(block_ids) != -(-num_tokens // layout.block_size):
+        raise ValueError(f"{request_id}: {len(block_ids)} blocks cannot hold exactly {num_tokens} tokens")
+    if any(not 0 <= b < layout.num_blocks for b in block_ids):
+        raise ValueError(f"{request_id}: block ids outside the pool of {layout.num_blocks}")
+    if not 0 <= num_cached_tokens < num_tokens or num_cached_tokens % layout.block_size:
+        raise ValueError(f"{request_id}: {num_cached_tokens} cached tokens is not a whole number of "
+                         f"blocks of {layout.block_size} below {num_tokens}")
+
+
+class RecentlyEnded:
+    """The ids of the requests that ended lately (the newest `limit`), so that their late
+    messages are told to stop rather than dropped as unknown."""
+
+    def __init__(self, limit: int = 100_000) -> None:
+        self._limit = limit
+        self._ids: collections.OrderedDict[str, None] = collections.OrderedDict()
+
+    def add(self, request_id: str) -> None:
+        self._ids[request_id] = None
+        while len(self._ids) > self._limit:
+            self._ids.popitem(last=False)
+
+    def discard(self, request_id: str) -> None:
+        self._ids.pop(request_id, None)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._ids

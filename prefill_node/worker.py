@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from tandem.config import WorkerConfig
 from tandem.engine.engine import LLMEngine
 from tandem.engine.hooks import PrefillHooks
 from tandem.engine.model_runner import ModelRunner
@@ -63,24 +64,13 @@ class _Prefill:
 class PrefillWorker(Worker):
     role = Role.PREFILL
 
-    def __init__(self, instance: str = "prefill-0", transfer_timeout_s: float = 30.0, kv_checksum: bool = False,
-                 node_id: str | None = None, kv_transport: str = "auto", kv_allow_unencrypted_pairs: bool = False,
-                 **kwargs: Any) -> None:
-        """kv_checksum: a CRC-32 goes with every layer sent in frames (the receiver checks it).
-        node_id: this worker's node (Ray's node id under Ray; default: the host's identity):
-        decode workers on the same one get the KV written straight into their shared pools.
-        kv_transport: how the KV goes (kvtransfer.protocol.KV_TRANSPORTS; auto: shared memory
-        on one node, CUDA IPC on one GPU, else NCCL between GPUs, else ZMQ frames: path_choice.py).
-        kv_allow_unencrypted_pairs: with TANDEM_KV_SECRET set, torch.distributed pairs (never
-        encrypted) are taken all the same (--kv-allow-unencrypted-pairs); else refused."""
-        self._kv_transport = kv_transport
-        self._kv_allow_unencrypted_pairs = kv_allow_unencrypted_pairs
-        self._transfer_timeout_s = transfer_timeout_s
-        self._kv_checksum = kv_checksum
-        self._node_id = node_id
+    def __init__(self, config: WorkerConfig, instance: str = "prefill-0", placement_group: Any = None) -> None:
+        """config.kv_transfer: how the KV goes out (its transport, timeout, checksum, and node:
+        decode workers on the same one get the KV written straight into their shared pools)."""
+        self._kv = config.kv_transfer
         self.handoffs: StateTable[PrefillHandoff, _Prefill] = StateTable(P.PREFILLING, TRANSITIONS)
         """Where each admitted request stands until its blocks are free (the loop thread's)."""
-        super().__init__(instance, **kwargs)
+        super().__init__(config, instance, placement_group)
 
     def _prefill_hooks(self, runner: ModelRunner) -> PrefillHooks:
         # Tensor-parallel: each rank holds some heads; the first collects every head of the
@@ -91,10 +81,10 @@ class PrefillWorker(Worker):
     def _start_loop(self) -> EngineLoop:
         runner = self.engine.runner
         layout = None if self._tp_runner is None else self._tp_runner.layout
-        self.sender = KVSender(runner.kv_cache, timeout_s=self._transfer_timeout_s, model=self.fingerprint,
-                               checksum=self._kv_checksum, layout=layout,
-                               node_id=self._node_id, transport=self._kv_transport, curve=CurveKeys.from_env(),
-                               allow_unencrypted_pairs=self._kv_allow_unencrypted_pairs)
+        kv = self._kv
+        self.sender = KVSender(runner.kv_cache, timeout_s=kv.timeout_s, model=self.fingerprint,
+                               checksum=kv.checksum, layout=layout, node_id=kv.node_id, transport=kv.transport,
+                               curve=CurveKeys.from_env(), allow_unencrypted_pairs=kv.allow_unencrypted_pairs)
         self.metrics.kv_bytes["sent"] = lambda: self.sender.num_bytes_sent
         self.metrics.num_transferring = lambda: self.sender.num_pending
         return EngineLoop(self.engine, tick=self._tick, on_down=self._engine_down)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import ray
 from ray.util.placement_group import remove_placement_group
 
+from tandem.config import WorkerConfig
 from tandem.router.disagg import DEFAULT_MAX_LOCAL_STALL_S
 from tandem.router.placement import (
     GPU,
@@ -42,8 +43,9 @@ class ClusterConfig:
     """auto's bound on what a local prefill adds to a decode worker's running streams."""
     address: str | None = None
     """An existing Ray cluster to join; None starts a local one."""
-    worker_args: dict[str, Any] = field(default_factory=dict)
-    """Model and engine arguments of every worker (model, dtype, kv_cache_memory_gib, ...)."""
+    worker: WorkerConfig = WorkerConfig()
+    """Every worker's model, engine and KV transfer settings (start_cluster sets, per pool, the
+    threads, device and tensor-parallel size it works out on a copy)."""
     name_prefix: str = ""
     """Prefixed to actor names, so that two clusters can share one Ray."""
     pool_resources: bool = False
@@ -55,12 +57,6 @@ class ClusterConfig:
     """Tensor-parallel ranks per decode (or colocated) worker."""
     num_cpus_per_rank: float = 1.0
     """CPUs Ray reserves for each rank of each worker."""
-    kv_transport: str = "auto"
-    """How prefill workers send KV to decode workers (kvtransfer.protocol.KV_TRANSPORTS);
-    the decode workers are told too (only auto needs their pools in shared memory)."""
-    kv_allow_unencrypted_pairs: bool = False
-    """With TANDEM_KV_SECRET set, torch.distributed pairs (nccl, gloo: never encrypted) are
-    taken all the same (--kv-allow-unencrypted-pairs); else refused (kvtransfer/path_choice.py)."""
     gpus_per_worker: float | None = None
     """GPUs Ray reserves for each rank of each worker (a fraction shares one GPU); None:
     decided from the device and the cluster's GPUs (see placement.gpus_per_rank)."""
@@ -85,8 +81,8 @@ class ClusterConfig:
 
     @property
     def device(self) -> str:
-        """The workers' engine device (auto unless worker_args name one)."""
-        return str(self.worker_args.get("device", "auto"))
+        """The workers' engine device, as configured (auto unless given)."""
+        return self.worker.device
 
     def placement(self, cluster_gpus: float) -> Placement:
         """Every worker's Ray resources on a cluster with ``cluster_gpus`` GPUs; PlacementError
@@ -99,7 +95,7 @@ class ClusterConfig:
                 raise ValueError(f"the {pool.role} workers' tensor-parallel size must be >= 1, got {pool.tp}")
         gpus = gpus_per_rank(self.gpus_per_worker, self.device, cluster_gpus, self.num_ranks,
                              max(p.tp for p in pools))
-        check_memory_share(self.worker_args, gpus)
+        check_memory_share(self.worker, gpus)
         return Placement(pools, self.num_cpus_per_rank, gpus, self.pool_resources)
 
     def check_fits(self, have: dict[str, float], where: str) -> Placement:
@@ -107,12 +103,6 @@ class ClusterConfig:
         placement = self.placement(have.get(GPU, 0.0))
         placement.check_fits(have, where, self.device)
         return placement
-
-
-def kv_path_args(cfg: ClusterConfig) -> dict[str, Any]:
-    """The KV transfer keywords of a prefill or decode worker (those not at their default)."""
-    return {**({"kv_transport": cfg.kv_transport} if cfg.kv_transport != "auto" else {}),
-            **({"kv_allow_unencrypted_pairs": True} if cfg.kv_allow_unencrypted_pairs else {})}
 
 
 async def start_cluster(cfg: ClusterConfig) -> RayBackend:
@@ -134,10 +124,8 @@ async def start_cluster(cfg: ClusterConfig) -> RayBackend:
     await wait_placeable(placement, cfg.placement_timeout_s)
     if placement.gpus_per_rank:
         logger.info("each worker rank reserves %g GPU", placement.gpus_per_rank)
-    args = dict(cfg.worker_args)
-    args.setdefault("num_threads", max(1, cores // cfg.num_ranks))
-    if worker_device(cfg.device, placement.gpus_per_rank) != cfg.device:
-        args["device"] = worker_device(cfg.device, placement.gpus_per_rank)
+    worker = dataclasses.replace(cfg.worker, device=worker_device(cfg.device, placement.gpus_per_rank),
+                                 num_threads=cfg.worker.num_threads or max(1, cores // cfg.num_ranks))
     roles = ([(Role.COLOCATED, cfg.colocated)] if cfg.colocated
              else [(Role.PREFILL, cfg.num_prefill), (Role.DECODE, cfg.num_decode)])
     states: dict[Role, list[WorkerState]] = {Role.PREFILL: [], Role.DECODE: [], Role.COLOCATED: []}
@@ -147,9 +135,9 @@ async def start_cluster(cfg: ClusterConfig) -> RayBackend:
         for i in range(count):
             instance = f"{cfg.name_prefix}{role.value}-{i}"
             group = worker_placement_group(role, tp, pool_resources=cfg.pool_resources, **resources) if tp > 1 else None
-            handle = start_worker(role, instance, pool_resources=cfg.pool_resources, placement_group=group,
-                                  **resources, **args, **({"tensor_parallel_size": tp} if tp > 1 else {}),
-                                  **(kv_path_args(cfg) if role is not Role.COLOCATED else {}))
+            pool_worker = worker.with_engine(tensor_parallel_size=tp) if tp > 1 else worker
+            handle = start_worker(role, instance, pool_worker, pool_resources=cfg.pool_resources,
+                                  placement_group=group, **resources)
             states[role].append(WorkerState(instance, handle, placement_group=group))
     everyone = [w for ws in states.values() for w in ws]
     logger.info("starting %d workers (each loads the model)...", len(everyone))

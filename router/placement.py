@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from tandem.config import WorkerConfig
+
 CPU, GPU = "CPU", "GPU"
 GPU_SHARE_UNIT = 1e-4
 """Ray counts resources in units of 0.0001: a fractional share is rounded down to it."""
@@ -178,10 +180,10 @@ def worker_device(device: str, gpus: float) -> str:
     return "cpu" if gpus == 0 and device_kind(device) == "auto" else device
 
 
-def check_memory_share(worker_args: Mapping[str, Any], gpus: float) -> None:
+def check_memory_share(worker: WorkerConfig, gpus: float) -> None:
     """Workers sharing a GPU (a fractional share) must not each ask for more of its memory
     than their share: --gpu-memory-utilization is each worker's fraction of the GPU."""
-    utilization = worker_args.get("gpu_memory_utilization")
+    utilization = worker.engine.get("gpu_memory_utilization")
     if utilization is not None and 0 < gpus < 1 and utilization > gpus + TOLERANCE:
         raise PlacementError(
             f"--gpu-memory-utilization {utilization:g} is more than each worker's share of its GPU ({gpus:g}, "

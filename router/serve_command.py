@@ -10,13 +10,13 @@ import os
 import signal
 import sys
 from collections.abc import Mapping
-from typing import Any
 
+from tandem.config import EngineOptions, KVTransferConfig, WorkerConfig
 from tandem.config.engine_options import ENGINE_DEFAULTS, add_engine_options, engine_options_from_args
 from tandem.config.model_args import add_model_args, model_of
+from tandem.kvtransfer.connectors.registry import kv_transports
 from tandem.kvtransfer.curve import SECRET_ENV
 from tandem.kvtransfer.path_choice import ALLOW_UNENCRYPTED_FLAG, PAIR_PATHS
-from tandem.kvtransfer.protocol import KV_TRANSPORTS
 from tandem.model.generation_defaults import GENERATION_CONFIG_CHOICES_HELP
 from tandem.router.auth import API_KEYS_ENV, AUTH_TOKEN_ENV, api_keys_from_env
 from tandem.router.disagg import DEFAULT_MAX_LOCAL_STALL_S, DISAGG_POLICIES
@@ -87,7 +87,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-transfer-host", default=None, metavar="HOST",
                         help="address decode workers receive KV on (default loopback; 'node-ip': the Ray node's "
                              "address, for pools on several hosts)")
-    parser.add_argument("--kv-transport", default="auto", choices=KV_TRANSPORTS,
+    parser.add_argument("--kv-transport", default="auto", choices=kv_transports(),
                         help="how KV goes from prefill to decode workers: auto (default: in place through shared "
                              "memory on one host, CUDA IPC between two workers on one GPU, NCCL between GPUs, else "
                              "ZMQ), zmq (always ZMQ frames), gloo or nccl (a torch.distributed group per worker "
@@ -126,28 +126,22 @@ def read_chat_template(given: str | None) -> str | None:
         raise ValueError(f"--chat-template: cannot read {given!r}: {e.strerror}") from None
 
 
-def worker_args(args: argparse.Namespace) -> dict[str, Any]:
-    """Each worker's engine options from the flags; a bad one refused before any worker starts.
+def worker_config(args: argparse.Namespace) -> WorkerConfig:
+    """Each worker's settings from the flags; a bad one refused before any worker starts.
 
-    Only the options that differ from their defaults are passed: a worker builds its engine
-    with the same defaults (tandem.config.engine_options), and its arguments show what was asked."""
+    Only the engine options that differ from their defaults are given: a worker builds its
+    engine with the same defaults (tandem.config.engine_options), and its config shows what was asked."""
     if args.num_speculative_tokens < 0:
         raise ValueError(f"--num-speculative-tokens must be >= 0, got {args.num_speculative_tokens}")
     options = engine_options_from_args(args)
-    options.pop("tensor_parallel_size")  # per pool: see pool_tp
-    worker: dict[str, Any] = {"model": model_of(args),
-                              **{k: v for k, v in options.items() if v != ENGINE_DEFAULTS[k]}}
-    if args.revision is not None:
-        worker["revision"] = args.revision
-    if args.generation_config != "auto":
-        worker["generation_config"] = args.generation_config
-    if args.num_threads is not None:
-        worker["num_threads"] = args.num_threads
-    if args.kv_transfer_host is not None:
-        worker["kv_transfer_host"] = args.kv_transfer_host
-    if args.kv_checksum:
-        worker["kv_checksum"] = True
-    return worker
+    del options["tensor_parallel_size"]  # per pool: see pool_tp
+    kv_transfer = KVTransferConfig(transport=args.kv_transport, checksum=args.kv_checksum,
+                                   allow_unencrypted_pairs=args.kv_allow_unencrypted_pairs,
+                                   receiver_host=args.kv_transfer_host)
+    return WorkerConfig(model=model_of(args), revision=args.revision, device=options.pop("device"),
+                        dtype=options.pop("dtype"), num_threads=args.num_threads,
+                        generation_config=args.generation_config, kv_transfer=kv_transfer,
+                        engine=EngineOptions.of({k: v for k, v in options.items() if v != ENGINE_DEFAULTS[k]}))
 
 
 def pool_tp(args: argparse.Namespace) -> tuple[int, int]:
@@ -179,11 +173,9 @@ async def _serve(args: argparse.Namespace) -> int:
     cfg = ClusterConfig(num_prefill=args.prefill, num_decode=args.decode, colocated=args.colocated,
                         policy=args.policy, disagg_policy=args.disagg_policy,
                         max_local_stall_s=args.max_local_stall_ms / 1e3, address=args.address,
-                        worker_args=worker_args(args),
+                        worker=worker_config(args),
                         pool_resources=args.pool_resources, prefill_tp=prefill_tp, decode_tp=decode_tp,
-                        log_level=args.log_level, kv_transport=args.kv_transport,
-                        kv_allow_unencrypted_pairs=args.kv_allow_unencrypted_pairs,
-                        **placement_options(args))
+                        log_level=args.log_level, **placement_options(args))
     mode = f"{cfg.colocated} colocated" if cfg.colocated else f"{cfg.num_prefill} prefill + {cfg.num_decode} decode"
     print(f"tandem: starting {mode} worker(s); each loads the model...", file=sys.stderr, flush=True)
     backend = await start_cluster(cfg)

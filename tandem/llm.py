@@ -14,7 +14,9 @@ from tandem.config import EngineConfig
 from tandem.config.device import resolve_device, resolve_dtype
 from tandem.config.engine_options import ENGINE_DEFAULTS, from_vllm_keywords
 from tandem.engine.engine import LLMEngine
+from tandem.engine.observer import EngineObserver
 from tandem.engine.setup import engine_config_and_weights
+from tandem.engine.step_threads import StepThreads
 from tandem.model.dtypes import torch_dtype
 from tandem.model.loader import LoadedModel, load_model
 from tandem.model.source import ModelSource, resolve_model_source
@@ -46,11 +48,13 @@ class LLM:
     the same as ``tandem chat``'s and ``tandem serve``'s flags; vLLM's names are taken too
     (``swap_space``; ``enforce_eager`` and the like without effect: see engine_options).
     With tensor_parallel_size > 1 the other ranks are Ray actors (call :meth:`shutdown` to
-    stop them).
+    stop them). ``observer`` and ``step_threads`` go to the engine (see LLMEngine): what
+    watches its steps, and the torch threads each step takes by its size (as a served worker's).
     """
 
     def __init__(self, model: str | None = None, *, device: str = ENGINE_DEFAULTS["device"],
                  dtype: str = ENGINE_DEFAULTS["dtype"], num_threads: int | None = None, revision: str | None = None,
+                 observer: EngineObserver | None = None, step_threads: StepThreads | None = None,
                  **engine_args: Any) -> None:
         engine_args = from_vllm_keywords(engine_args)
         if num_threads is not None:
@@ -60,17 +64,19 @@ class LLM:
         dtype = resolve_dtype(dtype, device)
         source = resolve_model_source(model, revision)
         self._start(load_model(source, torch_dtype(dtype)), dict(engine_args, device=device, dtype=dtype), source,
-                    model, num_threads, revision)
+                    model, num_threads, revision, observer=observer, step_threads=step_threads)
 
     @classmethod
-    def from_loaded(cls, loaded: LoadedModel, **engine_args: Any) -> LLM:
+    def from_loaded(cls, loaded: LoadedModel, *, observer: EngineObserver | None = None,
+                    **engine_args: Any) -> LLM:
         """A fresh engine on weights already loaded (tests and benchmarks share one load)."""
         llm = cls.__new__(cls)
-        llm._start(loaded, engine_args)
+        llm._start(loaded, engine_args, observer=observer)
         return llm
 
     def _start(self, loaded: LoadedModel, engine_args: dict[str, Any], source: ModelSource | None = None,
-               model: str | None = None, num_threads: int | None = None, revision: str | None = None) -> None:
+               model: str | None = None, num_threads: int | None = None, revision: str | None = None, *,
+               observer: EngineObserver | None = None, step_threads: StepThreads | None = None) -> None:
         """source: the files ``loaded`` came from (see loader.quantized). model: where the
         other ranks load the weights from, with tensor_parallel_size > 1 (Ray actors, on a
         local Ray unless one is running; see parallel.ranks)."""
@@ -78,7 +84,8 @@ class LLM:
         config, loaded = engine_config_and_weights(loaded, engine_args, source)
         started = start_engine_model(loaded, config, model, num_threads, revision=revision)
         self._ranks = started.ranks
-        self.engine = LLMEngine(config, started.model, self.tokenizer, runner=started.runner)
+        self.engine = LLMEngine(config, started.model, self.tokenizer, runner=started.runner, observer=observer,
+                                step_threads=step_threads)
         self._request_ids = itertools.count()
 
     def shutdown(self) -> None:

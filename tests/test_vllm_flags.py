@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tandem import cli
+from tandem.config import WorkerConfig
 from tandem.config.engine_options import from_vllm_keywords
 from tandem.router import serve_command
 from tandem.router.auth import DEFAULT_TENANT, api_keys_from_env
@@ -26,20 +27,20 @@ def serve(*argv: str):
 
 def test_the_model_is_positional_as_in_vllm_serve():
     args = serve("Qwen/Qwen2.5-0.5B-Instruct", "--revision", "v1", "--served-model-name", "qwen", "q")
-    assert serve_command.worker_args(args) == {"model": "Qwen/Qwen2.5-0.5B-Instruct", "revision": "v1"}
+    assert serve_command.worker_config(args) == WorkerConfig(model="Qwen/Qwen2.5-0.5B-Instruct", revision="v1")
     assert args.served_model_name == ["qwen", "q"]
-    assert serve_command.worker_args(serve("--model", "/m"))["model"] == "/m"
-    assert serve_command.worker_args(serve("/m", "--model", "/m"))["model"] == "/m"
+    assert serve_command.worker_config(serve("--model", "/m")).model == "/m"
+    assert serve_command.worker_config(serve("/m", "--model", "/m")).model == "/m"
     with pytest.raises(ValueError, match="two models given"):
-        serve_command.worker_args(serve("/m", "--model", "/n"))
+        serve_command.worker_config(serve("/m", "--model", "/n"))
 
 
 def test_vllm_engine_flags_reach_every_worker():
     args = serve("--swap-space", "2", "--no-enable-prefix-caching", "--seed", "7", "--max-num-seqs", "8",
                  "--max-model-len", "512", "--gpu-memory-utilization", "0.5", "--enforce-eager")
-    assert serve_command.worker_args(args) == {"model": None, "swap_space_gib": 2.0, "enable_prefix_caching": False,
-                                               "seed": 7, "max_num_seqs": 8, "max_model_len": 512,
-                                               "gpu_memory_utilization": 0.5}
+    assert serve_command.worker_config(args).engine == {"swap_space_gib": 2.0, "enable_prefix_caching": False,
+                                                        "seed": 7, "max_num_seqs": 8, "max_model_len": 512,
+                                                        "gpu_memory_utilization": 0.5}
 
 
 @pytest.mark.parametrize(("argv", "tp"), [((), (1, 1)), (("-tp", "2"), (2, 2)),
@@ -48,7 +49,7 @@ def test_vllm_engine_flags_reach_every_worker():
 def test_tensor_parallel_size_is_both_pools_unless_one_says_otherwise(argv, tp):
     args = serve(*argv)
     assert serve_command.pool_tp(args) == tp
-    assert "tensor_parallel_size" not in serve_command.worker_args(args)  # the cluster sets it per pool
+    assert "tensor_parallel_size" not in serve_command.worker_config(args).engine  # the cluster sets it per pool
 
 
 def test_api_key_is_the_default_tenants():

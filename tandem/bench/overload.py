@@ -184,11 +184,13 @@ async def run_phases(load: Load, watch: Watch, workers: list[WorkerState], setti
 
 def cluster_config(args: argparse.Namespace, cores: int) -> ClusterConfig:
     """1 prefill + 1 decode worker, each on half the cores' torch threads."""
+    from tandem.config import WorkerConfig
     from tandem.router.cluster import ClusterConfig
 
-    worker_args = {"model": args.model, "kv_cache_memory_gib": args.kv_cache_memory_gib,
-                   "max_num_batched_tokens": args.max_num_batched_tokens, "num_threads": max(1, cores // 2)}
-    return ClusterConfig(num_prefill=1, num_decode=1, name_prefix="overload-", worker_args=worker_args,
+    worker = WorkerConfig.build(model=args.model, num_threads=max(1, cores // 2),
+                                kv_cache_memory_gib=args.kv_cache_memory_gib,
+                                max_num_batched_tokens=args.max_num_batched_tokens)
+    return ClusterConfig(num_prefill=1, num_decode=1, name_prefix="overload-", worker=worker,
                          disagg_policy="always")
 
 

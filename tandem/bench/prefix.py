@@ -103,12 +103,13 @@ async def measure(s: Settings, args: argparse.Namespace) -> dict[str, dict[str, 
     from tokenizers import Tokenizer
 
     from tandem.bench.serve import token_pool
+    from tandem.config import WorkerConfig
     from tandem.router.cluster import ClusterConfig, start_cluster, stop_cluster
     from tandem.router.server import bound_port, drain, serve
 
-    worker_args = dict(model=args.model, kv_cache_memory_gib=s.kv_cache_memory_gib, num_threads=1)
+    worker = WorkerConfig.build(model=args.model, num_threads=1, kv_cache_memory_gib=s.kv_cache_memory_gib)
     first = await start_cluster(ClusterConfig(num_prefill=1, num_decode=2, policy=POLICIES[0], disagg_policy="always",
-                                              worker_args=worker_args, name_prefix="bench-p-"))
+                                              worker=worker, name_prefix="bench-p-"))
     spec = first.tokenizer_spec
     pool = token_pool(Tokenizer.from_str(spec.tokenizer_json), spec.vocab_size, spec.eos_token)
     rng = np.random.default_rng(args.seed)

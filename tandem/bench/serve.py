@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     import numpy as np
 
     from tandem.bench.serving.load import Request
+    from tandem.config import WorkerConfig
+    from tandem.router.cluster import ClusterConfig
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +149,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     return s
 
 
-def cluster_configs(cores: int, colocated_workers: int, worker_args: dict, disagg_policy: str = "auto") -> dict:
+def cluster_configs(cores: int, colocated_workers: int, worker: WorkerConfig,
+                    disagg_policy: str = "auto") -> dict[str, ClusterConfig]:
     """Both modes on the same total torch threads: disaggregated 1 prefill + 1 decode worker
     with cores // 2 threads each (``disagg_policy`` deciding where each prompt is prefilled),
     colocated N workers with cores // N threads each."""
@@ -156,9 +159,9 @@ def cluster_configs(cores: int, colocated_workers: int, worker_args: dict, disag
     half, per_colocated = max(1, cores // 2), max(1, cores // colocated_workers)
     return {
         "disaggregated": ClusterConfig(num_prefill=1, num_decode=1, name_prefix="bench-d-", disagg_policy=disagg_policy,
-                                       worker_args={**worker_args, "num_threads": half}),
+                                       worker=replace(worker, num_threads=half)),
         "colocated": ClusterConfig(colocated=colocated_workers, name_prefix="bench-c-",
-                                   worker_args={**worker_args, "num_threads": per_colocated}),
+                                   worker=replace(worker, num_threads=per_colocated)),
     }
 
 
@@ -275,48 +278,6 @@ class Bench:
                     metrics["goodput"])
         return {"metrics": metrics, "requests": result_dicts(results), **await scrapes.finish()}
 
-    def save_flat(self, runs: list[dict]) -> list[Path]:
-        """--save-result: each kept run under vLLM's flat keys, a file of its own."""
-        from tandem.bench.serving.vllm_format import flat_result, result_file_name
-
-        paths = []
-        for run in runs:
-            flat = flat_result(run["metrics"], model=self.model or self.args.model, label=run["label"],
-                               num_prompts=self.settings.num_prompts, rate=run["rate"],
-                               burstiness=self.args.burstiness, max_concurrency=self.args.max_concurrency)
-            paths.append(Path(self.args.out_dir) / result_file_name(run))
-            paths[-1].write_text(json.dumps(flat, indent=2))
-        return paths
-
-    def results(self, config: dict) -> dict:
-        from tandem.bench.serving.slo_search import max_rate_ratio
-        from tandem.bench.serving.sweep import BEST_RULE, compare
-
-        s = self.settings
-        search = self.slo_search
-        if search is not None and len(search["setups"]) == 2:
-            value, qualifier = max_rate_ratio(search["setups"]["disaggregated"], search["setups"]["colocated"])
-            search = {**search, "max_rate_ratio": value, "max_rate_ratio_qualifier": qualifier}
-        shapes = self.shapes or []
-        return {
-            "config": {**config, "api": self.args.api, "served_model": self.model, "seed": self.args.seed,
-                       "rates": s.rates, "num_prompts": s.num_prompts, "burstiness": self.args.burstiness,
-                       "max_concurrency": self.args.max_concurrency, "slo_ms": self.slo, "quick": self.args.quick,
-                       "kv_cache_memory_gib": s.kv_cache_memory_gib,
-                       "max_num_batched_tokens": self.args.max_num_batched_tokens, "colocated_budgets": s.budgets,
-                       "slo_attainment": self.args.slo_attainment, "slo_probes": s.slo_probes,
-                       "best_rule": BEST_RULE, "elapsed_s": self.elapsed_s, "retries": self.args.retries},
-            "workload": {"prompts": "uniform random token ids (added, special and EOS ids excluded), "
-                                    "no shared prefixes; the same kinds and lengths at every rate",
-                         "short_prompt_len": list(s.short_prompt_len), "long_prompt_len": list(s.long_prompt_len),
-                         "output_len": list(s.output_len), "long_fraction": s.long_fraction,
-                         "num_long": [sum(r.kind == "long" for r in shapes)] * len(s.rates),
-                         "sampling": "temperature=0, ignore_eos=True, max_tokens=output_len",
-                         "arrivals": "gamma(shape=burstiness, mean=1/rate) gaps, first request at 0"},
-            "runs": self.runs, "router_overhead": self.overhead, "comparison": compare(self.runs),
-            "slo_search": search, "discarded_runs": self.discarded,
-        }
-
 
 async def run_server(bench: Bench) -> None:
     from tandem.model.source import load_tokenizer, resolve_model_source
@@ -338,6 +299,7 @@ def run(args: argparse.Namespace) -> int:
     from tandem.bench.serving import plots as serve_plots
     from tandem.bench.serving import report as serve_report
     from tandem.bench.serving import sweep_plots
+    from tandem.bench.serving.results import bench_results, save_flat
 
     settings = settings_from_args(args)
     if args.api_key:  # what both clients send (router.auth.auth_token_from_env)
@@ -354,14 +316,14 @@ def run(args: argparse.Namespace) -> int:
         from tandem.bench.serving.local import run_clusters
 
         config = run_clusters(bench, functools.partial(cluster_configs, disagg_policy=args.disagg_policy))
-    results = bench.results(config)
+    results = bench_results(bench, config)
     json_path = out_dir / "results.json"
     json_path.write_text(json.dumps(results, indent=2))
     plots = [serve_report.write_distributions(results, out_dir), *serve_plots.write_plots(results, out_dir),
              *sweep_plots.write_sweep_plots(results, out_dir)]
     paths = [json_path, *plots, serve_report.write_html(results, out_dir, plots)]
     if args.save_result:
-        paths += bench.save_flat(results["runs"])
+        paths += save_flat(bench, results["runs"])
     serve_plots.print_report(results)
     print("\nwrote " + ", ".join(str(p) for p in paths))
     return 0 if all(r["metrics"]["failed"] == 0 for r in results["runs"]) else 1

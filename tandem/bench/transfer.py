@@ -27,7 +27,6 @@ from tandem.bench.transfers.remote import TRANSPORTS, RemoteReceiver
 from tandem.bench.transfers.runs import BLOCK_SIZE, TIMEOUT_S, bench_overlap, bench_transfers
 from tandem.config import EngineConfig, ModelConfig
 from tandem.engine.model_runner import ModelRunner
-from tandem.kvtransfer.payload import DistPayload
 from tandem.kvtransfer.sender import KVSender
 from tandem.model.llama import LayerWeights, LlamaModel, ModelWeights
 from tandem.model.loader import load_hf_config, load_model
@@ -140,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
             # "default" sends over every transport but gloo: by frames, or in place to the shm receiver.
             senders = {"default": KVSender(torch.randn(shape), TIMEOUT_S)}
             if remote.gloo:
-                senders["gloo"] = KVSender(senders["default"].kv_cache, TIMEOUT_S, dist_payload=DistPayload())
+                senders["gloo"] = KVSender(senders["default"].kv_cache, TIMEOUT_S, transport="gloo")
             transfers = bench_transfers(remote, senders, cfg, s.prompt_lens, s.transports, s.block_orders,
                                         s.repeats, np.random.default_rng(args.seed))
             for sender in senders.values():

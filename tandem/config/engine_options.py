@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -150,3 +150,49 @@ def add_engine_options(parser: argparse.ArgumentParser, names: Iterable[str] | N
 def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The engine options parsed by add_engine_options, as EngineConfig.build's keywords."""
     return {o.name: getattr(args, o.name) for o in ENGINE_OPTIONS}
+
+
+@dataclass(frozen=True, eq=False)
+class EngineOptions(Mapping[str, Any]):
+    """Engine options by keyword (ENGINE_OPTIONS' names), only those given: every other one is
+    at its default (ENGINE_DEFAULTS), as EngineConfig.build takes it. Frozen, and a plain tuple
+    inside, so it pickles (a MappingProxyType would not reach a Ray actor).
+
+    ``EngineOptions.of({"max_num_seqs": 8})["max_num_seqs"] == 8``; an unknown keyword is refused."""
+
+    given: tuple[tuple[str, Any], ...] = ()
+    """(keyword, value) of each option given, sorted by keyword."""
+
+    def __post_init__(self) -> None:
+        names = [name for name, _ in self.given]
+        unknown = sorted(set(names) - ENGINE_DEFAULTS.keys())
+        if unknown:
+            raise ValueError(f"no such engine options: {', '.join(unknown)}")
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"engine options given twice: {', '.join(twice)}")
+        # One order, so that equal options compare (and hash) equal.
+        object.__setattr__(self, "given", tuple(sorted(self.given, key=lambda item: item[0])))
+
+    @classmethod
+    def of(cls, options: Mapping[str, Any]) -> EngineOptions:
+        return cls(tuple(options.items()))
+
+    def replace(self, **changes: Any) -> EngineOptions:
+        """These options with ``changes`` (keyword -> value) given too, over any given before."""
+        return EngineOptions.of({**dict(self.given), **changes})
+
+    def __getitem__(self, name: str) -> Any:
+        for key, value in self.given:
+            if key == name:
+                return value
+        raise KeyError(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return (name for name, _ in self.given)
+
+    def __len__(self) -> int:
+        return len(self.given)
+
+    def __hash__(self) -> int:  # Mapping's __eq__ (equal to a dict of the same items) wants its own hash
+        return hash(self.given)

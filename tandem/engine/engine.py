@@ -19,6 +19,7 @@ from tandem.engine.sampler import TargetSample
 from tandem.engine.scheduler import Scheduler
 from tandem.engine.sequence import Sequence, SequenceGroup, SequenceStatus, SequenceUpdate
 from tandem.engine.snapshots import EngineCounters, EngineInventory, EngineLoad
+from tandem.engine.step_threads import StepThreads
 from tandem.kvcache.block_manager import BlockManager
 from tandem.kvcache.capacity import KVCapacity
 from tandem.model.llama import LlamaModel
@@ -36,18 +37,26 @@ class LLMEngine:
     never through the scheduler's queues or the block manager.
     """
 
-    def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer=None,
-                 observer: EngineObserver | None = None, runner: ModelRunner | None = None,
-                 hooks: PrefillHooks | None = None) -> None:
+    def __init__(self, config: EngineConfig, model: LlamaModel, tokenizer=None, *,
+                 runner: ModelRunner | None = None, hooks: PrefillHooks | None = None,
+                 observer: EngineObserver | None = None, grammars: Grammars | None = None,
+                 step_threads: StepThreads | None = None) -> None:
         """runner: runs ``model`` (default: a ModelRunner over it; a tensor-parallel one is given).
-        hooks: what runs inside every step (a prefill worker's KV sends)."""
+        hooks: what runs inside every step (a prefill worker's KV sends).
+        observer: told of every step, first token and finish (a worker's metrics).
+        grammars: structured outputs' compiler (default: over ``tokenizer``; a prefill worker,
+        which emits no text and has no tokenizer here, gives one over the model's).
+        step_threads: the torch threads each step runs on, by its size (None: as the process
+        has them)."""
         self.config = config
         if config.seed is not None:  # NOTE: the process's generator: unseeded sampling draws from it
             torch.manual_seed(config.seed)
         self.tokenizer = tokenizer
-        self.grammars = Grammars(tokenizer, config.model.vocab_size, config.model.eos_token_ids)
+        self.grammars = (grammars if grammars is not None
+                         else Grammars(tokenizer, config.model.vocab_size, config.model.eos_token_ids))
         self.observer = observer
         self.hooks = hooks
+        self.step_threads = step_threads
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = runner if runner is not None else ModelRunner(config, model)
@@ -271,6 +280,8 @@ class LLMEngine:
             return []
         if self.observer is not None:
             self.observer.on_step(batch)
+        if self.step_threads is not None:
+            self.step_threads.apply(batch.num_tokens)
         hooks = self.hooks
         if hooks is None:
             sampled = self.runner.run(batch)

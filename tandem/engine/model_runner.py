@@ -16,7 +16,6 @@ from tandem.engine.logits_processors import apply_logits_processors
 from tandem.engine.sampler import Sampler, StepOutput
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
-from tandem.engine.step_threads import StepThreads
 from tandem.kernels import ops
 from tandem.kernels.attention_metadata import AttentionMetadata, DecodeGroup
 from tandem.kernels.paged_decode_attention import decode_group_plan
@@ -54,8 +53,6 @@ class ModelRunner:
             config.device)
         self.swapper = KVSwapper(self.kv_cache, config.num_swap_blocks)
         self.sampler = Sampler()
-        self.step_threads: StepThreads | None = None
-        """Torch threads by step size (a served worker sets it); None: as the process has them."""
         # The compiled CPU kernels loaded (built if missing) and their weight layouts made now,
         # before any request: never on a step.
         ops.prepare_cpu_kernels(config.device, config.dtype)
@@ -78,8 +75,6 @@ class ModelRunner:
         """on_layer_stored: see LlamaModel.forward. send_slots: the cache slots whose KV
         on_layer_stored sends on (only a tensor-parallel runner, which must collect them from
         its ranks, uses them)."""
-        if self.step_threads is not None:
-            self.step_threads.apply(batch.num_tokens)
         logits = self.forward(batch, on_layer_stored, send_slots)
         return self.sample(batch, logits)
 

@@ -112,9 +112,10 @@ class _Recorder:
 class _Stepper:
     """Steps an engine, timing each step and keeping it as a StepSample."""
 
-    def __init__(self, engine: LLMEngine, rng: np.random.Generator, clock: Callable[[], float]) -> None:
-        self.engine, self.rng, self.clock = engine, rng, clock
-        self.recorder = _Recorder()
+    def __init__(self, engine: LLMEngine, recorder: _Recorder, rng: np.random.Generator,
+                 clock: Callable[[], float]) -> None:
+        """recorder: ``engine``'s observer."""
+        self.engine, self.recorder, self.rng, self.clock = engine, recorder, rng, clock
         self.samples: list[StepSample] = []
         self.vocab_size = engine.config.model.vocab_size
 
@@ -212,11 +213,11 @@ def measure_steps(model: str | None = None, *, num_threads: int = 1, grid: Grid 
     threads_before = torch.get_num_threads()
     started = time.perf_counter()
     try:
-        llm = LLM(model, device="cpu", num_threads=num_threads)
+        recorder = _Recorder()
+        llm = LLM(model, device="cpu", num_threads=num_threads, observer=recorder,
+                  step_threads=StepThreads.for_served_worker(num_threads))  # as worker.base's on the CPU
         engine = llm.engine
-        engine.runner.step_threads = StepThreads.for_served_worker(num_threads)  # as worker.base on the CPU
-        stepper = _Stepper(engine, np.random.default_rng(seed), CLOCKS[clock])
-        engine.observer = stepper.recorder
+        stepper = _Stepper(engine, recorder, np.random.default_rng(seed), CLOCKS[clock])
         max_model_len = engine.config.max_model_len
         # First-call costs (allocations, kernel builds) stay out: a short and a long prompt, a decode.
         stepper.add("warm-short", stepper.prompt(32), 4)

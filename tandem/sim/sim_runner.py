@@ -56,8 +56,6 @@ class SimRunner:
     def __init__(self, step_model: StepTimeModel, tp: int = 1) -> None:
         self.step_model = step_model
         self.tp = tp
-        self.step_threads = None
-        """ModelRunner's attribute (a served CPU worker's threads); unused here."""
         self.last_shape = StepShape(0, 0, 0)
         self.last_step_s = 0.0
         self.num_steps = 0

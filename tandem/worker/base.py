@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
+from tandem.config import WorkerConfig
 from tandem.config.device import resolve_device, resolve_dtype
-from tandem.config.engine_options import ENGINE_DEFAULTS
 from tandem.engine.engine import LLMEngine
 from tandem.engine.grammars import Grammars
 from tandem.engine.hooks import PrefillHooks
@@ -50,50 +50,44 @@ class Worker:
     """Whether the process ends when the engine loop stops on an error (set for a Ray actor:
     Ray restarts it, with a fresh engine)."""
 
-    def __init__(self, instance: str, model: str | None = None, device: str = ENGINE_DEFAULTS["device"],
-                 dtype: str = ENGINE_DEFAULTS["dtype"], num_threads: int | None = None,
-                 loaded: LoadedModel | None = None,
-                 placement_group: Any = None, allocate_kv: KVAllocator = private_pool, fault_injection: bool = False,
-                 revision: str | None = None, generation_config: str = "auto", **engine_args: Any) -> None:
-        """loaded: weights already in this process (tests); otherwise `model` (at `revision`,
-        a hub id's branch, tag or commit) is loaded here
-        (and by the other ranks with tensor_parallel_size > 1, which `placement_group`, a Ray
-        placement group with a bundle per rank, places; see parallel.ranks.RankGroup).
-        allocate_kv: where the KV pool lives (at tensor_parallel_size 1).
-        fault_injection: `inject_fault` may break the engine (fault tests only).
-        generation_config: where requests' sampling defaults come from (see
-        model.generation_defaults: auto, vllm, or a directory)."""
-        self._fault_injection = fault_injection
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)  # pinned: workers sharing a host do not fight
+    def __init__(self, config: WorkerConfig, instance: str, placement_group: Any = None,
+                 allocate_kv: KVAllocator = private_pool, loaded: LoadedModel | None = None) -> None:
+        """config.model (at config.revision) is loaded here, unless ``loaded`` (weights already
+        in this process: tests) is given, and by the other ranks with tensor_parallel_size > 1,
+        which `placement_group`, a Ray placement group with a bundle per rank, places (see
+        parallel.ranks.RankGroup). allocate_kv: where the KV pool lives (at tensor_parallel_size 1)."""
+        self._fault_injection = config.fault_injection
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)  # pinned: workers sharing a host do not fight
         self.instance = instance
-        device = resolve_device(device)  # here, in the worker's process: the GPUs Ray gave it
-        dtype = resolve_dtype(dtype, device)
-        source = resolve_model_source(model, revision)
-        self.sampling_defaults = sampling_defaults(source.path, generation_config)
+        device = resolve_device(config.device)  # here, in the worker's process: the GPUs Ray gave it
+        dtype = resolve_dtype(config.dtype, device)
+        source = resolve_model_source(config.model, config.revision)
+        self.sampling_defaults = sampling_defaults(source.path, config.generation_config)
         if loaded is None:
             loaded = load_model(source, DTYPES[dtype])
-        config, loaded = engine_config_and_weights(loaded, dict(engine_args, device=device, dtype=dtype), source)
+        engine_config, loaded = engine_config_and_weights(loaded, config.engine_args(device, dtype), source)
         self.fingerprint = model_fingerprint(loaded)
         """The weights' identity, which KV transfer peers must share (the whole model's, on any tp)."""
-        started = start_engine_model(loaded, config, model, num_threads, placement_group, allocate_kv, revision)
+        started = start_engine_model(loaded, engine_config, config.model, config.num_threads, placement_group,
+                                     allocate_kv, config.revision)
         self.ranks = started.ranks
         if started.ranks is not None:  # keep rank 0's part only: the whole model's weights go
             loaded = LoadedModel(loaded.config, started.model.weights, loaded.tokenizer)
         self.loaded = loaded
-        tokenizer = loaded.tokenizer if self.role is not Role.PREFILL else None  # prefill emits no text
-        self.engine = LLMEngine(config, started.model, tokenizer, runner=started.runner,
-                                hooks=self._prefill_hooks(started.runner))
-        # A prefill worker samples first tokens under structured outputs' grammars all the same.
-        self.engine.grammars = Grammars(loaded.tokenizer, config.model.vocab_size, config.model.eos_token_ids)
-        if config.device.type == "cpu":
-            self.engine.runner.step_threads = StepThreads.for_served_worker(torch.get_num_threads())
-        self.metrics = WorkerMetrics(self.role, instance, loaded.config.name, self.engine)
-        self.engine.observer = self.metrics
+        self.metrics = WorkerMetrics(self.role, instance, loaded.config.name)
+        m = engine_config.model
+        self.engine = LLMEngine(
+            engine_config, started.model, loaded.tokenizer if self.role is not Role.PREFILL else None,  # no text out
+            runner=started.runner, hooks=self._prefill_hooks(started.runner), observer=self.metrics,
+            # A prefill worker samples first tokens under structured outputs' grammars all the same.
+            grammars=Grammars(loaded.tokenizer, m.vocab_size, m.eos_token_ids),
+            step_threads=(StepThreads.for_served_worker(torch.get_num_threads())
+                          if engine_config.device.type == "cpu" else None))
         self.loop = self._start_loop()
         self.loop.heartbeat_file = HeartbeatFile.from_env(instance)
         logger.info("%s worker %s ready on %s, %s (pid %d, %d torch threads)", self.role.value, instance,
-                    config.device_name, config.dtype_name, os.getpid(), torch.get_num_threads())
+                    engine_config.device_name, engine_config.dtype_name, os.getpid(), torch.get_num_threads())
 
     def _prefill_hooks(self, runner: ModelRunner) -> PrefillHooks | None:
         """What the engine runs inside each step for this role: a prefill worker's KV sends."""
@@ -145,7 +139,7 @@ class Worker:
 
     async def metrics_text(self) -> str:
         """This worker's metrics in Prometheus' text format (read between engine steps)."""
-        return await self.loop.call(lambda engine: self.metrics.render())
+        return await self.loop.call(self.metrics.render)
 
     async def inventory(self) -> WorkerInventory:
         """What this worker holds for requests (tests: every exit path leaves it empty)."""

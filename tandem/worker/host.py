@@ -3,6 +3,7 @@ never imports torch: the worker class is imported inside the actor's own process
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 from typing import Any, AsyncIterator
@@ -11,6 +12,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from tandem.config import WorkerConfig
 from tandem.kvtransfer.protocol import Destination
 from tandem.worker.api import (
     PrefillResult,
@@ -32,21 +34,15 @@ WORKER_CLASSES = {
 class WorkerHost:
     """Every worker method, delegated; each role uses its own subset."""
 
-    def __init__(self, role: Role, kv_transfer_host: str | None = None, kv_checksum: bool = False,
-                 **worker_args: Any) -> None:
-        """kv_transfer_host: where a decode worker's KV receiver listens ("node-ip": this
-        Ray node's address, so that prefill workers on other hosts reach it).
-        kv_checksum: prefill workers send a CRC-32 with every layer."""
-        if role is Role.PREFILL:
-            worker_args["kv_checksum"] = kv_checksum
+    def __init__(self, role: Role, instance: str, config: WorkerConfig,
+                 placement_group: PlacementGroup | None = None) -> None:
+        """placement_group: a tensor-parallel worker's (see worker_placement_group)."""
         if role in (Role.PREFILL, Role.DECODE):  # KV goes in place between workers of one Ray node
-            worker_args["node_id"] = ray.get_runtime_context().get_node_id()
-        if kv_transfer_host is not None and role is Role.DECODE:
-            if kv_transfer_host == "node-ip":
-                kv_transfer_host = ray.util.get_node_ip_address()
-            worker_args["transfer_address"] = f"tcp://{kv_transfer_host}:0"
+            kv_transfer = config.kv_transfer.on_node(ray.get_runtime_context().get_node_id(),
+                                                     ray.util.get_node_ip_address())
+            config = dataclasses.replace(config, kv_transfer=kv_transfer)
         module, name = WORKER_CLASSES[role].split(":")
-        self.worker = getattr(importlib.import_module(module), name)(**worker_args)
+        self.worker = getattr(importlib.import_module(module), name)(config, instance, placement_group)
         self.worker.exit_on_engine_down = True  # NOTE: Ray restarts a process that ended, not a thread
 
     def is_ready(self) -> bool:
@@ -122,17 +118,16 @@ def worker_placement_group(role: Role, tp: int, *, num_cpus: float, num_gpus: fl
     return placement_group([first] + [bundle] * (tp - 1), strategy="STRICT_PACK")
 
 
-def start_worker(role: Role, instance: str, *, num_cpus: float, num_gpus: float, pool_resources: bool = False,
-                 placement_group: PlacementGroup | None = None, **worker_args: Any):
-    """-> the actor handle of a new worker (Ray restarts it if its process dies).
+def start_worker(role: Role, instance: str, config: WorkerConfig, *, num_cpus: float, num_gpus: float,
+                 pool_resources: bool = False, placement_group: PlacementGroup | None = None):
+    """-> the actor handle of a new worker built with ``config`` (Ray restarts it if its process dies).
     pool_resources: the worker runs only on nodes that offer its pool's resource.
     placement_group: a tensor-parallel worker's (see worker_placement_group)."""
     options: dict[str, Any] = dict(resources={pool_resource(role): 1} if pool_resources else None)
     if placement_group is not None:
         options = dict(scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group,
                                                                             placement_group_bundle_index=0))
-        worker_args["placement_group"] = placement_group
     # ray.remote's overloads leave out concurrency_groups, an actor option its documentation gives.
     actor = ray.remote(concurrency_groups={"control": 2})(WorkerHost).options(  # type: ignore[call-overload]
         name=instance, num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=-1, max_concurrency=1000, **options)
-    return actor.remote(role, instance=instance, **worker_args)
+    return actor.remote(role, instance, config, placement_group)

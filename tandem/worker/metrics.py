@@ -17,13 +17,14 @@ from prometheus_client.registry import Collector
 from tandem.engine.engine import LLMEngine
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
+from tandem.kvtransfer.connectors.registry import path_labels
 from tandem.worker.api import Role
 from tandem.worker.metric_buckets import REQUEST_SECONDS
 
 LABELS = ("model_name", "role", "instance")
-TRANSFER_PATHS = ("shm", "cuda_ipc", "zmq", "dist")
-"""KV data paths (KVSender.begin): in place in a same-node shared pool, in place in a pool on
-the same GPU (CUDA IPC), ZMQ frames, torch.distributed (path_choice.py chooses)."""
+TRANSFER_PATHS = path_labels()
+"""KV data paths (KVSender.begin), one label per registered connector: torch.distributed
+pairs ("dist"), in place by CUDA IPC or in a same-node shared pool, ZMQ frames."""
 
 
 # (what a reason says, its label), first match wins; anything else is "error".
@@ -40,8 +41,7 @@ def failure_kind(reason: str) -> str:
 class WorkerMetrics:
     """Implements EngineObserver for its worker's engine."""
 
-    def __init__(self, role: Role, instance: str, model_name: str, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, role: Role, instance: str, model_name: str) -> None:
         self.label_values = (model_name, role.value, instance)
         self.registry = CollectorRegistry()
         self.queue_time = self._histogram(
@@ -79,7 +79,6 @@ class WorkerMetrics:
         """Cumulative KV payload bytes by direction ("sent", "received")."""
         self.kv_dropped: Callable[[], dict[str, int]] = dict
         """KV messages a receiver dropped, by reason (a decode worker's: no grant, malformed, ...)."""
-        self.registry.register(_EngineCollector(self))
 
     def _histogram(self, name: str, documentation: str):
         return Histogram(name, documentation, LABELS, registry=self.registry,
@@ -121,19 +120,23 @@ class WorkerMetrics:
         else:
             self._transfer_failures.labels(*self.label_values, failure_kind(failure)).inc()
 
-    def render(self) -> str:
-        """The Prometheus text exposition of everything above."""
-        return generate_latest(self.registry).decode()
+    def render(self, engine: LLMEngine) -> str:
+        """The Prometheus text exposition of everything above and of ``engine``'s state now
+        (call between its steps)."""
+        state = CollectorRegistry()
+        state.register(_EngineCollector(self, engine))
+        return (generate_latest(self.registry) + generate_latest(state)).decode()
 
 
 class _EngineCollector(Collector):
     """Gauges and counters read from the engine's state at render time."""
 
-    def __init__(self, metrics: WorkerMetrics) -> None:
+    def __init__(self, metrics: WorkerMetrics, engine: LLMEngine) -> None:
         self.metrics = metrics
+        self.engine = engine
 
     def collect(self) -> Iterator[Metric]:
-        m, engine = self.metrics, self.metrics.engine
+        m, engine = self.metrics, self.engine
         load, counters = engine.load(), engine.counters()
 
         def family(kind, name: str, documentation: str, value: float, **extra: str) -> Metric:

@@ -150,7 +150,7 @@ def test_quick_defaults_and_overrides():
     assert bench_overload.settings_from_args(parser.parse_args(["--concurrency", "4"])).concurrency == 4
     assert quick.concurrency == bench_overload.QUICK.concurrency
     config = bench_overload.cluster_config(parser.parse_args([]), cores=2)
-    assert (config.num_prefill, config.num_decode, config.worker_args["num_threads"]) == (1, 1, 1)
+    assert (config.num_prefill, config.num_decode, config.worker.num_threads) == (1, 1, 1)
 
 
 def test_fresh_tokens_keep_the_workload_shape():

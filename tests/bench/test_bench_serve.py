@@ -27,6 +27,7 @@ from tandem.bench.serving.load import (
 from tandem.bench.serving.sweep import best_key, compare
 from tandem.bench.serving.vllm_format import result_file_name
 from tandem.bench.workload import allowed_token_ids
+from tandem.config import WorkerConfig
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -96,9 +97,9 @@ def test_quick_defaults_and_overrides():
     assert quick.rates == [1.0, math.inf] and quick.num_prompts == bench_serve.QUICK.num_prompts
     with pytest.raises(ValueError):
         bench_serve.settings_from_args(parser.parse_args(["--request-rate", "0"]))
-    configs = bench_serve.cluster_configs(2, 1, {})
-    assert configs["disaggregated"].worker_args["num_threads"] == 1
-    assert configs["colocated"].worker_args["num_threads"] == 2
+    configs = bench_serve.cluster_configs(2, 1, WorkerConfig())
+    assert configs["disaggregated"].worker.num_threads == 1
+    assert configs["colocated"].worker.num_threads == 2
 
 
 @pytest.mark.slow

@@ -8,17 +8,19 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from dataclasses import replace
 
 import pytest
 import ray
 from fault_calls import HandoffTraces, read_handoff_traces
 from running_cluster import SameWorkers, running_clusters
 
+from tandem.config import KVTransferConfig, WorkerConfig
 from tandem.router.cluster import ClusterConfig
 
 # The float path (quantization none): its greedy output is token-exact with transformers.
-WORKER_ARGS = dict(kv_cache_memory_gib=0.1, max_num_batched_tokens=256, num_threads=1, quantization="none",
-                   fault_injection=True)
+WORKER = WorkerConfig.build(kv_cache_memory_gib=0.1, max_num_batched_tokens=256, num_threads=1, quantization="none",
+                            fault_injection=True)
 
 
 @pytest.fixture(scope="session")
@@ -31,9 +33,10 @@ def clusters():
     configs = {
         # With checksums on the KV: every disaggregated test also proves them harmless.
         # Every prompt on the prefill pool here; on the decode workers through "local".
-        "disaggregated": ClusterConfig(num_prefill=1, num_decode=2, worker_args={**WORKER_ARGS, "kv_checksum": True},
+        "disaggregated": ClusterConfig(num_prefill=1, num_decode=2,
+                                       worker=replace(WORKER, kv_transfer=KVTransferConfig(checksum=True)),
                                        name_prefix="d-", disagg_policy="always"),
-        "colocated": ClusterConfig(colocated=1, worker_args=WORKER_ARGS, name_prefix="c-"),
+        "colocated": ClusterConfig(colocated=1, worker=WORKER, name_prefix="c-"),
         "local": SameWorkers("disaggregated", disagg_policy="never"),
     }
     try:

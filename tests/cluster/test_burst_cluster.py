@@ -16,19 +16,20 @@ from running_cluster import running_clusters
 from worker_checks import assert_workers_empty
 
 from tandem import SamplingParams
+from tandem.config import KVTransferConfig, WorkerConfig
 from tandem.proto import generation_pb2 as pb
 from tandem.router.cluster import ClusterConfig
 
 pytestmark = pytest.mark.slow
 
-BURST_WORKER_ARGS = dict(kv_cache_memory_gib=0.15, max_num_batched_tokens=64, num_threads=1, transfer_timeout_s=1.0,
-                         quantization="none")
+BURST_WORKER = WorkerConfig.build(kv_cache_memory_gib=0.15, max_num_batched_tokens=64, num_threads=1,
+                                  quantization="none", kv_transfer=KVTransferConfig(timeout_s=1.0))
 NUM_LONG, LONG_TOKENS, NUM_SHORT, SHORT_TOKENS, MAX_TOKENS = 4, 400, 12, 20, 4
 
 
 @pytest.fixture(scope="module")
 def burst_cluster(clusters):
-    config = ClusterConfig(num_prefill=1, num_decode=1, worker_args=BURST_WORKER_ARGS, name_prefix="burst-",
+    config = ClusterConfig(num_prefill=1, num_decode=1, worker=BURST_WORKER, name_prefix="burst-",
                            disagg_policy="always")
     with running_clusters({"burst": config}, clusters["colocated"].loop) as started:
         yield started["burst"]

@@ -15,6 +15,7 @@ from reference import english_token_ids, hf_beam_search
 from running_cluster import SameWorkers, running_clusters
 from worker_checks import assert_workers_empty
 
+from tandem.config import WorkerConfig
 from tandem.proto import generation_pb2 as pb
 from tandem.router.cluster import ClusterConfig
 
@@ -104,8 +105,8 @@ def test_buffered_n_gives_one_response_per_completion(clusters, tokenizer, mode)
 BLOCK_SIZE = 16
 NUM_KV_BLOCKS = 8
 """128 tokens: one request (at most 29 + 48 tokens, 5 blocks) fits alone, no two at their full length."""
-SWAP_WORKER_ARGS = dict(num_kv_blocks=NUM_KV_BLOCKS, block_size=BLOCK_SIZE, preemption_mode="swap",
-                        max_num_batched_tokens=256, num_threads=1, quantization="none")
+SWAP_WORKER = WorkerConfig.build(num_kv_blocks=NUM_KV_BLOCKS, block_size=BLOCK_SIZE, preemption_mode="swap",
+                                 max_num_batched_tokens=256, num_threads=1, quantization="none")
 SWAP_MAX_TOKENS = 48
 
 
@@ -113,9 +114,9 @@ SWAP_MAX_TOKENS = 48
 def swap_clusters(clusters):
     """Every mode again, each worker's KV pool 8 blocks and preemption_mode="swap"."""
     with running_clusters({
-            "disaggregated": ClusterConfig(num_prefill=1, num_decode=1, worker_args=SWAP_WORKER_ARGS,
+            "disaggregated": ClusterConfig(num_prefill=1, num_decode=1, worker=SWAP_WORKER,
                                            name_prefix="swap-d-", disagg_policy="always"),
-            "colocated": ClusterConfig(colocated=1, worker_args=SWAP_WORKER_ARGS, name_prefix="swap-c-"),
+            "colocated": ClusterConfig(colocated=1, worker=SWAP_WORKER, name_prefix="swap-c-"),
             "local": SameWorkers("disaggregated", disagg_policy="never")},
             clusters["colocated"].loop) as started:
         yield started

@@ -21,12 +21,14 @@ from running_cluster import running_clusters
 from worker_checks import assert_workers_empty, inventories
 
 from tandem import SamplingParams
+from tandem.config import KVTransferConfig, WorkerConfig
 from tandem.router.cluster import ClusterConfig
 
 pytestmark = pytest.mark.slow
 
 PATHS = ("shm", "zmq", "dist")
-WORKER_ARGS = dict(kv_cache_memory_gib=0.1, max_num_batched_tokens=256, num_threads=1, quantization="none")
+WORKER = WorkerConfig.build(kv_cache_memory_gib=0.1, max_num_batched_tokens=256, num_threads=1, quantization="none",
+                            kv_transfer=KVTransferConfig(transport="gloo"))
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +40,7 @@ def gloo_cluster():
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    cfg = ClusterConfig(num_prefill=1, num_decode=1, worker_args=WORKER_ARGS, name_prefix="gloo-",
-                        disagg_policy="always", kv_transport="gloo")
+    cfg = ClusterConfig(num_prefill=1, num_decode=1, worker=WORKER, name_prefix="gloo-", disagg_policy="always")
     try:
         with running_clusters({"gloo": cfg}, loop) as running:
             yield running["gloo"]

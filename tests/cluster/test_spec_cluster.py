@@ -9,18 +9,19 @@ from reference import english_token_ids, hf_greedy
 from running_cluster import running_clusters
 from worker_checks import assert_workers_empty
 
+from tandem.config import WorkerConfig
 from tandem.proto import generation_pb2 as pb
 from tandem.router.cluster import ClusterConfig
 
 pytestmark = pytest.mark.slow
 
-SPEC_WORKER_ARGS = dict(kv_cache_memory_gib=0.1, max_num_batched_tokens=256, num_threads=1, num_speculative_tokens=4,
-                        quantization="none")
+SPEC_WORKER = WorkerConfig.build(kv_cache_memory_gib=0.1, max_num_batched_tokens=256, num_threads=1,
+                                 num_speculative_tokens=4, quantization="none")
 
 
 @pytest.fixture(scope="module")
 def spec_cluster(clusters):
-    config = ClusterConfig(num_prefill=1, num_decode=1, disagg_policy="always", worker_args=SPEC_WORKER_ARGS,
+    config = ClusterConfig(num_prefill=1, num_decode=1, disagg_policy="always", worker=SPEC_WORKER,
                            name_prefix="spec-")
     with running_clusters({"spec": config}, clusters["colocated"].loop) as started:
         yield started["spec"]

@@ -12,12 +12,13 @@ from reference import english_token_ids, hf_greedy
 from running_cluster import running_clusters
 from worker_checks import assert_workers_empty
 
+from tandem.config import WorkerConfig
 from tandem.proto import generation_pb2 as pb
 from tandem.router.cluster import ClusterConfig
 
 pytestmark = pytest.mark.slow
 
-TP_WORKER_ARGS = dict(kv_cache_memory_gib=0.1, max_num_batched_tokens=256, num_threads=1, quantization="none")
+TP_WORKER = WorkerConfig.build(kv_cache_memory_gib=0.1, max_num_batched_tokens=256, num_threads=1, quantization="none")
 QUESTIONS = ("What is the capital of France?", "Write a haiku about the sea.")
 
 
@@ -25,9 +26,9 @@ QUESTIONS = ("What is the capital of France?", "Write a haiku about the sea.")
 def tp_clusters(clusters):
     configs = {
         "prefill tp=2": ClusterConfig(num_prefill=1, num_decode=1, prefill_tp=2, disagg_policy="always",
-                                      worker_args=TP_WORKER_ARGS, name_prefix="tp21-", num_cpus_per_rank=0.5),
+                                      worker=TP_WORKER, name_prefix="tp21-", num_cpus_per_rank=0.5),
         "decode tp=2": ClusterConfig(num_prefill=1, num_decode=1, decode_tp=2, disagg_policy="always",
-                                     worker_args=TP_WORKER_ARGS, name_prefix="tp12-", num_cpus_per_rank=0.5),
+                                     worker=TP_WORKER, name_prefix="tp12-", num_cpus_per_rank=0.5),
     }
     with running_clusters(configs, clusters["colocated"].loop) as started:
         yield started

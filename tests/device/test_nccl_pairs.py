@@ -14,6 +14,7 @@ import torch
 import zmq
 
 from tandem.kvtransfer import dist_pairs
+from tandem.kvtransfer.connectors.dist_pair import DistSend
 from tandem.kvtransfer.curve import SECRET_ENV
 from tandem.kvtransfer.pair_grant import PairRefused
 from tandem.kvtransfer.payload import DistPayload
@@ -89,7 +90,7 @@ def test_reconnect_storm_leaves_only_live_pairs(pairs):
     layout = KVLayout(30, 8, 16, *ROW_SHAPE, "bfloat16")
     for i in range(100):
         mine, _ = join(receiver, b"again" if i % 2 else f"new-{i}".encode())
-        Peer(context.socket(zmq.DEALER), layout, dist_pairs.RECEIVER_RANK, dist=mine).close()
+        Peer(context.socket(zmq.DEALER), layout, DistSend(mine)).close()
         del mine
     live, theirs = join(receiver, b"live")
     # (a closed sender's word reaches the receiver on a thread of its own, then its next handshake)

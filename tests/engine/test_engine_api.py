@@ -4,6 +4,8 @@ run inside the step. A scripted runner stands in for the model: pure Python, no 
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import numpy as np
 import pytest
 from scheduler_harness import MODEL
@@ -39,9 +41,12 @@ class _ScriptedRunner:
         return StepOutput([[self.TOKEN]] * num_targets, [[-0.5]] * num_targets)
 
 
-def _engine(num_kv_blocks: int = 8, hooks: PrefillHooks | None = None, **kw) -> LLMEngine:
+def _engine(num_kv_blocks: int = 8, hooks: PrefillHooks | None = None, runner: _ScriptedRunner | None = None,
+            **kw) -> LLMEngine:
+    """No model, and the scripted runner (a fresh one unless given) standing in for ModelRunner:
+    a step calls only its swap and run."""
     cfg = EngineConfig.build(MODEL, num_kv_blocks=num_kv_blocks, block_size=4, **kw)
-    return LLMEngine(cfg, None, runner=_ScriptedRunner(), hooks=hooks)
+    return LLMEngine(cfg, cast(Any, None), runner=cast(Any, runner or _ScriptedRunner()), hooks=hooks)
 
 
 def _at_rest(num_blocks: int) -> EngineInventory:
@@ -80,11 +85,12 @@ def test_a_reservation_holds_its_blocks_until_abort_releases_exactly_them() -> N
     engine.add_request("x", list(range(100, 103)), SamplingParams(max_tokens=5))
     engine.step()
     assert engine.reserve_prefilled("r", list(range(200, 209)), SamplingParams(max_tokens=5)) == [1, 2, 3]
-    assert engine.get_sequence("r").num_cached_prompt_tokens == 0
+    reserved = engine.get_sequence("r")
+    assert reserved is not None and reserved.num_cached_prompt_tokens == 0
     held = engine.inventory()
     assert (held.num_requests, held.num_running, held.num_reserved, held.num_free_blocks) == (2, 1, 1, 4)
     delta = engine.abort_request("r")
-    assert delta.finish_reason is FinishReason.ABORT and engine.get_sequence("r") is None
+    assert delta is not None and delta.finish_reason is FinishReason.ABORT and engine.get_sequence("r") is None
     assert list(engine.block_manager.free_block_ids) == [4, 5, 6, 7, 3, 2, 1]
     assert engine.inventory().num_reserved == 0 and engine.abort_request("r") is None
 
@@ -146,16 +152,19 @@ def test_prefill_hooks_run_inside_the_step() -> None:
     hooks = PrefillHooks(on_layer_stored=lambda batch, layer: events.append(("layer", batch.seqs[0].request_id, layer)),
                          on_delta=lambda d: events.append(("delta", d.request_id, d.new_token_ids)),
                          send_plan=send_plan)
-    engine = _engine(hooks=hooks)
+    runner = _ScriptedRunner()
+    engine = _engine(hooks=hooks, runner=runner)
     engine.add_request("a", [10, 11, 12], SamplingParams(max_tokens=1))
     deltas = engine.step()
     assert [d.request_id for d in deltas] == ["a"]
     assert events == [("plan", ["a"]), ("layer", "a", 0), ("layer", "a", 1), ("delta", "a", [7])]
-    assert engine.runner.send_slots[0].tolist() == [4, 5, 6]
+    slots = runner.send_slots[0]
+    assert slots is not None and slots.tolist() == [4, 5, 6]
 
 
 def test_without_hooks_the_runner_gets_none() -> None:
-    engine = _engine()
+    runner = _ScriptedRunner()
+    engine = _engine(runner=runner)
     engine.add_request("a", [10, 11, 12], SamplingParams(max_tokens=1))
     engine.step()
-    assert engine.runner.send_slots == [None]
+    assert runner.send_slots == [None]

@@ -11,6 +11,7 @@ from reference import english_token_ids
 
 from tandem import SamplingParams
 from tandem.engine.logits_processors import apply_logits_processors
+from tandem.engine.sequence import Sequence
 
 STEPS = 12
 
@@ -111,18 +112,17 @@ def test_top_logprobs_follow_transformers_step_by_step(make_llm, hf_model, promp
                 assert completion.logprobs[j] == pytest.approx(top.logprobs[chosen], abs=1e-5)
 
 
-class Target:
-    """What apply_logits_processors reads of a sequence."""
-
-    def __init__(self, prompt: list[int], output: list[int], params: SamplingParams) -> None:
-        self.token_ids, self.output_token_ids, self.params = prompt + output, output, params
-        self.num_output_tokens = len(output)
+def target(prompt: list[int], output: list[int], params: SamplingParams) -> Sequence:
+    """A sequence with this prompt and these output tokens so far: what apply_logits_processors reads."""
+    seq = Sequence("target", prompt, params, arrival_index=0)
+    seq.token_ids.extend(output)
+    return seq
 
 
 def test_rows_without_processing_are_untouched_and_the_input_is_not_changed():
     logits = torch.randn(2, 50)
     before = logits.clone()
-    targets = [Target([1, 2], [3, 3], SamplingParams()), Target([1, 2], [3, 3], SamplingParams(repetition_penalty=2.0))]
+    targets = [target([1, 2], [3, 3], SamplingParams()), target([1, 2], [3, 3], SamplingParams(repetition_penalty=2.0))]
     out = apply_logits_processors(logits, targets, eos_token_ids=[0])
     assert torch.equal(logits, before) and torch.equal(out[0], before[0])
     expected = before[1].double()
@@ -132,7 +132,7 @@ def test_rows_without_processing_are_untouched_and_the_input_is_not_changed():
     assert apply_logits_processors(logits, targets[:1], eos_token_ids=[0]) is logits  # nothing to do: no copy
 
 
-def reference(logits: torch.Tensor, targets: list[Target], eos: list[int]) -> torch.Tensor:
+def reference(logits: torch.Tensor, targets: list[Sequence], eos: list[int]) -> torch.Tensor:
     """The rules from their definitions, one row and one token at a time, in float64: vLLM's
     min_tokens (EOS unless ignore_eos, and stop_token_ids, banned), OpenAI's logit_bias,
     transformers' repetition penalty over prompt and output, OpenAI's frequency and presence."""
@@ -164,15 +164,15 @@ def test_dense_processing_is_the_definitions_in_float64():
     logits = torch.randn(9, vocab, generator=gen) * 4
     prompt, output = [5, 9, 9, 40, 700, 3], [9, 12, 12, 12, 700, 2, 41]
     targets = [
-        Target(prompt, output, SamplingParams()),
-        Target(prompt, output, SamplingParams(repetition_penalty=1.7)),
-        Target(prompt, output, SamplingParams(repetition_penalty=0.6)),
-        Target(prompt, output, SamplingParams(frequency_penalty=0.7, presence_penalty=-0.4)),
-        Target(prompt, output, SamplingParams(logit_bias={12: 5.0, 0: -30.0, 1500: 3.0})),
-        Target(prompt, output, SamplingParams(min_tokens=12, stop_token_ids=(7, 2000))),
-        Target(prompt, output, SamplingParams(min_tokens=12, ignore_eos=True, stop_token_ids=(8,))),
-        Target(prompt, output, SamplingParams(min_tokens=3, stop_token_ids=(7,))),  # past min_tokens: no ban
-        Target(prompt, [], SamplingParams(repetition_penalty=1.3, frequency_penalty=1.1, presence_penalty=0.5,
+        target(prompt, output, SamplingParams()),
+        target(prompt, output, SamplingParams(repetition_penalty=1.7)),
+        target(prompt, output, SamplingParams(repetition_penalty=0.6)),
+        target(prompt, output, SamplingParams(frequency_penalty=0.7, presence_penalty=-0.4)),
+        target(prompt, output, SamplingParams(logit_bias={12: 5.0, 0: -30.0, 1500: 3.0})),
+        target(prompt, output, SamplingParams(min_tokens=12, stop_token_ids=(7, 2000))),
+        target(prompt, output, SamplingParams(min_tokens=12, ignore_eos=True, stop_token_ids=(8,))),
+        target(prompt, output, SamplingParams(min_tokens=3, stop_token_ids=(7,))),  # past min_tokens: no ban
+        target(prompt, [], SamplingParams(repetition_penalty=1.3, frequency_penalty=1.1, presence_penalty=0.5,
                                           logit_bias={9: 2.5}, min_tokens=1)),
     ]
     got = apply_logits_processors(logits, targets, eos_token_ids=eos)
@@ -188,9 +188,9 @@ def test_processing_depends_on_the_row_alone():
     """A row's result is the same alone or in a batch of others with wider token lists."""
     vocab = 300
     logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1))
-    target = Target([1, 2, 3], [4, 4, 5], SamplingParams(repetition_penalty=1.2, frequency_penalty=0.3))
-    others = [Target(list(range(100)), list(range(50, 90)), SamplingParams(presence_penalty=1.0)),
-              Target([7], [], SamplingParams(logit_bias={3: 1.0}))]
-    alone = apply_logits_processors(logits[1:2], [target], eos_token_ids=[0])
-    batched = apply_logits_processors(logits, [others[0], target, others[1]], eos_token_ids=[0])
+    row = target([1, 2, 3], [4, 4, 5], SamplingParams(repetition_penalty=1.2, frequency_penalty=0.3))
+    others = [target(list(range(100)), list(range(50, 90)), SamplingParams(presence_penalty=1.0)),
+              target([7], [], SamplingParams(logit_bias={3: 1.0}))]
+    alone = apply_logits_processors(logits[1:2], [row], eos_token_ids=[0])
+    batched = apply_logits_processors(logits, [others[0], row, others[1]], eos_token_ids=[0])
     assert torch.equal(alone[0], batched[1])

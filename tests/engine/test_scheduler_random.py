@@ -114,9 +114,8 @@ def _random_workload(seed: int) -> None:
     for _ in range(3000):
         if len(seqs) < num_requests and rng.random() < 0.5:
             prompt = (rng.choice(bases) + [rng.randint(10, 13) for _ in range(rng.randint(0, 9))])[:max_len - 1]
-            params = dict(max_tokens=rng.randint(1, 24), ignore_eos=rng.random() < 0.3,
-                          stop_token_ids=rng.choice([(), (13,)]))
-            seqs.append(add_seq(sched, f"r{len(seqs)}", prompt or [10], **params))
+            seqs.append(add_seq(sched, f"r{len(seqs)}", prompt or [10], max_tokens=rng.randint(1, 24),
+                                ignore_eos=rng.random() < 0.3, stop_token_ids=rng.choice([(), (13,)])))
         if seqs and rng.random() < 0.05:
             victim = rng.choice(seqs)
             was_live = not victim.status.is_finished

@@ -11,7 +11,6 @@ from reference import english_token_ids, hf_greedy
 
 from tandem.config import EngineConfig
 from tandem.engine.engine import LLMEngine
-from tandem.engine.model_runner import ModelRunner
 from tandem.engine.step_threads import MAX_SMALL_STEP_TOKENS, StepThreads
 from tandem.model.llama import LlamaModel
 from tandem.sampling_params import SamplingParams
@@ -31,12 +30,10 @@ def test_small_steps_leave_a_core() -> None:
     assert [policy.for_step(n) for n in (1, MAX_SMALL_STEP_TOKENS, MAX_SMALL_STEP_TOKENS + 1, 512)] == [3, 3, 4, 4]
 
 
-def test_a_runner_steps_on_the_policys_threads(loaded, hf_model, tokenizer, restore_threads) -> None:
+def test_an_engine_steps_on_the_policys_threads(loaded, hf_model, tokenizer, restore_threads) -> None:
     config = EngineConfig.build(loaded.config, num_kv_blocks=64, max_model_len=256)
     model = LlamaModel(loaded.config, loaded.weights, config.max_model_len)
-    runner = ModelRunner(config, model)
-    runner.step_threads = StepThreads(3, 2)
-    engine = LLMEngine(config, model, tokenizer, runner=runner)
+    engine = LLMEngine(config, model, tokenizer, step_threads=StepThreads(3, 2))
     prompts = [english_token_ids(tokenizer, 9 + 4 * i, skip=30 * i) for i in range(2)]
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, SamplingParams(temperature=0, max_tokens=6))

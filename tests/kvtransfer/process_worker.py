@@ -16,12 +16,13 @@ import signal
 import time
 import traceback
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
+from sender_wait import wait
 
-from tandem.kvtransfer.payload import TORCH_DTYPES, DistPayload
+from tandem.kvtransfer.connectors.dist_pair import DistSend
+from tandem.kvtransfer.payload import TORCH_DTYPES
 from tandem.kvtransfer.protocol import Destination, TransferEvent
 from tandem.kvtransfer.receiver import KVReceiver
 from tandem.kvtransfer.sender import KVSender
@@ -56,14 +57,6 @@ class Plan:
     chunks: tuple[tuple[int, int], ...]
 
 
-@dataclass(frozen=True)
-class DistSpec:
-    """Where the two processes meet to build their gloo group (world_size 2)."""
-
-    port: int
-    rank: int
-
-
 def _index(pool: torch.Tensor, block_ids: tuple[int, ...], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (block, offset) of each token, by plain arithmetic (not the library's slot helpers)."""
     block_size = pool.shape[3]
@@ -77,33 +70,13 @@ def request_rows(pool: torch.Tensor, block_ids: tuple[int, ...], num_tokens: int
     return pool[:, :, blocks, offsets]
 
 
-def _init_dist(dist: DistSpec | None) -> DistPayload | None:
-    if dist is None:
-        return None
-    import torch.distributed
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # both ranks are on this host
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{dist.port}", world_size=2,
-                                         rank=dist.rank, timeout=timedelta(seconds=60))
-    return DistPayload()
-
-
-def _close_dist(payload: DistPayload | None) -> None:
-    if payload is not None:
-        import torch.distributed
-
-        torch.distributed.destroy_process_group()
-
-
 class ReceiverWorker:
     """KVReceivers, one per named lane (a pool and an address), with checks run where the pool lives."""
 
-    def __init__(self, pools: dict[str, PoolSpec], addresses: dict[str, str], timeout_s: float,
-                 dist: DistSpec | None = None) -> None:
-        self.payload = _init_dist(dist)
+    def __init__(self, pools: dict[str, PoolSpec], addresses: dict[str, str], timeout_s: float) -> None:
         self.pools = {lane: spec.make() for lane, spec in pools.items()}
         self.before = {lane: pool.clone() for lane, pool in self.pools.items()}
-        self.receivers = {lane: KVReceiver(self.pools[lane], addresses[lane], timeout_s, self.payload)
+        self.receivers = {lane: KVReceiver(self.pools[lane], addresses[lane], timeout_s)
                           for lane in pools}
         self.expected_at: dict[str, float] = {}
 
@@ -158,18 +131,15 @@ class ReceiverWorker:
     def close(self) -> None:
         for r in self.receivers.values():
             r.close()
-        _close_dist(self.payload)
 
 
 class SenderWorker:
     """KVSenders, one per named lane (a pool), sending what the test tells them to."""
 
-    def __init__(self, pools: dict[str, PoolSpec], timeout_s: float, dist: DistSpec | None = None,
-                 transport: str = "auto") -> None:
-        """transport: KVSender's (gloo: a torch.distributed pair with each receiver, no world)."""
-        self.payload = _init_dist(dist)
+    def __init__(self, pools: dict[str, PoolSpec], timeout_s: float, transport: str = "auto") -> None:
+        """transport: KVSender's (gloo: a torch.distributed pair with each receiver)."""
         self.pools = {lane: spec.make() for lane, spec in pools.items()}
-        self.senders = {lane: KVSender(self.pools[lane], timeout_s, self.payload, transport=transport)
+        self.senders = {lane: KVSender(self.pools[lane], timeout_s, transport=transport)
                         for lane in pools}
         self.active_at: dict[str, float] = {}
         """When each request was last begun or sent: its sender's timeout runs from then."""
@@ -196,9 +166,9 @@ class SenderWorker:
         """Send a layer's LAYER header on ZMQ but not its tensors on torch.distributed: what a
         sender that dies between the two leaves behind."""
         sender = self.senders[lane]
-        (peer,) = sender._peers.values()  # the world's payload, or the pair's made in the handshake
-        payload = peer.dist
-        assert payload is not None  # (a torch.distributed lane)
+        (peer,) = sender._peers.values()
+        assert isinstance(peer.data, DistSend)  # (a torch.distributed lane: the pair made in the handshake)
+        payload = peer.data.pair
         setattr(payload, "send", lambda peer, k, v: None)  # an instance attribute shadows the method
         try:
             return self.senders[lane].send_layer(plan.request_id, layer)
@@ -207,7 +177,7 @@ class SenderWorker:
 
     def wait(self, lane: str, request_id: str, timeout_s: float) -> tuple[TransferEvent, float]:
         """-> the request's event and the seconds since its `begin` or latest send."""
-        event = self.senders[lane].wait(request_id, timeout_s)
+        event = wait(self.senders[lane], request_id, timeout_s)
         return event, time.monotonic() - self.active_at[request_id]
 
     def state(self, lane: str) -> dict[str, Any]:
@@ -216,7 +186,6 @@ class SenderWorker:
     def close(self) -> None:
         for s in self.senders.values():
             s.close()
-        _close_dist(self.payload)
 
 
 ROLES = {"receiver": ReceiverWorker, "sender": SenderWorker}

@@ -7,14 +7,17 @@ and open themselves run on a GPU: `tandem bench gpu` (tandem/bench/gpu/ipc.py)."
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
 import torch
 from kv_pools import random_pool, token_rows
+from sender_wait import wait
 
-from tandem.kvtransfer.cuda_ipc import MAX_HANDLE_BYTES, DeviceTarget, IpcHandle, IpcOffer, pool_view
+from tandem.kvtransfer.connectors.base import ReceiverSide, SenderSide
+from tandem.kvtransfer.connectors.cuda_ipc_in_place import CudaIpcConnector
+from tandem.kvtransfer.cuda_ipc import MAX_HANDLE_BYTES, DeviceTarget, IpcHandle, pool_view
 from tandem.kvtransfer.handshake import answer_hello
 from tandem.kvtransfer.in_place import InPlaceWrites, device_copier
 from tandem.kvtransfer.payload import layout_for
@@ -81,12 +84,24 @@ def hello(pool: FakeDeviceExport, **fields: Any) -> dict[str, Any]:
             **fields}
 
 
+class OfferedPairs:
+    """A receiver's pairs that offer every pair asked for (no rendezvous is hosted)."""
+
+    def offer(self, sender: bytes, backend: str) -> dict[str, Any]:
+        return {"backend": backend}
+
+
+def receiver_side(pool: FakeDeviceExport | None, device: str = "", unencrypted_pairs_refused: bool = False
+                  ) -> ReceiverSide:
+    return ReceiverSide(LAYOUT, device, torch.device("cpu"), pool, cast(Any, OfferedPairs()), unencrypted_pairs_refused)
+
+
 def test_only_a_sender_on_the_pools_gpu_gets_the_handle():
     pool = FakeDeviceExport(torch.zeros(SHAPE), GOOD.as_wire())
     try:
-        def reply(msg: dict[str, Any], **kw: Any) -> dict[str, Any]:
-            why, fields = answer_hello(msg, LAYOUT, None, None, pool, **kw)
-            assert why is None
+        def reply(msg: dict[str, Any]) -> dict[str, Any]:
+            why, fields, path = answer_hello(msg, receiver_side(pool, pool.device), None, b"s")
+            assert why is None and path is not None
             return fields
         assert reply(hello(pool, device="GPU-1111"))["cuda_ipc"] == GOOD.as_wire()
         assert "cuda_ipc" in reply(hello(pool, device="GPU-2222", peer_access=True))
@@ -96,12 +111,12 @@ def test_only_a_sender_on_the_pools_gpu_gets_the_handle():
         assert pool.num_exports == 2  # exported for those two alone
         # Never a pair with a sender on its GPU; none at all with the secret, unless acknowledged.
         nccl = hello(pool, device="GPU-1111", dist_pair="nccl", dist_required=True)
-        why, _ = answer_hello(nccl, LAYOUT, None, None, pool, lambda b: None, device="GPU-1111")
+        why, _, _ = answer_hello(nccl, receiver_side(pool, "GPU-1111"), None, b"s")
         assert why is not None and "one GPU" in why
         gloo = {"layout": LAYOUT.as_dict(), "dist_pair": "gloo", "dist_required": True}
-        why, _ = answer_hello(gloo, LAYOUT, None, None, None, lambda b: None, unencrypted_pairs_refused=True)
+        why, _, _ = answer_hello(gloo, receiver_side(None, unencrypted_pairs_refused=True), None, b"s")
         assert why is not None and "TANDEM_KV_SECRET is set" in why and "--kv-allow-unencrypted-pairs" in why
-        assert answer_hello(gloo, LAYOUT, None, None, None, lambda b: None)[1]["dist_pair"] == {"backend": "gloo"}
+        assert answer_hello(gloo, receiver_side(None), None, b"s")[1]["dist_pair"] == {"backend": "gloo"}
     finally:
         pool.close()
 
@@ -115,9 +130,10 @@ def test_an_export_that_cannot_be_opened_leaves_frames(fields: dict, logged: str
     pool = FakeDeviceExport(dst, fields)
     receiver = KVReceiver(dst, timeout_s=10, shared_pool=pool)
     try:
-        with caplog.at_level(logging.WARNING, "tandem.kvtransfer.peer"):
-            peer = connect_peer(receiver.address, {"layout": LAYOUT.as_dict(), "device": "GPU-1111"}, 5, pool.name,
-                                ipc=IpcOffer("GPU-1111", "node-a"))
+        dest = Destination("r", receiver.address, (0,), 1, node_id="node-a", shm_pool=pool.name, device="GPU-1111")
+        connector = CudaIpcConnector("cuda_ipc", SenderSide(receiver.address, dest, "node-a", "GPU-1111", "auto", 5))
+        with caplog.at_level(logging.WARNING, "tandem.kvtransfer"):
+            peer = connect_peer(receiver.address, {"layout": LAYOUT.as_dict(), "device": "GPU-1111"}, 5, connector)
         assert peer.path == "zmq" and pool.num_exports == 1
         assert logged in caplog.text and "sockets instead" in caplog.text
         peer.close()
@@ -179,7 +195,7 @@ def test_a_transfer_to_a_device_export_by_frames_is_whole():
         assert sender.begin(dest, [0, 2]) == "zmq"  # a sender on the CPU: never offered the handle
         sender.send_layer("r", 0)
         sender.send_layer("r", 1)
-        assert sender.wait("r", 10).status is TransferStatus.DONE and pool.num_exports == 0
+        assert wait(sender, "r", 10).status is TransferStatus.DONE and pool.num_exports == 0
         assert torch.equal(token_rows(dst, [3, 6], 8), token_rows(src, [0, 2], 8))
     finally:
         sender.close()

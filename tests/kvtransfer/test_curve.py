@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 from kv_pools import random_pool, token_rows
+from sender_wait import wait
 from tcp_tap import TcpTap
 
 from tandem.kvtransfer.curve import SECRET_ENV, CurveKeys
@@ -33,7 +34,7 @@ def send_through_tap(curve: CurveKeys | None) -> tuple[TcpTap, torch.Tensor, tor
         sender.begin(dataclasses.replace(dest, address=tap.address), [1, 2, 4])
         for layer in range(2):
             sender.send_layer("r", layer)
-        assert sender.wait("r", 10).status is TransferStatus.DONE
+        assert wait(sender, "r", 10).status is TransferStatus.DONE
         received = receiver.get_event(10)
         assert received is not None and received.status is TransferStatus.DONE
         return tap, token_rows(src, [1, 2, 4], 10), token_rows(dst, BLOCK_IDS, 10)

@@ -12,6 +12,7 @@ import torch
 import zmq
 from kv_pools import pair, random_pool, token_rows
 from raw_sender import BLOCKS, DIM, DST_BLOCKS, HEADS, LAYERS, NUM_TOKENS, RawSender
+from sender_wait import wait
 
 from tandem.kvtransfer.protocol import MessageKind, TransferStatus
 from tandem.kvtransfer.receiver import KVReceiver
@@ -101,7 +102,7 @@ def test_abort_from_the_sender_fails_the_request_on_the_receiver():
         assert sender.abort("req")
         assert not sender.send_layer("req", 1)  # nothing more goes out
         # The owner gets its blocks back once ZMQ has let go of the frames read from them.
-        assert sender.wait("req", 5).reason == "aborted by the sender" and sender.num_pending == 0
+        assert wait(sender, "req", 5).reason == "aborted by the sender" and sender.num_pending == 0
         event = receiver.get_event(5)
         assert event is not None
         assert (event.request_id, event.status) == ("req", TransferStatus.FAILED)
@@ -122,7 +123,7 @@ def test_receiver_abort_reaches_the_sender_as_failed():
             assert time.monotonic() < deadline
             time.sleep(0.005)
         assert receiver.abort("req")
-        event = sender.wait("req", 5)
+        event = wait(sender, "req", 5)
         assert event.status is TransferStatus.FAILED and sender.num_pending == 0
     finally:
         sender.close()
@@ -144,7 +145,7 @@ def test_a_transfer_that_stalls_times_out_on_both_sides(fault_report):
         assert event.status is TransferStatus.FAILED and "timed out" in event.reason
         receiver_s = time.monotonic() - start
         assert receiver_s < 2 and receiver.num_pending == 0
-        assert sender.wait("req", 5).status is TransferStatus.FAILED and sender.num_pending == 0
+        assert wait(sender, "req", 5).status is TransferStatus.FAILED and sender.num_pending == 0
         sender_s = time.monotonic() - start
     finally:
         sender.close()
@@ -169,7 +170,7 @@ def test_waiting_before_the_first_layer_is_never_timed():
         assert all(sender.send_layer("req", layer) for layer in range(2))
         received = receiver.get_event(5)
         assert received is not None and received.status is TransferStatus.DONE
-        assert sender.wait("req", 5).status is TransferStatus.DONE
+        assert wait(sender, "req", 5).status is TransferStatus.DONE
         assert torch.equal(token_rows(dst, [1], 10), token_rows(src, [3], 10))
     finally:
         sender.close()

@@ -7,6 +7,7 @@ import pytest
 import torch
 from kv_pools import random_pool, token_rows
 from raw_sender import BLOCK_SIZE, BLOCKS, DIM, DST_BLOCKS, HEADS, LAYERS, NUM_TOKENS, RawSender
+from sender_wait import wait
 
 from tandem.kvtransfer.protocol import MessageKind, TransferRefused, TransferStatus, payload_crc32
 from tandem.kvtransfer.receiver import KVReceiver
@@ -27,7 +28,7 @@ def send(sender: KVSender, receiver: KVReceiver, request_id: str):
     sender.begin(dest, SRC_BLOCKS)
     for layer in range(LAYERS):
         assert sender.send_layer(request_id, layer)
-    return sender.wait(request_id, 10), receiver.get_event(10)
+    return wait(sender, request_id, 10), receiver.get_event(10)
 
 
 @pytest.mark.parametrize("sender_model", ["SmolLM2:other", None])

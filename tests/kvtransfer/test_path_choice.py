@@ -15,6 +15,8 @@ import pytest
 import torch
 
 import tandem.kvtransfer.sender as sender_module
+from tandem.kvtransfer.connectors.base import KVConnector
+from tandem.kvtransfer.connectors.registry import kv_transports
 from tandem.kvtransfer.curve import CurveKeys
 from tandem.kvtransfer.path_choice import (
     ALLOW_UNENCRYPTED_FLAG,
@@ -30,7 +32,7 @@ from tandem.kvtransfer.path_choice import (
     PoolPlace,
     choose_path,
 )
-from tandem.kvtransfer.protocol import KV_TRANSPORTS, Destination, TransferRefused
+from tandem.kvtransfer.protocol import Destination, TransferRefused
 from tandem.kvtransfer.sender import KVSender
 from tandem.router.placement import Placement, Pool, gpus_per_rank
 
@@ -43,7 +45,7 @@ def every_facts():
     places = [PoolPlace(n, t, d) for n, t, d in itertools.product(NODES, DEVICE_TYPES, DEVICES)
               if (t == "cuda") or not d]  # a pool in host memory has no device identity
     for sender, receiver, shared, peer, transport, secret, allow in itertools.product(
-            places, places, BOOLS, BOOLS, KV_TRANSPORTS, BOOLS, BOOLS):
+            places, places, BOOLS, BOOLS, kv_transports(), BOOLS, BOOLS):
         yield PairFacts(sender, receiver, shared, peer, transport, secret, allow)
 
 
@@ -70,7 +72,7 @@ def test_no_input_pairs_two_pools_on_one_gpu_or_leaks_the_kv():
             assert choice.path == ZMQ, facts
         if choice.refused:
             assert facts.transport in PAIR_PATHS, facts
-    assert num_facts == (len(NODES) * (1 + len(DEVICES))) ** 2 * 2 * 2 * len(KV_TRANSPORTS) * 2 * 2
+    assert num_facts == (len(NODES) * (1 + len(DEVICES))) ** 2 * 2 * 2 * len(kv_transports()) * 2 * 2
 
 
 def gpu(node: str, device: str) -> PoolPlace:
@@ -138,10 +140,11 @@ def sender_on_gpu(transport: str, secret: bool = False) -> KVSender:
 
 
 def asked_of_handshake(sender: KVSender, dest: Destination, monkeypatch: pytest.MonkeyPatch) -> dict:
+    """-> what the sender's handshake would ask the receiver for: the connector and the HELLO."""
     asked: dict = {}
 
-    def connect_peer(address, hello, timeout_s, shm_pool, **kwargs):
-        asked.update(kwargs, shm_pool=shm_pool, hello=hello)
+    def connect_peer(address: str, hello: dict, timeout_s: float, connector: KVConnector, curve: object) -> None:
+        asked.update(path=connector.name, connector=connector, hello=hello, curve=curve)
     monkeypatch.setattr(sender_module, "connect_peer", connect_peer)
     sender.handshake(dest.address, destination=dest)
     return asked
@@ -154,14 +157,13 @@ ON_ITS_GPU = Destination("r", "tcp://127.0.0.1:1", (0,), 3, node_id="node-a", sh
 @pytest.mark.parametrize("transport", ["auto", "nccl", "gloo"])
 def test_the_sender_never_pairs_with_a_pool_on_its_gpu(transport: str, monkeypatch: pytest.MonkeyPatch):
     asked = asked_of_handshake(sender_on_gpu(transport), ON_ITS_GPU, monkeypatch)
-    assert asked["dist_pair"] == "" and asked["shm_pool"] == ON_ITS_GPU.shm_pool
-    assert asked["ipc"].receiver_device == "GPU-1111" and not asked["ipc"].peer_access
+    assert asked["path"] == "cuda_ipc" and asked["connector"].side.destination.shm_pool == ON_ITS_GPU.shm_pool
+    assert asked["connector"].offer() == {"in_place": "cuda_ipc", "peer_access": False}
     assert asked["hello"]["device"] == "GPU-1111"  # the receiver refuses a pair from its own GPU too
     private = dataclasses.replace(ON_ITS_GPU, shm_pool="")
     if transport == "auto":  # no IPC export: frames, not NCCL
-        assert asked_of_handshake(sender_on_gpu(transport), private, monkeypatch) == {
-            "dist_pair": "", "dist_required": False, "curve": None, "ipc": None, "shm_pool": "",
-            "hello": asked["hello"]}
+        frames = asked_of_handshake(sender_on_gpu(transport), private, monkeypatch)
+        assert frames["path"] == "zmq" and frames["connector"].hello() == {} and frames["hello"] == asked["hello"]
     else:
         with pytest.raises(TransferRefused, match="one GPU"):
             asked_of_handshake(sender_on_gpu(transport), private, monkeypatch)
@@ -171,10 +173,11 @@ def test_the_sender_refuses_an_unencrypted_pair_with_the_secret(monkeypatch: pyt
     other_node = Destination("r", "tcp://127.0.0.1:1", (0,), 3, node_id="node-b", device="GPU-2222")
     with pytest.raises(TransferRefused, match=ALLOW_UNENCRYPTED_FLAG):
         asked_of_handshake(sender_on_gpu("nccl", secret=True), other_node, monkeypatch)
-    assert asked_of_handshake(sender_on_gpu("auto", secret=True), other_node, monkeypatch)["dist_pair"] == ""
+    assert asked_of_handshake(sender_on_gpu("auto", secret=True), other_node, monkeypatch)["path"] == "zmq"
     allowed = sender_on_gpu("auto", secret=True)
     allowed.allow_unencrypted_pairs = True
-    assert asked_of_handshake(allowed, other_node, monkeypatch)["dist_pair"] == NCCL
+    asked = asked_of_handshake(allowed, other_node, monkeypatch)
+    assert asked["path"] == NCCL and asked["connector"].hello() == {"dist_pair": NCCL, "dist_required": False}
 
 
 def test_serve_refuses_an_unacknowledged_pair_with_the_secret():

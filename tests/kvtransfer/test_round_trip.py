@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 from kv_pools import pair, pick_blocks, random_pool, token_rows
+from sender_wait import wait
 
 from tandem.kvtransfer.protocol import TransferRefused, TransferStatus
 from tandem.kvtransfer.receiver import KVReceiver
@@ -36,7 +37,7 @@ def test_bytes_equal_for_block_layouts(dtype, src_block_size, dst_block_size):
                 sender.send_layer(f"r{i}", layer, 0, split)
                 if split < num_tokens:
                     sender.send_layer(f"r{i}", layer, split)
-            assert sender.wait(f"r{i}", 10).status is TransferStatus.DONE
+            assert wait(sender, f"r{i}", 10).status is TransferStatus.DONE
             received = receiver.get_event(10)
             assert received is not None and received.status is TransferStatus.DONE
             assert torch.equal(token_rows(dst, dst_ids, num_tokens), token_rows(src, src_ids, num_tokens))
@@ -87,7 +88,7 @@ def test_many_requests_in_flight_interleaved():
         for layer in range(2):
             for rid in requests:
                 sender.send_layer(rid, layer)
-        assert {sender.wait(rid, 10).status for rid in requests} == {TransferStatus.DONE}
+        assert {wait(sender, rid, 10).status for rid in requests} == {TransferStatus.DONE}
         for n, src_ids, dst_ids in requests.values():
             assert torch.equal(token_rows(dst, dst_ids, n), token_rows(src, src_ids, n))
     finally:

@@ -17,6 +17,7 @@ import pytest
 import torch
 import zmq
 from kv_pools import pick_blocks, random_pool, token_rows
+from sender_wait import wait
 
 from tandem.kvtransfer import shared_pool as shared_pool_module
 from tandem.kvtransfer.handshake import SharedPool
@@ -76,12 +77,12 @@ def test_rows_land_in_place_byte_exact(dtype, src_block_size, dst_block_size):
     before = dst.clone()
     sender = KVSender(src)
     messages: list[int] = []
-    send = sender._send
+    send = sender.send_message
 
-    def counting_send(rid: str, peer: Any, frames: list[Any]) -> bool:
+    def counting_send(rid: str, frames: list[Any]) -> bool:
         messages.append(len(frames))
-        return send(rid, peer, frames)
-    setattr(sender, "_send", counting_send)
+        return send(rid, frames)
+    setattr(sender, "send_message", counting_send)
     src_free, dst_free, reserved = list(range(64)), list(range(48)), []
     try:
         # The second request's first two blocks are in the receiver's prefix cache: never written.
@@ -94,7 +95,7 @@ def test_rows_land_in_place_byte_exact(dtype, src_block_size, dst_block_size):
             assert dest.shm_pool == shared_pool_of(receiver).name and dest.node_id and dest.shm_grant
             assert sender.begin(dest, src_ids) == "shm"
             send_all(sender, f"r{i}", cached, rng.randint(cached + 1, num_tokens), num_tokens)
-            assert sender.wait(f"r{i}", 10).status is TransferStatus.DONE
+            assert wait(sender, f"r{i}", 10).status is TransferStatus.DONE
             received = receiver.get_event(10)
             assert received is not None and received.status is TransferStatus.DONE
             got, want = token_rows(dst, dst_ids, num_tokens), token_rows(src, src_ids, num_tokens)
@@ -156,7 +157,7 @@ def test_the_sender_writes_only_its_reservation_in_order():
         forged = dataclasses.replace(theirs, request_id="forged", shm_grant=mine.shm_grant)
         sender.begin(forged, [2, 3])
         assert not sender.send_layer("forged", 0, 0, 4)
-        assert sender.wait("forged", 5).reason == "the receiver revoked its grant"
+        assert wait(sender, "forged", 5).reason == "the receiver revoked its grant"
         # After the receiver aborts, its blocks are closed to the sender.
         receiver.abort("mine")
         frozen = dst.clone()
@@ -182,7 +183,7 @@ def test_falls_back_to_the_socket(why):
         dest = receiver.expect("r", dst_ids, 30)
         assert sender.begin(dest, src_ids) == "zmq"
         send_all(sender, "r", 0, 13, 30)
-        assert sender.wait("r", 10).status is TransferStatus.DONE
+        assert wait(sender, "r", 10).status is TransferStatus.DONE
         assert torch.equal(token_rows(pool_of(receiver), dst_ids, 30), token_rows(src, src_ids, 30))
     finally:
         close(sender, receiver)
@@ -233,7 +234,7 @@ def test_given_rows_land_in_place():
         assert sender.begin(dest) == "shm"
         for layer in range(LAYERS):
             assert sender.send_layer("r", layer, 0, 10, src_block_ids=[0], rows=(rows[layer, 0], rows[layer, 1]))
-        assert sender.wait("r", 10).status is TransferStatus.DONE
+        assert wait(sender, "r", 10).status is TransferStatus.DONE
         assert torch.equal(token_rows(pool_of(receiver), [7, 2, 11], 10), rows)
     finally:
         close(sender, receiver)

@@ -9,6 +9,7 @@ import random
 import pytest
 import torch
 from kv_pools import pair, pick_blocks, random_pool, token_rows
+from sender_wait import wait
 
 from tandem.kvtransfer.protocol import TransferStatus
 
@@ -35,7 +36,7 @@ def test_only_the_suffix_travels(src_block_size, dst_block_size, num_cached, chu
                 assert sender.send_layer("r", layer, num_cached + 3)
             else:
                 assert sender.send_layer("r", layer)
-        assert sender.wait("r", 10).status is TransferStatus.DONE
+        assert wait(sender, "r", 10).status is TransferStatus.DONE
         received = receiver.get_event(10)
         assert received is not None and received.status is TransferStatus.DONE
         row_bytes = 2 * 8 * 4

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from kv_pools import pick_blocks, random_pool, token_rows
+from sender_wait import wait
 
 from tandem.kvtransfer.protocol import TransferRefused, TransferStatus
 from tandem.kvtransfer.receiver import KVReceiver
@@ -40,7 +41,7 @@ def test_gloo_pair_round_trip():
         for i, n in enumerate([2, 17, 40]):
             src_ids, dst_ids = pick_blocks(rng, src_free, n, 16), pick_blocks(rng, dst_free, n, 4)
             assert send_all(sender, receiver, f"r{i}", src_ids, dst_ids, n, 3) == "dist"
-            assert sender.wait(f"r{i}", 10).status is TransferStatus.DONE
+            assert wait(sender, f"r{i}", 10).status is TransferStatus.DONE
             received = receiver.get_event(10)
             assert received is not None and received.status is TransferStatus.DONE
             assert torch.equal(token_rows(dst, dst_ids, n), token_rows(src, src_ids, n))
@@ -73,7 +74,7 @@ def test_zmq_forced_past_a_shared_pool():
             sender = KVSender(src, timeout_s=10, transport=transport)
             try:
                 assert send_all(sender, receiver, transport, [1], [2], 9, 2) == want
-                assert sender.wait(transport, 10).status is TransferStatus.DONE
+                assert wait(sender, transport, 10).status is TransferStatus.DONE
             finally:
                 sender.close()
             assert torch.equal(token_rows(pool.kv_cache, [2], 9), token_rows(src, [1], 9))
@@ -107,7 +108,7 @@ def test_staged_layers_go_out_once_copied_in_order():
     receiver = KVReceiver(dst, timeout_s=10)
     sender = KVSender(src, timeout_s=10, transport="zmq", checksum=True)
     ops = HeldCopies()
-    sender._staging = Staging(ops)  # what a pool on a GPU gets
+    sender.staging = Staging(ops)  # what a pool on a GPU gets
     try:
         send_all(sender, receiver, "r", [3, 7], [9, 1], 20, 3)
         assert ops.started == 6 and sender.num_bytes_sent == 0  # nothing left before its copy finished
@@ -116,7 +117,7 @@ def test_staged_layers_go_out_once_copied_in_order():
         sender.poll()
         assert receiver.get_event(0.5) is None  # the last layer is still on its way
         ops.done = 6
-        assert sender.wait("r", 10).status is TransferStatus.DONE
+        assert wait(sender, "r", 10).status is TransferStatus.DONE
         received = receiver.get_event(10)
         assert received is not None and received.status is TransferStatus.DONE
         assert torch.equal(token_rows(dst, [9, 1], 20), token_rows(src, [3, 7], 20))
@@ -136,13 +137,13 @@ def test_staged_layers_go_out_once_copied_in_order():
 def test_serve_takes_every_transport_and_no_other():
     import argparse
 
-    from tandem.kvtransfer.protocol import KV_TRANSPORTS
+    from tandem.kvtransfer.connectors.registry import kv_transports
     from tandem.router import serve_command
 
     parser = argparse.ArgumentParser()
     serve_command.add_args(parser)
     assert parser.parse_args([]).kv_transport == "auto"
-    assert [parser.parse_args(["--kv-transport", t]).kv_transport for t in KV_TRANSPORTS] == list(KV_TRANSPORTS)
+    assert [parser.parse_args(["--kv-transport", t]).kv_transport for t in kv_transports()] == list(kv_transports())
     with pytest.raises(SystemExit):
         parser.parse_args(["--kv-transport", "rdma"])
     with pytest.raises(ValueError, match="transport"):

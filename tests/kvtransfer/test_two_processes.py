@@ -6,13 +6,12 @@ process checks the bytes in its own pool; the test only steers both sides and re
 from __future__ import annotations
 
 import random
-import socket
 import time
 from pathlib import Path
 from typing import Callable, Iterator
 
 import pytest
-from process_worker import DistSpec, Plan, PoolSpec, WorkerError, WorkerProcess
+from process_worker import Plan, PoolSpec, WorkerError, WorkerProcess
 
 from tandem.kvtransfer.protocol import Destination, TransferStatus
 
@@ -71,23 +70,15 @@ def addresses(transport: str, tmp_path: Path) -> dict[str, str]:
     return {lane: f"ipc://{tmp_path}/{lane}.sock" if transport == "ipc" else "tcp://127.0.0.1:0" for lane in LANES}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_pair(spawn: Spawn, addrs: dict[str, str], receiver_timeout_s: float = 10.0,
-               sender_timeout_s: float = 10.0, gloo: bool = False, pairs: bool = False
-               ) -> tuple[WorkerProcess, WorkerProcess]:
+               sender_timeout_s: float = 10.0, pairs: bool = False) -> tuple[WorkerProcess, WorkerProcess]:
     """Both sides of every lane, spawned at once (each takes seconds to import torch).
-    gloo: one torch.distributed world of the two processes; pairs: a gloo group of two per
-    connection, made in the handshake (what `tandem serve --kv-transport gloo` does)."""
-    port = free_port() if gloo else 0
+    pairs: a gloo group of two per connection, made in the handshake (what
+    `tandem serve --kv-transport gloo` does)."""
     receiver = spawn("receiver", pools={lane: dst for lane, (_, dst) in LANES.items()}, addresses=addrs,
-                     timeout_s=receiver_timeout_s, dist=DistSpec(port, rank=1) if gloo else None)
+                     timeout_s=receiver_timeout_s)
     sender = spawn("sender", pools={lane: src for lane, (src, _) in LANES.items()}, timeout_s=sender_timeout_s,
-                   dist=DistSpec(port, rank=0) if gloo else None, transport="gloo" if pairs else "auto")
+                   transport="gloo" if pairs else "auto")
     receiver.ready()
     sender.ready()
     return receiver, sender
@@ -117,14 +108,6 @@ def test_round_trip_between_processes(spawn: Spawn, tmp_path: Path, transport: s
     receiver, sender = start_pair(spawn, addresses(transport, tmp_path))
     for lane in LANES:
         round_trip(receiver, sender, lane, make_plans(lane, seed=len(lane)))
-
-
-def test_round_trip_on_gloo(spawn: Spawn, tmp_path: Path) -> None:
-    """The same round trip with the K/V rows on torch.distributed (gloo, world_size 2) and only the
-    headers on ZMQ."""
-    receiver, sender = start_pair(spawn, addresses("ipc", tmp_path), gloo=True)
-    for lane in LANES:  # one lane at a time: both lanes share the one pair of ranks
-        round_trip(receiver, sender, lane, make_plans(lane, seed=7))
 
 
 def test_round_trip_on_gloo_pairs(spawn: Spawn, tmp_path: Path) -> None:
@@ -243,8 +226,7 @@ def test_sends_to_a_dead_receiver_never_block(spawn: Spawn, tmp_path: Path) -> N
     assert sender.call("state", lane) == {"num_pending": 0}
 
 
-@pytest.mark.parametrize("pairs", [False, True], ids=["world", "pair"])
-def test_gloo_sender_killed_between_header_and_tensors(spawn: Spawn, tmp_path: Path, pairs: bool) -> None:
+def test_gloo_sender_killed_between_header_and_tensors(spawn: Spawn, tmp_path: Path) -> None:
     """A torch.distributed sender killed after a LAYER header went out but before its tensors:
     the receiver still fails the request (at the latest at its deadline) and holds nothing pending."""
     # Long enough that the header surely comes while the request is pending (else the sweep
@@ -252,19 +234,17 @@ def test_gloo_sender_killed_between_header_and_tensors(spawn: Spawn, tmp_path: P
     timeout_s = 3.0
     lane = "f32"
     [plan] = make_plans(lane, seed=5, token_counts=(33,))
-    receiver, sender = start_pair(spawn, addresses("ipc", tmp_path), receiver_timeout_s=timeout_s,
-                                  gloo=not pairs, pairs=pairs)
+    receiver, sender = start_pair(spawn, addresses("ipc", tmp_path), receiver_timeout_s=timeout_s, pairs=True)
 
     sender.call("begin", lane, receiver.call("expect", lane, plan), plan)
     assert all(sender.call("send", lane, [plan], [0]))
     assert receiver.call("wait_landed", lane, LANES[lane][0], plan, [0], 5.0), "the first layer never arrived"
     assert sender.call("send_header_only", lane, plan, 1)
-    if pairs:
-        time.sleep(0.5)  # ZMQ's I/O thread has sent the header: the receiver waits in recv now
+    time.sleep(0.5)  # ZMQ's I/O thread has sent the header: the receiver waits in recv now
     sender.kill()
 
     events = receiver.call("wait_events", lane, 1, timeout_s + 1.5)
     assert [(e.request_id, e.status) for e, _ in events] == [(plan.request_id, TransferStatus.FAILED)]
-    if pairs:  # the pair's socket closed with the process: failed at once, not at the deadline
-        assert "peer lost" in events[0][0].reason and events[0][1] < timeout_s, events
+    # The pair's socket closed with the process: failed at once, not at the deadline.
+    assert "peer lost" in events[0][0].reason and events[0][1] < timeout_s, events
     assert receiver.call("state", lane)["num_pending"] == 0

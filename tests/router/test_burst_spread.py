@@ -8,7 +8,7 @@ import asyncio
 import collections
 
 import pytest
-from test_worker_health import Handle
+from test_worker_health import Handle, Method
 
 from tandem.router.policy import Router, WorkerState
 from tandem.router.prefill_placement import place_colocated
@@ -22,20 +22,29 @@ def idle(role: Role, instance: str) -> WorkerLoad:
                       num_waiting=0, num_queued_tokens=0)
 
 
-class Slow:
-    """A Ray method whose answer comes after the whole burst was placed."""
+class Slow(Method):
+    """A Ray method whose answer (the request's destination) comes after the whole burst was placed."""
 
-    def remote(self, request: WorkerRequest):
+    def __init__(self) -> None:
+        super().__init__(lambda request: f"destination of {request.request_id}")
+
+    def remote(self, *args):
         async def call():
             await asyncio.sleep(0.01)
-            return f"destination of {request.request_id}"
+            return self.behaviour(*args)
         return call()
 
 
+class SlowHandle(Handle):
+    """A worker whose reserve (remote prefill) and prefill_local answer slowly."""
+
+    def __init__(self, load) -> None:
+        super().__init__(load)
+        self.reserve = self.prefill_local = Slow()
+
+
 def worker(role: Role, instance: str) -> WorkerState:
-    handle = Handle(lambda: idle(role, instance))
-    handle.reserve = handle.prefill_local = Slow()
-    return WorkerState(instance, handle)
+    return WorkerState(instance, SlowHandle(lambda: idle(role, instance)))
 
 
 def burst(router_tokenizer, disagg_policy: str, num_requests: int, prompt_len: int | list[int]):

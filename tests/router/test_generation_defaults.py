@@ -64,5 +64,5 @@ def test_serve_passes_the_flag_to_every_worker():
 
     parser = argparse.ArgumentParser()
     serve_command.add_args(parser)
-    assert "generation_config" not in serve_command.worker_args(parser.parse_args([]))
-    assert serve_command.worker_args(parser.parse_args(["--generation-config", "vllm"]))["generation_config"] == "vllm"
+    assert serve_command.worker_config(parser.parse_args([])).generation_config == "auto"
+    assert serve_command.worker_config(parser.parse_args(["--generation-config", "vllm"])).generation_config == "vllm"

@@ -7,18 +7,27 @@ import asyncio
 
 import pytest
 from fake_backend import FakeBackend
-from openai_harness import MODEL, openai_serving
+from openai.types import Completion
+from openai.types.chat import (
+    ChatCompletionContentPartTextParam,
+    ChatCompletionMessageParam,
+    ChatCompletionStreamOptionsParam,
+)
+from openai.types.completion_create_params import CompletionCreateParamsBase
+from openai_harness import MODEL, Served, openai_serving
 from router_harness import MAX_MODEL_LEN
 
 PROMPT = "What is the capital of France?"
-MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
+MESSAGES: list[ChatCompletionMessageParam] = [
+    {"role": "system", "content": "Be brief."}, {"role": "user", "content": PROMPT}]
 
 
 def test_completion_streamed_text_is_the_whole_text_with_sync_and_async_clients(router_tokenizer):
     backend = FakeBackend(router_tokenizer)
-    args = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0.5, seed=3)
+    args: CompletionCreateParamsBase = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0.5,
+                                        "seed": 3}
 
-    def sync_calls(served):
+    def sync_calls(served: Served) -> tuple[Completion, list[Completion]]:
         with served.sync_client() as client:
             whole = client.completions.create(**args)
             chunks = list(client.completions.create(stream=True, **args))
@@ -62,7 +71,8 @@ def test_chat_without_max_tokens_may_use_the_whole_context(router_tokenizer):
         async with openai_serving(backend) as served:
             whole, chunks = await asyncio.to_thread(sync_calls, served)
             async with served.async_client() as client:
-                parts = [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of France?"}]
+                parts: list[ChatCompletionContentPartTextParam] = [
+                    {"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of France?"}]
                 async_whole = await client.chat.completions.create(
                     model=MODEL, messages=[{"role": "user", "content": parts}], max_completion_tokens=4,
                     max_tokens=100)
@@ -95,13 +105,13 @@ def test_n_gives_one_choice_per_completion(router_tokenizer, stream):
 
     async def body():
         async with openai_serving(backend) as served, served.async_client() as client:
-            chat = await client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, seed=1, stream=stream)
-            completion = await client.completions.create(model=MODEL, prompt=PROMPT, n=2, max_tokens=50,
-                                                         stream=stream)
             if stream:
-                chat = [c async for c in chat]
-                completion = [c async for c in completion]
-            return chat, completion
+                chat = await client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, seed=1, stream=True)
+                completion = await client.completions.create(model=MODEL, prompt=PROMPT, n=2, max_tokens=50,
+                                                             stream=True)
+                return [c async for c in chat], [c async for c in completion]
+            return (await client.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, seed=1, stream=False),
+                    await client.completions.create(model=MODEL, prompt=PROMPT, n=2, max_tokens=50, stream=False))
 
     chat, completion = asyncio.run(body())
     params = backend.seen[0].params
@@ -128,7 +138,7 @@ def test_include_usage_sends_a_last_chunk_with_the_usage(router_tokenizer):
 
     async def body():
         async with openai_serving(backend) as served, served.async_client() as client:
-            options = {"include_usage": True}
+            options: ChatCompletionStreamOptionsParam = {"include_usage": True}
             chat = [c async for c in await client.chat.completions.create(
                 model=MODEL, messages=MESSAGES, max_tokens=5, stream=True, stream_options=options)]
             completion = [c async for c in await client.completions.create(

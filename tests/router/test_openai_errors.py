@@ -10,6 +10,7 @@ import aiohttp
 import openai
 import pytest
 from fake_backend import FakeBackend
+from openai.types.chat import ChatCompletionMessageParam
 from openai_harness import MODEL, openai_serving
 from router_harness import MAX_MODEL_LEN
 
@@ -17,7 +18,7 @@ from tandem.router.backend import NoHealthyWorker, Overloaded
 from tandem.router.limits import RequestLimits
 from tandem.worker.api import PoolFull
 
-MESSAGES = [{"role": "user", "content": "Hi"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hi"}]
 
 
 def bad_requests() -> list[tuple[str, dict, str | None]]:
@@ -216,15 +217,17 @@ def test_a_client_that_goes_away_aborts_its_request(router_tokenizer, stream):
     async def body():
         async with openai_serving(backend) as served:
             async with served.async_client() as client:
-                args = dict(model=MODEL, messages=MESSAGES, max_tokens=50, extra_body={"ignore_eos": True})
+                extra_body = {"ignore_eos": True}
                 if stream:
-                    chunks = await client.chat.completions.create(stream=True, **args)
+                    chunks = await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=50,
+                                                                  extra_body=extra_body, stream=True)
                     await chunks.__anext__()
                     await chunks.__anext__()
                     await chunks.close()
                 else:
                     with pytest.raises(openai.APITimeoutError):
-                        await client.with_options(timeout=0.2).chat.completions.create(**args)
+                        await client.with_options(timeout=0.2).chat.completions.create(
+                            model=MODEL, messages=MESSAGES, max_tokens=50, extra_body=extra_body)
             assert backend.closed_event is not None  # set by the first generate
             await asyncio.wait_for(backend.closed_event.wait(), 5)
             await asyncio.sleep(0.05)  # the handler's bookkeeping after the close

@@ -13,13 +13,14 @@ import math
 import aiohttp
 import pytest
 from fake_backend import ALTERNATIVES, CHOSEN_LOGPROB, FakeBackend, top_logprobs_at
+from openai.types.chat import ChatCompletionMessageParam
 from openai_harness import MODEL, openai_serving
 
 from tandem.logprobs import TopLogprobs
 from tandem.router.openai.logprobs import chat_logprobs, completion_logprobs
 
 PROMPT = "What is the capital of France?"
-MESSAGES = [{"role": "user", "content": PROMPT}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": PROMPT}]
 
 
 def text_of(router_tokenizer, token_id: int) -> str:

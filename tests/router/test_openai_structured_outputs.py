@@ -12,18 +12,19 @@ import openai
 import pydantic
 import pytest
 from fake_backend import FakeBackend
+from openai.types.chat import ChatCompletionMessageParam
 from openai_harness import MODEL, openai_serving
 
 from tandem.router.limits import RequestLimits
 from tandem.structured_outputs import StructuredOutputsParams
 
-MESSAGES = [{"role": "user", "content": "Where is the Eiffel Tower?"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Where is the Eiffel Tower?"}]
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
           "required": ["city", "country"]}
 SCHEMA_TEXT = json.dumps(SCHEMA, separators=(",", ":"))  # the body's key order, kept
 
 
-def constraints() -> list[tuple[str, dict, StructuredOutputsParams | None]]:
+def constraints() -> list[tuple[str, dict[str, object], StructuredOutputsParams | None]]:
     """(endpoint, body fields, what the backend must get)."""
     json_schema = {"type": "json_schema", "json_schema": {"name": "place", "schema": SCHEMA, "strict": True}}
     return [
@@ -48,11 +49,13 @@ def constraints() -> list[tuple[str, dict, StructuredOutputsParams | None]]:
     ]
 
 
-async def create(client: openai.AsyncOpenAI, endpoint: str, fields: dict, **args):
+async def create(client: openai.AsyncOpenAI, endpoint: str, fields: dict[str, object], stream: bool = False) -> None:
+    """One request to endpoint ("chat" or "completions") with these body fields as they are."""
     if endpoint == "chat":
-        return await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body=fields,
-                                                    **args)
-    return await client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, extra_body=fields, **args)
+        await client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=4, extra_body=fields,
+                                             stream=stream)
+    else:
+        await client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, extra_body=fields, stream=stream)
 
 
 def test_each_spelling_reaches_the_backend_as_structured_outputs_params(router_tokenizer):
@@ -84,11 +87,13 @@ def test_openais_own_parse_helper_sends_a_json_schema_and_reads_the_answer(route
 
     answer = asyncio.run(run())
     assert answer.choices[0].message.parsed == Place(city="Paris", country="France")
-    schema = json.loads(backend.seen[0].params.structured_outputs.json)
+    constraint = backend.seen[0].params.structured_outputs
+    assert constraint is not None and constraint.json is not None
+    schema = json.loads(constraint.json)
     assert schema["properties"].keys() == {"city", "country"} and schema["required"] == ["city", "country"]
 
 
-def bad_constraints() -> list[tuple[str, dict, str, str]]:
+def bad_constraints() -> list[tuple[str, dict[str, object], str, str]]:
     """(endpoint, body fields, the 400's param, how its message starts)."""
     return [
         ("chat", {"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "response_format",

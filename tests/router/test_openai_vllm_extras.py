@@ -45,9 +45,11 @@ def test_continuous_usage_stats_puts_the_usage_on_every_chunk(router_tokenizer):
 
     async def body():
         async with openai_serving(backend) as served, served.async_client() as client:
+            # continuous_usage_stats is vLLM's, not in the client's stream_options: the whole of
+            # stream_options rides in the extra body.
             stream = await client.completions.create(
                 model=MODEL, prompt="Hi", max_tokens=6, stream=True,
-                stream_options={"include_usage": True, "continuous_usage_stats": True})
+                extra_body={"stream_options": {"include_usage": True, "continuous_usage_stats": True}})
             return [c async for c in stream]
 
     chunks = asyncio.run(body())

@@ -8,6 +8,7 @@ import asyncio
 
 import pytest
 
+from tandem.config import WorkerConfig
 from tandem.router.cluster import ClusterConfig
 from tandem.router.placement import (
     CPU,
@@ -50,7 +51,7 @@ def test_default_serve_fits_one_gpu_and_refuses_none():
     placement = cfg.check_fits(one_gpu(), "the cluster")
     assert placement.gpus_per_rank == 0.5 and placement.needs() == {CPU: 2.0, GPU: 1.0}
     assert cfg.check_fits(CPU_ONLY, "the cluster").gpus_per_rank == 0.0  # auto without GPUs: the CPU
-    cuda = ClusterConfig(worker_args={"device": "cuda"})
+    cuda = ClusterConfig(worker=WorkerConfig(device="cuda"))
     with pytest.raises(PlacementError) as refused:
         cuda.check_fits(CPU_ONLY, "the cluster")
     assert ("needs 2 GPUs (1 prefill worker + 1 decode worker, 1 GPU each); the cluster has 0 GPUs"
@@ -86,7 +87,7 @@ def test_workers_that_reserve_no_gpu_are_told_to_run_on_the_cpu():
 
 
 def test_tensor_parallel_ranks_take_whole_gpus():
-    cfg = ClusterConfig(prefill_tp=2, worker_args={"device": "cuda"})
+    cfg = ClusterConfig(prefill_tp=2, worker=WorkerConfig(device="cuda"))
     assert cfg.check_fits(one_gpu(gpus=3), "the cluster").gpus_per_rank == 1.0
     with pytest.raises(PlacementError) as refused:
         cfg.check_fits(one_gpu(gpus=1), "the cluster")
@@ -124,12 +125,12 @@ def test_colocated_workers_are_one_pool():
 
 def test_workers_sharing_a_gpu_may_not_each_ask_for_more_than_their_share_of_its_memory():
     with pytest.raises(PlacementError, match="at most 0.5"):
-        check_memory_share({"gpu_memory_utilization": 0.9}, 0.5)
-    check_memory_share({"gpu_memory_utilization": 0.45}, 0.5)
-    check_memory_share({"gpu_memory_utilization": 0.9}, 1.0)  # a whole GPU: its own
-    check_memory_share({}, 0.5)  # the fixed KV pool size (kv_cache_memory_gib)
+        check_memory_share(WorkerConfig.build(gpu_memory_utilization=0.9), 0.5)
+    check_memory_share(WorkerConfig.build(gpu_memory_utilization=0.45), 0.5)
+    check_memory_share(WorkerConfig.build(gpu_memory_utilization=0.9), 1.0)  # a whole GPU: its own
+    check_memory_share(WorkerConfig(), 0.5)  # the fixed KV pool size (kv_cache_memory_gib)
     with pytest.raises(PlacementError, match="more than each worker's share"):
-        ClusterConfig(worker_args={"gpu_memory_utilization": 0.8}).check_fits(one_gpu(), "the cluster")
+        ClusterConfig(worker=WorkerConfig.build(gpu_memory_utilization=0.8)).check_fits(one_gpu(), "the cluster")
 
 
 class FakeHandle:

@@ -149,9 +149,9 @@ def _parsed(add_args, *argv: str) -> argparse.Namespace:
 
 
 def test_scheduling_policy_reaches_every_worker_and_chats_engine():
-    assert "scheduling_policy" not in serve_command.worker_args(_parsed(serve_command.add_args))  # fcfs
+    assert "scheduling_policy" not in serve_command.worker_config(_parsed(serve_command.add_args)).engine  # fcfs
     args = _parsed(serve_command.add_args, "--scheduling-policy", "priority")
-    assert serve_command.worker_args(args)["scheduling_policy"] == "priority"
+    assert serve_command.worker_config(args).engine["scheduling_policy"] == "priority"
     assert engine_kwargs(_parsed(add_engine_args, "--scheduling-policy", "priority"))["scheduling_policy"] == "priority"
     with pytest.raises(SystemExit):  # argparse's error, naming the choices, before any worker starts
         _parsed(serve_command.add_args, "--scheduling-policy", "lifo")

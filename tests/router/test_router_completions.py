@@ -8,11 +8,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
 import pytest
-from fake_backend import FakeBackend
+from fake_backend import FakeBackend, Seen
 from metrics_text import parse_samples, total
 from router_harness import serving
 from test_cli_generate import run_cli
@@ -37,8 +38,9 @@ class ScriptedBackend(FakeBackend):
 
     script: list[StreamDelta] = field(default_factory=list)
 
-    async def generate(self, request_id, prompt_token_ids, params, priority=0):
-        self.seen.append(None)
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       priority: int = 0) -> AsyncIterator[StreamDelta]:
+        self.seen.append(Seen(request_id, list(prompt_token_ids), params, priority))
         for delta in self.script:
             yield delta
 
@@ -96,6 +98,7 @@ def test_streamed_completions_interleave_each_with_its_finish(router_tokenizer):
     assert seen.params.n == 3 and seen.params == params
     assert backend.finished == ["n3"] and not backend.closed_early
     # Counted once, with the last completion's finish and every completion's tokens.
+    assert text is not None
     s = parse_samples(text)
     assert total(s, "tandem_request_success_total") == 1
     assert total(s, "tandem_request_success_total", finished_reason="length") == 1
@@ -149,7 +152,8 @@ def test_a_stream_that_ends_before_every_completion_finished_is_internal(router_
     responses, error, _ = run(backend, pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParams(n=2)))
     assert [(r.index, r.finish_reason) for r in responses] == [(1, pb.FINISH_REASON_STOP), (0, 0)]
     assert not any(r.HasField("usage") for r in responses)
-    assert error.code() == grpc.StatusCode.INTERNAL and "before every completion finished" in error.details()
+    assert error is not None and error.code() == grpc.StatusCode.INTERNAL
+    assert "before every completion finished" in error.details()
 
 
 def test_abort_ends_every_unfinished_completion(router_tokenizer):
@@ -234,7 +238,8 @@ def test_a_tighter_max_completions_bounds_n_and_the_default_beam_width(router_to
 def test_the_completion_fields_arrive(router_tokenizer):
     sampling = {"n": 2, "use_beam_search": True, "beam_width": 3, "length_penalty": 0.5, "temperature": 0.0}
     params = validate_request(request(prompt="hi", sampling=sampling), router_tokenizer).params
-    assert params == SamplingParams(**sampling) and params.num_completions == 3
+    assert params == SamplingParams(n=2, use_beam_search=True, beam_width=3, length_penalty=0.5, temperature=0.0)
+    assert params.num_completions == 3
     params = validate_request(request(prompt="hi", sampling={"n": 16, "seed": 7}), router_tokenizer).params
     assert (params.n, params.use_beam_search, params.beam_width, params.length_penalty) == (16, False, 4, 1.0)
 
@@ -251,7 +256,7 @@ def test_the_context_check_is_per_completion(router_tokenizer):
 def test_past_the_limit_is_invalid_argument_and_reaches_no_worker(router_tokenizer):
     backend = FakeBackend(router_tokenizer)
     responses, error, _ = run(backend, pb.GenerateRequest(prompt="Hi", sampling=pb.SamplingParams(n=17)))
-    assert responses == [] and error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert responses == [] and error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert error.details().startswith("sampling.n: ") and "max_completions=16" in error.details()
     assert backend.seen == []
 

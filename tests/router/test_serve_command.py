@@ -10,7 +10,7 @@ import pytest
 
 from tandem import LLM
 from tandem.cli import add_engine_args, engine_kwargs
-from tandem.config import EngineConfig
+from tandem.config import EngineConfig, KVTransferConfig, WorkerConfig
 from tandem.config.engine_options import ENGINE_DEFAULTS, engine_options_from_args
 from tandem.router import serve_command
 
@@ -24,17 +24,17 @@ def _serve_args(*argv: str) -> argparse.Namespace:
 def test_speculation_is_off_unless_asked():
     args = _serve_args()
     assert args.num_speculative_tokens == 0
-    assert "num_speculative_tokens" not in serve_command.worker_args(args)
+    assert "num_speculative_tokens" not in serve_command.worker_config(args).engine
 
 
 def test_num_speculative_tokens_reaches_every_worker():
     args = _serve_args("--num-speculative-tokens", "4", "--colocated", "2")
-    assert serve_command.worker_args(args)["num_speculative_tokens"] == 4
+    assert serve_command.worker_config(args).engine["num_speculative_tokens"] == 4
 
 
 def test_negative_num_speculative_tokens_is_refused_before_any_worker_starts():
     with pytest.raises(ValueError, match="--num-speculative-tokens must be >= 0, got -1"):
-        serve_command.worker_args(_serve_args("--num-speculative-tokens", "-1"))
+        serve_command.worker_config(_serve_args("--num-speculative-tokens", "-1"))
 
 
 def test_chat_passes_num_speculative_tokens_to_its_engine():
@@ -64,15 +64,23 @@ def test_serve_chat_and_llm_share_one_definition_of_the_engine_options():
 
 
 def test_serve_passes_only_what_differs_from_the_defaults():
-    assert serve_command.worker_args(_serve_args()) == {"model": None}
+    assert serve_command.worker_config(_serve_args()) == WorkerConfig()
     args = _serve_args("--dtype", "bfloat16", "--kv-cache-memory-gib", "0.25", "--max-model-len", "512")
-    assert serve_command.worker_args(args) == {"model": None, "dtype": "bfloat16", "kv_cache_memory_gib": 0.25,
-                                               "max_model_len": 512}
+    assert serve_command.worker_config(args) == WorkerConfig.build(dtype="bfloat16", kv_cache_memory_gib=0.25,
+                                                                   max_model_len=512)
+
+
+def test_serve_gives_every_worker_its_kv_transfer_settings():
+    args = _serve_args("--kv-transport", "zmq", "--kv-checksum", "--kv-transfer-host", "node-ip",
+                       "--num-threads", "2")
+    worker = serve_command.worker_config(args)
+    assert worker.num_threads == 2
+    assert worker.kv_transfer == KVTransferConfig(transport="zmq", checksum=True, receiver_host="node-ip")
 
 
 def test_swap_space_and_preemption_mode_reach_every_worker():
     args = _serve_args("--swap-space-gib", "2", "--preemption-mode", "recompute", "--colocated", "2")
-    worker = serve_command.worker_args(args)
-    assert (worker["swap_space_gib"], worker["preemption_mode"]) == (2.0, "recompute")
+    engine = serve_command.worker_config(args).engine
+    assert (engine["swap_space_gib"], engine["preemption_mode"]) == (2.0, "recompute")
     with pytest.raises(SystemExit):  # argparse's error, before any worker starts
         _serve_args("--preemption-mode", "sometimes")

@@ -58,4 +58,4 @@ def test_chat_template_and_served_name_given_to_serve(router_tokenizer):
     plain = Tokenizer.from_str(router_tokenizer.spec.tokenizer_json)
     expected = plain.encode("<<user: Capital of France?>>", add_special_tokens=False).ids
     assert backend.seen[0].prompt_token_ids == expected
-    assert backend.metrics.model_name == NAMES[0]
+    assert backend.metrics is not None and backend.metrics.model_name == NAMES[0]

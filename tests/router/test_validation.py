@@ -114,8 +114,8 @@ def test_every_sampling_field_arrives(router_tokenizer):
     sampling = {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "top_k": 40, "min_p": 0.05, "seed": 1234,
                 "stop": ["\n\n", "END"], "stop_token_ids": [2, 0], "ignore_eos": True, "logprobs": 3}
     params = validate_request(request(prompt="hi", sampling=sampling), router_tokenizer).params
-    expected = {**sampling, "stop": tuple(sampling["stop"]), "stop_token_ids": tuple(sampling["stop_token_ids"])}
-    assert params == SamplingParams(**expected)
+    assert params == SamplingParams(max_tokens=7, temperature=0.5, top_p=0.9, top_k=40, min_p=0.05, seed=1234,
+                                    stop=("\n\n", "END"), stop_token_ids=(2, 0), ignore_eos=True, logprobs=3)
 
 
 def test_request_id_kept_or_assigned(router_tokenizer):

@@ -11,14 +11,13 @@ from tandem.worker.metrics import WorkerMetrics, failure_kind
 
 
 def test_colocated_engine_metrics(make_llm, tokenizer):
-    llm = make_llm(block_size=16, num_kv_blocks=12, max_num_batched_tokens=64)
-    metrics = WorkerMetrics(Role.COLOCATED, "colocated-0", "m", llm.engine)
-    llm.engine.observer = metrics
+    metrics = WorkerMetrics(Role.COLOCATED, "colocated-0", "m")
+    llm = make_llm(block_size=16, num_kv_blocks=12, max_num_batched_tokens=64, observer=metrics)
     prompt = english_token_ids(tokenizer, 70)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     llm.generate([prompt], params)
     llm.generate([prompt, english_token_ids(tokenizer, 60, skip=300)], params)  # a prefix hit, then preemption
-    s = parse_samples(metrics.render())
+    s = parse_samples(metrics.render(llm.engine))
     labels = dict(model_name="m", role="colocated", instance="colocated-0")
     assert total(s, "tandem_request_queue_time_seconds_count", **labels) == 3
     assert total(s, "tandem_request_prefill_time_seconds_count") == 3
@@ -32,8 +31,8 @@ def test_colocated_engine_metrics(make_llm, tokenizer):
     assert total(s, "tandem_kv_cache_capacity_blocks") == 12 and total(s, "tandem_kv_cache_used_blocks") == 0
     assert total(s, "tandem_kv_cache_usage_perc") == 0
     assert total(s, "tandem_batch_size") >= 1 and total(s, "tandem_batch_tokens") >= 1
-    assert "tandem_kv_transfer_time_seconds" not in metrics.render()  # no transfers on a colocated worker
-    promtool_check_metrics(metrics.render())
+    assert "tandem_kv_transfer_time_seconds" not in metrics.render(llm.engine)  # no transfers on a colocated worker
+    promtool_check_metrics(metrics.render(llm.engine))
 
 
 def test_transfer_failures_are_labelled_from_a_fixed_set():
@@ -44,11 +43,11 @@ def test_transfer_failures_are_labelled_from_a_fixed_set():
 
 def test_transfer_paths_are_counted_on_prefill_workers_only(make_llm):
     engine = make_llm(block_size=16, num_kv_blocks=4).engine
-    prefill = WorkerMetrics(Role.PREFILL, "prefill-0", "m", engine)
+    prefill = WorkerMetrics(Role.PREFILL, "prefill-0", "m")
     for path in ("shm", "shm", "zmq"):
         prefill.transfer_began(path)
-    s = parse_samples(prefill.render())
+    s = parse_samples(prefill.render(engine))
     counts = {p: total(s, "tandem_kv_transfer_paths_total", role="prefill", path=p) for p in ("shm", "zmq", "dist")}
     assert counts == {"shm": 2, "zmq": 1, "dist": 0}  # every path's series from the start
-    assert "tandem_kv_transfer_paths" not in WorkerMetrics(Role.DECODE, "decode-0", "m", engine).render()
-    promtool_check_metrics(prefill.render())
+    assert "tandem_kv_transfer_paths" not in WorkerMetrics(Role.DECODE, "decode-0", "m").render(engine)
+    promtool_check_metrics(prefill.render(engine))

@@ -79,6 +79,7 @@ def run_ipc_check() -> list[str]:
     """-> printable PASS/FAIL lines: the path taken, bytes exact, IPC write GB/s vs a device copy."""
     if not torch.cuda.is_available():
         return ["FAIL cuda_ipc: no CUDA device in this process"]
+    from tandem.bench.transfers.sender_events import SenderEvents
     from tandem.kvtransfer.protocol import TransferStatus
     from tandem.kvtransfer.sender import KVSender
 
@@ -110,7 +111,7 @@ def run_ipc_check() -> list[str]:
             for layer in range(NUM_LAYERS):
                 sender.send_layer(f"r{round_}", layer)
             elapsed = time.perf_counter() - started  # (each layer is synchronized before its header)
-            event = sender.wait(f"r{round_}", TIMEOUT_S)
+            event = SenderEvents(sender).wait(f"r{round_}", TIMEOUT_S)
             _, status, exact = replies.get(timeout=TIMEOUT_S)
             if path != "cuda_ipc" or event.status is not TransferStatus.DONE or status != "DONE" or not exact:
                 return [f"FAIL cuda_ipc: round {round_} went by {path}, sender {event.status.name} "

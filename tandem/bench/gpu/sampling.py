@@ -11,6 +11,7 @@ checked for behaviour on the device itself.
 from __future__ import annotations
 
 import gc
+from typing import Any
 
 import torch
 
@@ -23,7 +24,7 @@ PROMPTS = ("Write a short poem about the sea.", "List five fruits, one per line,
 NUM_TOKENS = 48
 
 
-def _tokens(setup: GpuSetup, params: SamplingParams, **engine_args: object) -> list[list[list[int]]]:
+def _tokens(setup: GpuSetup, params: SamplingParams, **engine_args: Any) -> list[list[list[int]]]:
     """Each prompt's completions' tokens from a fresh float32 engine on the device."""
     llm = LLM.from_loaded(setup.loaded32, device=str(setup.device), dtype="float32", **engine_args)
     try:

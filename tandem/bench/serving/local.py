@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Callable
 
+from tandem.config import WorkerConfig
+
 if TYPE_CHECKING:
     from tandem.bench.serve import Bench
     from tandem.router.cluster import ClusterConfig
@@ -52,13 +54,13 @@ def make_setups(configs: dict, modes: list[str], disaggregated_budget: int, budg
     if "disaggregated" in modes:
         cfg = configs["disaggregated"]
         setups.append(Setup("disaggregated", disaggregated_budget, replace(
-            cfg, worker_args={**cfg.worker_args, "max_num_batched_tokens": disaggregated_budget})))
+            cfg, worker=cfg.worker.with_engine(max_num_batched_tokens=disaggregated_budget))))
     if "colocated" in modes:
         cfg = configs["colocated"]
         for budget in budgets:
             setups.append(Setup("colocated", budget, replace(
                 cfg, name_prefix=f"{cfg.name_prefix}{budget}-",
-                worker_args={**cfg.worker_args, "max_num_batched_tokens": budget})))
+                worker=cfg.worker.with_engine(max_num_batched_tokens=budget))))
     return setups
 
 
@@ -224,24 +226,28 @@ async def search_max_rates(bench: Bench, setups: list[Setup], progress: Progress
             "setups": {x.mode: search_summary(searches[x.label], probes[x.label], x.label, x.budget) for x in setups}}
 
 
-def run_clusters(bench: Bench, cluster_configs: Callable[[int, int, dict], dict]) -> dict:
+def _describe(c: ClusterConfig) -> dict:
+    """A mode's cluster, for results.json."""
+    threads = c.worker.num_threads
+    assert threads is not None, "cluster_configs gives every worker its threads"
+    return {"prefill_workers": c.num_prefill if not c.colocated else 0,
+            "decode_workers": c.num_decode if not c.colocated else 0, "colocated_workers": c.colocated,
+            "threads_per_worker": threads, "total_threads": threads * c.num_workers,
+            **({"disagg_policy": c.disagg_policy} if not c.colocated else {})}
+
+
+def run_clusters(bench: Bench, cluster_configs: Callable[[int, int, WorkerConfig], dict[str, ClusterConfig]]) -> dict:
     """Everything run_local does, on a local Ray of its own -> the clusters' description for
-    results.json. ``cluster_configs``: serve.cluster_configs (cores, workers, worker args)."""
+    results.json. ``cluster_configs``: serve.cluster_configs (cores, workers, the workers' config)."""
     import os
 
     import ray
 
     args, settings = bench.args, bench.settings
     cores = args.cores or len(os.sched_getaffinity(0))
-    worker_args = {"model": args.model, "kv_cache_memory_gib": settings.kv_cache_memory_gib}
-    configs = cluster_configs(cores, args.colocated_workers, worker_args)
-    config = {"cores": cores, "modes": {
-        m: {"prefill_workers": c.num_prefill if not c.colocated else 0,
-            "decode_workers": c.num_decode if not c.colocated else 0, "colocated_workers": c.colocated,
-            "threads_per_worker": c.worker_args["num_threads"],
-            "total_threads": c.worker_args["num_threads"] * c.num_workers,
-            **({"disagg_policy": c.disagg_policy} if not c.colocated else {})}
-        for m, c in configs.items() if m in args.modes},
+    worker = WorkerConfig.build(model=args.model, kv_cache_memory_gib=settings.kv_cache_memory_gib)
+    configs = cluster_configs(cores, args.colocated_workers, worker)
+    config = {"cores": cores, "modes": {m: _describe(c) for m, c in configs.items() if m in args.modes},
         "router": "in the benchmark's process, on the load generator's event loop",
         "clusters": "a fresh cluster for every run"}
     # Logical CPUs for Ray's bookkeeping only: workers are limited by their torch threads.

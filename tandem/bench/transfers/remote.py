@@ -8,7 +8,6 @@ import hashlib
 import logging
 import multiprocessing as mp
 import os
-import socket
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -22,10 +21,9 @@ logger = logging.getLogger(__name__)
 
 TRANSPORTS = ("ipc", "tcp", "gloo", "shm")
 """ipc: ZMQ over a Unix socket; tcp: ZMQ over loopback; gloo: ZMQ headers over loopback TCP
-and the K/V rows over a torch.distributed gloo process group (DistPayload); shm: the sender
+and the K/V rows over a torch.distributed gloo pair made in the handshake; shm: the sender
 writes the rows straight into the receiver's pool in shared memory, headers over a Unix
 socket (same node)."""
-GLOO_SENDER_RANK, GLOO_RECEIVER_RANK = 0, 1
 
 
 @dataclass(frozen=True)
@@ -41,12 +39,6 @@ class Arrival:
     """blake2b of the received K/V rows when asked for (checks the bytes, untimed)."""
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def kv_digest(kv_cache: torch.Tensor, block_ids: Sequence[int], num_tokens: int) -> str:
     """blake2b of tokens [0, num_tokens) of a block table, every layer, K then V."""
     rows = kv_cache[:, :, list(block_ids)].flatten(2, 3)[:, :, :num_tokens].contiguous()
@@ -54,11 +46,10 @@ def kv_digest(kv_cache: torch.Tensor, block_ids: Sequence[int], num_tokens: int)
 
 
 def _serve(conn: Connection, shape: tuple[int, ...], transports: Sequence[str], ipc_path: str,
-           gloo_port: int | None, timeout_s: float) -> None:
+           timeout_s: float) -> None:
     """The receiver process: reply to ("expect", ...) with a Destination, then with an Arrival."""
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s receiver: %(message)s")
-    from tandem.kvtransfer.payload import DistPayload
     from tandem.kvtransfer.receiver import KVReceiver
     from tandem.kvtransfer.shared_pool import HostSharedPool
 
@@ -68,11 +59,8 @@ def _serve(conn: Connection, shape: tuple[int, ...], transports: Sequence[str], 
         receivers["ipc"] = KVReceiver(pool, f"ipc://{ipc_path}", timeout_s)
     if "tcp" in transports:
         receivers["tcp"] = KVReceiver(pool, "tcp://127.0.0.1:0", timeout_s)
-    if gloo_port is not None:
-        import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}",
-                                rank=GLOO_RECEIVER_RANK, world_size=2)
-        receivers["gloo"] = KVReceiver(pool, "tcp://127.0.0.1:0", timeout_s, dist_payload=DistPayload())
+    if "gloo" in transports:  # (the pair is the sender's to ask for: transport gloo)
+        receivers["gloo"] = KVReceiver(pool, "tcp://127.0.0.1:0", timeout_s)
     shared = HostSharedPool.create(shape, torch.float32) if "shm" in transports else None
     if "shm" in transports:  # a pool of its own, in /dev/shm (zeroed and faulted in like the other)
         if shared is None:
@@ -103,30 +91,20 @@ def _serve(conn: Connection, shape: tuple[int, ...], transports: Sequence[str], 
             r.close()
         if shared is not None:
             shared.close()
-        if gloo_port is not None:
-            dist.destroy_process_group()
 
 
 class RemoteReceiver:
-    """The benchmark process's handle on the receiver process.
-
-    With "gloo" among the transports this process joins the gloo group as the sender rank.
-    """
+    """The benchmark process's handle on the receiver process."""
 
     def __init__(self, shape: tuple[int, ...], transports: Sequence[str], ipc_dir: str, timeout_s: float) -> None:
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        gloo_port = free_port() if "gloo" in transports else None
         self._proc = ctx.Process(target=_serve, name="kv-receiver",
-                                 args=(child, shape, tuple(transports), os.path.join(ipc_dir, "kv.sock"),
-                                       gloo_port, timeout_s), daemon=True)
+                                 args=(child, shape, tuple(transports), os.path.join(ipc_dir, "kv.sock"), timeout_s),
+                                 daemon=True)
         self._proc.start()
         child.close()
-        self.gloo = gloo_port is not None
-        if self.gloo:
-            import torch.distributed as dist
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{gloo_port}",
-                                    rank=GLOO_SENDER_RANK, world_size=2)
+        self.gloo = "gloo" in transports
         self.addresses: dict[str, str] = self._recv(120.0)
         logger.info("receiver process %d listening on %s", self._proc.pid, self.addresses)
 
@@ -152,6 +130,3 @@ class RemoteReceiver:
         if self._proc.is_alive():
             logger.warning("receiver process %d did not exit; terminating it", self._proc.pid)
             self._proc.terminate()
-        if self.gloo:
-            import torch.distributed as dist
-            dist.destroy_process_group()

@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tandem.bench.transfers.remote import RemoteReceiver, kv_digest
+from tandem.bench.transfers.sender_events import SenderEvents
 from tandem.config import ModelConfig
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.scheduler import ScheduledBatch
@@ -84,7 +85,7 @@ def one_transfer(remote: RemoteReceiver, sender: KVSender, transport: str, reque
     for layer in range(sender.layout.num_layers):
         sender.send_layer(request_id, layer)
     sent = time.perf_counter()
-    event = sender.wait(request_id, TIMEOUT_S)
+    event = SenderEvents(sender).wait(request_id, TIMEOUT_S)
     acked = time.perf_counter()
     arrival = remote.arrival(TIMEOUT_S)
     if event.status is not TransferStatus.DONE or arrival.status != "DONE":
@@ -160,7 +161,7 @@ def one_prefill(runner: ModelRunner, remote: RemoteReceiver | None, sender: KVSe
     if remote is None:
         return {"prefill_s": end - start}
     arrival = remote.arrival(TIMEOUT_S)
-    event = sender.wait(request_id, TIMEOUT_S)
+    event = SenderEvents(sender).wait(request_id, TIMEOUT_S)
     if event.status is not TransferStatus.DONE or arrival.status != "DONE":
         raise RuntimeError(f"{request_id} failed: {event.reason or arrival.reason}")
     transfer = arrival.done_at - stored[0]
