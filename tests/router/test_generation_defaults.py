@@ -52,8 +52,7 @@ def test_unset_fields_take_the_models_defaults(router_tokenizer, tokenizer, mode
     assert (chosen.temperature, chosen.max_tokens, chosen.top_k) == (0, 5, 20)
     (chat,) = validated_all(parse_request(CHAT, {"messages": [{"role": "user", "content": "Hi"}]}, "m", "r"), served,
                             RequestLimits())
-    chat = chat.params
-    assert chat.max_tokens == 64  # the model's default, not the whole room
+    assert chat.params.max_tokens == 64  # the model's default, not the whole room
     plain = validate_request(pb.GenerateRequest(prompt="Hi"), RouterTokenizer.from_spec(
         dataclasses.replace(spec, sampling_defaults=()))).params
     assert (plain.temperature, plain.top_k) == (1.0, -1)

@@ -4,9 +4,11 @@ with a clear message in seconds, and Ray's placement wait is bounded."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,12 +36,12 @@ def test_serve_on_cuda_without_a_gpu_fails_in_seconds_naming_what_it_needs():
 
 
 @pytest.fixture(scope="module")
-def ray_cpus() -> tuple[float, float]:
+def ray_cpus() -> Iterator[tuple[float, float]]:
     """(CPUs in all, CPUs free now) of a Ray: a 2-CPU one of its own, or the session's, whose
     clusters may hold some of its CPUs."""
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+        ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.ERROR)
     free = ray.available_resources().get(CPU, 0.0)
     assert free > 0, "no free CPU to place anything on"
     yield ray.cluster_resources()[CPU], free
