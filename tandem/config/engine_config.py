@@ -62,6 +62,11 @@ class EngineConfig:
     """The engine's random numbers start from it (unseeded requests repeat across restarts); None: unseeded."""
     scheduling_policy: str = "fcfs"
     """The order requests are served in: fcfs or priority (tandem/engine/waiting_queue.py)."""
+    reserve_whole_prompts: bool = False
+    """A prompt is admitted only when blocks for all of it are free, and takes them all at
+    admission, so a prompt being prefilled never needs another block and nothing is ever
+    preempted. A prefill worker's: KV transfers read its blocks while later chunks compute,
+    and a preemption would free (or, resumed, resend) them under the transfer."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -109,6 +114,7 @@ class EngineConfig:
         tensor_parallel_size: int = DEFAULTS["tensor_parallel_size"],
         seed: int | None = DEFAULTS["seed"],
         scheduling_policy: str = DEFAULTS["scheduling_policy"],
+        reserve_whole_prompts: bool = False,
     ) -> EngineConfig:
         """The defaults of the engine options are tandem.config.engine_options' (the CLI flags' too).
         device and dtype may be ``auto`` (resolved here: see tandem/config/device.py)."""
@@ -180,4 +186,5 @@ class EngineConfig:
             tensor_parallel_size=tp,
             seed=seed,
             scheduling_policy=scheduling_policy,
+            reserve_whole_prompts=reserve_whole_prompts,
         )

@@ -152,9 +152,15 @@ def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
     return {o.name: getattr(args, o.name) for o in ENGINE_OPTIONS}
 
 
+BUILD_ONLY_OPTIONS = ("num_kv_blocks", "num_swap_blocks", "enable_chunked_prefill", "long_prefill_token_threshold",
+                      "prompt_lookup_max", "prompt_lookup_min")
+"""EngineConfig.build's keywords that no flag sets (tests and benchmarks size pools in blocks);
+with ENGINE_DEFAULTS' names, every keyword an EngineOptions may hold."""
+
+
 @dataclass(frozen=True, eq=False)
 class EngineOptions(Mapping[str, Any]):
-    """Engine options by keyword (ENGINE_OPTIONS' names), only those given: every other one is
+    """Engine options by keyword (ENGINE_OPTIONS' names, BUILD_ONLY_OPTIONS), only those given: every other one is
     at its default (ENGINE_DEFAULTS), as EngineConfig.build takes it. Frozen, and a plain tuple
     inside, so it pickles (a MappingProxyType would not reach a Ray actor).
 
@@ -165,7 +171,7 @@ class EngineOptions(Mapping[str, Any]):
 
     def __post_init__(self) -> None:
         names = [name for name, _ in self.given]
-        unknown = sorted(set(names) - ENGINE_DEFAULTS.keys())
+        unknown = sorted(set(names) - ENGINE_DEFAULTS.keys() - set(BUILD_ONLY_OPTIONS))
         if unknown:
             raise ValueError(f"no such engine options: {', '.join(unknown)}")
         twice = sorted({name for name in names if names.count(name) > 1})

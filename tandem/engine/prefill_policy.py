@@ -80,9 +80,9 @@ class PrefillPacker:
                     break  # NOTE: FCFS: a prompt that must run whole keeps the ones behind it waiting.
             # NOTE: out of blocks, nothing newer starts either: a short prompt never takes
             # the blocks an older one waits for.
-            if not bm.can_allocate(seq, n, cached_block_ids):
+            if not bm.can_allocate(seq, self._reserved(n, remaining), cached_block_ids):
                 break
-            self._admit(entries, seq, n, cached_block_ids)
+            self._admit(entries, seq, n, cached_block_ids, self._reserved(n, remaining))
             budget -= n
         return budget, passed_over
 
@@ -112,16 +112,24 @@ class PrefillPacker:
             return budget
         # Found again: blocks taken since pass 2 may have evicted part of the cached prefix.
         cached_block_ids = bm.find_cached_prefix(seq)
-        n = min(seq.num_tokens - len(cached_block_ids) * bm.block_size, budget)
-        if not bm.can_allocate(seq, n, cached_block_ids):
+        remaining = seq.num_tokens - len(cached_block_ids) * bm.block_size
+        n = min(remaining, budget)
+        if not bm.can_allocate(seq, self._reserved(n, remaining), cached_block_ids):
             return budget
-        self._admit(entries, seq, n, cached_block_ids)
+        self._admit(entries, seq, n, cached_block_ids, self._reserved(n, remaining))
         return budget - n
 
-    def _admit(self, entries: list[Entry], seq: Sequence, n: int, cached_block_ids: list[int]) -> None:
-        """Move waiting ``seq`` to the running set with its first ``n`` tokens scheduled."""
+    def _reserved(self, n: int, remaining: int) -> int:
+        """The tokens a prompt admitted with its first `n` of `remaining` takes blocks for:
+        all of them with reserve_whole_prompts (its later chunks then never preempt)."""
+        return remaining if self.config.reserve_whole_prompts else n
+
+    def _admit(self, entries: list[Entry], seq: Sequence, n: int, cached_block_ids: list[int], reserved: int
+               ) -> None:
+        """Move waiting ``seq`` to the running set with its first ``n`` tokens scheduled and
+        blocks for ``reserved`` (>= n) of them."""
         self.waiting.remove(seq)
-        self.block_manager.allocate(seq, n, cached_block_ids)
+        self.block_manager.allocate(seq, reserved, cached_block_ids)
         if seq.num_preemptions == 0:
             seq.num_cached_prompt_tokens = seq.num_computed_tokens
             seq.first_scheduled_time = time.monotonic()

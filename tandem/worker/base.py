@@ -66,7 +66,10 @@ class Worker:
         self.sampling_defaults = sampling_defaults(source.path, config.generation_config)
         if loaded is None:
             loaded = load_model(source, DTYPES[dtype])
-        engine_config, loaded = engine_config_and_weights(loaded, config.engine_args(device, dtype), source)
+        # NOTE: a prefill worker's prompts take all their blocks at admission: transfers read them
+        # while later chunks compute, and a preemption would free them under the transfer.
+        engine_args = {**config.engine_args(device, dtype), "reserve_whole_prompts": self.role is Role.PREFILL}
+        engine_config, loaded = engine_config_and_weights(loaded, engine_args, source)
         self.fingerprint = model_fingerprint(loaded)
         """The weights' identity, which KV transfer peers must share (the whole model's, on any tp)."""
         started = start_engine_model(loaded, engine_config, config.model, config.num_threads, placement_group,

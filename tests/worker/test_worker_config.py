@@ -48,3 +48,18 @@ def test_the_receiver_address_is_worked_out_on_the_workers_node():
         _ = KVTransferConfig(receiver_host=NODE_IP).receiver_address
     with pytest.raises(ValueError, match="must be > 0"):
         KVTransferConfig(timeout_s=0)
+
+
+def test_every_engine_option_is_a_keyword_of_engine_config_build():
+    """What an EngineOptions may hold is exactly what EngineConfig.build takes (but the model,
+    the device and dtype, which the worker resolves, and what the worker's role decides)."""
+    import inspect
+
+    from tandem.config import EngineConfig
+    from tandem.config.engine_options import BUILD_ONLY_OPTIONS, ENGINE_DEFAULTS
+
+    taken = set(inspect.signature(EngineConfig.build).parameters) - {"cls", "model", "device", "dtype",
+                                                                     "reserve_whole_prompts"}
+    allowed = (set(ENGINE_DEFAULTS) | set(BUILD_ONLY_OPTIONS)) - {"device", "dtype", "gpu_memory_utilization"}
+    assert allowed == taken
+    assert WorkerConfig.build(num_kv_blocks=8).engine["num_kv_blocks"] == 8
