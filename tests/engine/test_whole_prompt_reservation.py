@@ -6,11 +6,13 @@ next chunk needs are not there."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from scheduler_harness import add_seq, all_free, make_scheduler, run_step
 
 from tandem.engine.sequence import SequenceStatus
 
-SETTINGS = dict(num_kv_blocks=4, block_size=4, max_num_batched_tokens=8, long_prefill_token_threshold=3,
+SETTINGS: dict[str, Any] = dict(num_kv_blocks=4, block_size=4, max_num_batched_tokens=8, long_prefill_token_threshold=3,
                 enable_prefix_caching=False, preemption_mode="recompute")
 PROMPT_LENS = (6, 11, 5, 4)
 TRANSFER_STEPS = 3
