@@ -96,6 +96,13 @@ def test_no_wall_is_crossed_in_the_source_tree() -> None:
     assert found == []
 
 
+def test_no_file_is_over_350_lines() -> None:
+    """One idea per file: a module (tests included) that grows past 350 lines is split."""
+    files = [*source_files(), *(ROOT / "tests").rglob("*.py")]
+    long = {str(p.relative_to(ROOT)): n for p in files if (n := len(p.read_text().splitlines())) > 350}
+    assert not long, long
+
+
 def test_the_top_of_tandem_is_its_public_api() -> None:
     """The parts live in sub-packages; the top of tandem/ keeps the public API (LLM, the
     parameters and outputs, the command), at most 12 modules."""
