@@ -38,9 +38,9 @@ class Int4GemvPack:
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         """x2: [M, in] float32 -> [M, out] float32 (the kernel must be available: see load_extension)."""
-        module = load_extension()
-        assert module is not None, "int4_gemv_cpu needs the compiled kernel"
-        return module.int4_gemv(x2, self.values, self.scale_offset)
+        if torch.compiler.is_compiling():  # traced: the op (see _int4_gemv_op); eager: the kernel itself
+            return torch.ops.tandem.int4_gemv_cpu(x2, self.values, self.scale_offset)
+        return _module().int4_gemv(x2, self.values, self.scale_offset)
 
     @property
     def num_bytes(self) -> int:
@@ -74,3 +74,22 @@ EXTENSION = CpuExtension(EXTENSION_NAME, (CSRC / "int4_gemv_cpu.cpp",), (CSRC / 
 def load_extension() -> ModuleType | None:
     """The compiled kernel, or None where it cannot be built (logged once)."""
     return cpu_build.load_or_none(EXTENSION, "CPU int4 kernel", "int4 products use torch's kernel")
+
+
+def _module() -> ModuleType:
+    module = load_extension()
+    assert module is not None, "int4_gemv_cpu needs the compiled kernel"
+    return module
+
+
+# The kernel as a torch custom op, so that a traced step holds it as a node of its one graph;
+# eager products skip the op's dispatch (several us a call, about the kernel's own at one row).
+@torch.library.custom_op("tandem::int4_gemv_cpu", mutates_args=())
+def _int4_gemv_op(x2: torch.Tensor, values: torch.Tensor, scale_offset: torch.Tensor) -> torch.Tensor:
+    return _module().int4_gemv(x2, values, scale_offset)
+
+
+@_int4_gemv_op.register_fake
+def _(x2: torch.Tensor, values: torch.Tensor, scale_offset: torch.Tensor) -> torch.Tensor:
+    # values: [out / 16, in / 8, 16] -> [M, out] float32
+    return x2.new_empty((x2.shape[0], values.shape[0] * CHANNELS), dtype=torch.float32)

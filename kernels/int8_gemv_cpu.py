@@ -39,9 +39,9 @@ class Int8GemvPack:
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         """x2: [M, in] float32 -> [M, out] float32 (the kernel must be available: see load_extension)."""
-        module = load_extension()
-        assert module is not None, "int8_gemv_cpu needs the compiled kernel"
-        return module.int8_gemv(x2, self.values, self.scale)
+        if torch.compiler.is_compiling():  # traced: the op (see _int8_gemv_op); eager: the kernel itself
+            return torch.ops.tandem.int8_gemv_cpu(x2, self.values, self.scale)
+        return _module().int8_gemv(x2, self.values, self.scale)
 
     @property
     def num_bytes(self) -> int:
@@ -64,3 +64,22 @@ def pack(qweight: torch.Tensor, scale: torch.Tensor) -> Int8GemvPack:
 def load_extension() -> ModuleType | None:
     """The compiled kernel, or None where it cannot be built (logged once)."""
     return cpu_build.load_or_none(EXTENSION, "CPU int8 kernel", "int8 products use torch's kernel")
+
+
+def _module() -> ModuleType:
+    module = load_extension()
+    assert module is not None, "int8_gemv_cpu needs the compiled kernel"
+    return module
+
+
+# The kernel as a torch custom op, so that a traced step holds it as a node of its one graph;
+# eager products skip the op's dispatch (several us a call, about the kernel's own at one row).
+@torch.library.custom_op("tandem::int8_gemv_cpu", mutates_args=())
+def _int8_gemv_op(x2: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return _module().int8_gemv(x2, values, scale)
+
+
+@_int8_gemv_op.register_fake
+def _(x2: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # scale: [out] -> [M, out] float32
+    return x2.new_empty((x2.shape[0], scale.shape[0]), dtype=torch.float32)

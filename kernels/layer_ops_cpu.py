@@ -38,3 +38,80 @@ def supports(*tensors: torch.Tensor) -> bool:
 def kernels_for(*tensors: torch.Tensor) -> ModuleType | None:
     """The compiled kernels where they run on ``tensors`` (float32 CPU, built), else None."""
     return load_extension() if supports(*tensors) else None
+
+
+# The kernels as torch custom ops, so that a traced step (torch.compile, torch.export) holds
+# them as nodes of its one graph instead of breaking at an opaque pybind call. Eager calls skip
+# the op: its dispatch costs 4-12 us a call against ~1 us of the kernel's own, ~100 calls a
+# step. Both run the same kernel, so the values are the same either way.
+
+@torch.library.custom_op("tandem::rms_norm_cpu", mutates_args=())
+def _rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _module().rms_norm(x, weight, eps)
+
+
+@_rms_norm_op.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)  # the kernel's output is contiguous
+
+
+@torch.library.custom_op("tandem::add_rms_norm_cpu", mutates_args=("h",))
+def _add_rms_norm_op(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return _module().add_rms_norm(h, delta, weight, eps)
+
+
+@_add_rms_norm_op.register_fake
+def _(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.empty_like(h)
+
+
+@torch.library.custom_op("tandem::rope_store_kv_cpu", mutates_args=("qkv", "k_cache", "v_cache"))
+def _rope_store_kv_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
+    # The kernel's q, k, v are views of qkv, which an op may not return: rope_store_kv makes them.
+    _module().rope_store_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+
+
+@_rope_store_kv_op.register_fake
+def _(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+      slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
+    return None
+
+
+def _module() -> ModuleType:
+    module = load_extension()
+    assert module is not None, "the CPU layer kernels are not built"
+    return module
+
+
+def rms_norm(kernels: ModuleType, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [..., H]; weight: [H] float32 -> [..., H]: `kernels` (load_extension's) eagerly, its op traced."""
+    if torch.compiler.is_compiling():
+        return torch.ops.tandem.rms_norm_cpu(x, weight, eps)
+    return kernels.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(kernels: ModuleType, h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor:
+    """h += delta in place -> rms_norm(h). h (contiguous), delta: [T, H]; weight: [H]."""
+    if torch.compiler.is_compiling():
+        return torch.ops.tandem.add_rms_norm_cpu(h, delta, weight, eps)
+    return kernels.add_rms_norm(h, delta, weight, eps)
+
+
+def rope_store_kv(kernels: ModuleType, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int,
+                  num_kv_heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RoPE on qkv's q and k heads in place, k and v into their cache slots.
+
+    qkv: [T, (num_heads + 2 * num_kv_heads) * D]; cos, sin: [T, D]
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, D]; slot_mapping: [T] int64
+    -> q: [T, num_heads, D]; k, v: [T, num_kv_heads, D], views of qkv (as the kernel's)
+    """
+    if not torch.compiler.is_compiling():
+        return kernels.rope_store_kv(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+    torch.ops.tandem.rope_store_kv_cpu(qkv, cos, sin, k_cache, v_cache, slot_mapping, num_heads, num_kv_heads)
+    num_tokens, head_dim = qkv.shape[0], cos.shape[-1]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    return (q.view(num_tokens, num_heads, head_dim), k.view(num_tokens, num_kv_heads, head_dim),
+            v.view(num_tokens, num_kv_heads, head_dim))

@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from tandem.kernels import layer_ops_cpu
+from tandem.kernels import layer_ops_cpu, triton_ops
 from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.int4_gemv import int4_gemv_torch
 from tandem.kernels.int8_gemv import int8_gemv_torch
@@ -100,6 +100,9 @@ def prepare_cpu_kernels(device: torch.device, dtype: torch.dtype) -> None:
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              meta: AttentionMetadata) -> None:
     if backend_for(k) is Backend.TRITON:
+        if torch.compiler.is_compiling():  # traced: the custom op (triton_ops.py); eager: the kernel itself
+            torch.ops.tandem.store_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
+            return
         from tandem.kernels.store_kv_triton import store_kv_triton
         store_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
     else:
@@ -116,17 +119,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     num_decode = meta.num_decode_tokens
     decode_backend = decode_attention_backend(q)
     if decode_backend is Backend.TRITON:
-        from tandem.kernels.paged_decode_attention_triton import paged_decode_attention_triton
-        from tandem.kernels.prefill_attention_triton import prefill_attention_triton
-        out = torch.empty_like(q)
-        # Both kernels write disjoint rows of `out`; the prefill layout's starts are relative
-        # to the prefill tokens, hence the offset views.
-        paged_decode_attention_triton(q[:num_decode], k_cache, v_cache, meta.decode_block_tables,
-                                      meta.decode_context_lens, scale, meta.max_decode_context_len,
-                                      out=out[:num_decode])
-        prefill_attention_triton(q[num_decode:], k_cache, v_cache, meta.prefill_block_tables,
-                                 meta.prefill_layout, meta.max_prefill_query_len, scale, out=out[num_decode:])
-        return out
+        # traced: the custom op (triton_ops.py); eager: the same function, without the op's dispatch
+        attend = torch.ops.tandem.attention_triton if torch.compiler.is_compiling() else triton_ops.attention_triton
+        return attend(q, k_cache, v_cache, num_decode, meta.decode_block_tables, meta.decode_context_lens,
+                      meta.max_decode_context_len, meta.prefill_block_tables, meta.prefill_layout,
+                      meta.max_prefill_query_len, scale)
     groups = meta.decode_groups or None
     decode = paged_decode_attention_cpu if decode_backend is Backend.CPU_KERNEL else paged_decode_attention_torch
     if meta.num_prefills == 0:
@@ -149,6 +146,8 @@ def int8_gemv(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor) -> t
     returns: [M, N] float32
     """
     if backend_for(x2) is Backend.TRITON:
+        if torch.compiler.is_compiling():
+            return torch.ops.tandem.int8_gemv_triton(x2, qweight, scale)
         from tandem.kernels.int8_gemv_triton import int8_gemv_triton
         return int8_gemv_triton(x2, qweight, scale)
     return int8_gemv_torch(x2, qweight, scale)
@@ -163,6 +162,8 @@ def int4_gemv(x2: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offs
     returns: [M, N] float32
     """
     if backend_for(x2) is Backend.TRITON:
+        if torch.compiler.is_compiling():
+            return torch.ops.tandem.int4_gemv_triton(x2, qweight, scale, offset, group_size)
         from tandem.kernels.int4_gemv_triton import int4_gemv_triton
         return int4_gemv_triton(x2, qweight, scale, offset, group_size)
     return int4_gemv_torch(x2, qweight, scale, offset, group_size)

@@ -100,5 +100,24 @@ def paged_decode_attention_cpu(
     module = load_extension() if supports(q, k_cache) and v_cache.stride() == k_cache.stride() else None
     if module is None:
         return paged_decode_attention_torch(q, k_cache, v_cache, block_tables, context_lens, scale, groups)
+    if torch.compiler.is_compiling():  # traced: the op (see _attention_op); eager: the kernel itself
+        return torch.ops.tandem.paged_decode_attention_cpu(q, k_cache, v_cache, block_tables, context_lens,
+                                                           float(scale))
     return module.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, float(scale),
                                          MIN_SPLIT_TOKENS)
+
+
+# The kernel as a torch custom op, so that a traced step holds it as a node of its one graph;
+# eager calls skip the op's dispatch (several us a call, ~100 calls a step).
+@torch.library.custom_op("tandem::paged_decode_attention_cpu", mutates_args=())
+def _attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                  context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    module = load_extension()
+    assert module is not None, "paged_decode_attention_cpu's op needs the compiled kernel"
+    return module.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, MIN_SPLIT_TOKENS)
+
+
+@_attention_op.register_fake
+def _(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+      context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_seqs, num_heads, head_dim], contiguous

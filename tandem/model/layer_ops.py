@@ -12,7 +12,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from tandem.kernels import ops
+from tandem.kernels import layer_ops_cpu, ops
 from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.layer_ops_cpu import kernels_for
 
@@ -22,7 +22,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == weight.dtype == torch.float32:
         kernels = kernels_for(x, weight)
         if kernels is not None:
-            return kernels.rms_norm(x, weight, eps)
+            return layer_ops_cpu.rms_norm(kernels, x, weight, eps)
         return F.rms_norm(x, x.shape[-1:], weight, eps)  # torch's fused norm: the same values
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
@@ -34,7 +34,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
     """The residual add and the next norm. h, delta: [T, H] -> (h + delta, rms_norm of it);
     the kernel adds into ``h`` in place (a step's own residual stream)."""
     if kernels is not None and h.is_contiguous():
-        return h, kernels.add_rms_norm(h, delta, weight, eps)
+        return h, layer_ops_cpu.add_rms_norm(kernels, h, delta, weight, eps)
     h = h + delta
     return h, rms_norm(h, weight, eps)
 
@@ -55,7 +55,8 @@ def rope_and_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k
     -> q: [T, num_heads, D]; k, v: [T, num_kv_heads, D] (rotated q and k)
     """
     if kernels is not None and qkv.stride(-1) == 1:
-        return kernels.rope_store_kv(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, num_heads, num_kv_heads)
+        return layer_ops_cpu.rope_store_kv(kernels, qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, num_heads,
+                                           num_kv_heads)
     num_tokens, head_dim = qkv.shape[0], cos.shape[-1]
     qk, v = qkv.split([(num_heads + num_kv_heads) * head_dim, num_kv_heads * head_dim], dim=-1)
     # qk: [T, num_heads + num_kv_heads, D]: RoPE on q and k at once (the same arithmetic per
