@@ -77,8 +77,6 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                         help="requests' sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty, "
                              f"max_tokens): {GENERATION_CONFIG_CHOICES_HELP} (default auto)")
-    parser.add_argument("--enforce-eager", action="store_true",
-                        help="accepted for vLLM's command lines; tandem always runs eagerly (no CUDA graphs)")
     parser.add_argument("--address", default=None, help="join this Ray cluster instead of starting a local one")
     parser.add_argument("--pool-resources", action="store_true",
                         help="each worker asks Ray for the custom resource "

@@ -44,9 +44,9 @@ class LLM:
     kv_cache_memory_gib, num_kv_blocks, max_model_len, max_num_seqs,
     max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill,
     swap_space_gib, num_swap_blocks, preemption_mode, num_speculative_tokens, quantization,
-    tensor_parallel_size, seed), whose defaults are the engine options' (tandem.config.engine_options),
+    tensor_parallel_size, seed, enforce_eager), whose defaults are the engine options' (tandem.config.engine_options),
     the same as ``tandem chat``'s and ``tandem serve``'s flags; vLLM's names are taken too
-    (``swap_space``; ``enforce_eager`` and the like without effect: see engine_options).
+    (``swap_space``; ``disable_log_stats`` and the like without effect: see engine_options).
     With tensor_parallel_size > 1 the other ranks are Ray actors (call :meth:`shutdown` to
     stop them). ``observer`` and ``step_threads`` go to the engine (see LLMEngine): what
     watches its steps, and the torch threads each step takes by its size (as a served worker's).

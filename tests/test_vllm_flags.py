@@ -40,7 +40,7 @@ def test_vllm_engine_flags_reach_every_worker():
                  "--max-model-len", "512", "--gpu-memory-utilization", "0.5", "--enforce-eager")
     assert serve_command.worker_config(args).engine == {"swap_space_gib": 2.0, "enable_prefix_caching": False,
                                                         "seed": 7, "max_num_seqs": 8, "max_model_len": 512,
-                                                        "gpu_memory_utilization": 0.5}
+                                                        "gpu_memory_utilization": 0.5, "enforce_eager": True}
 
 
 @pytest.mark.parametrize(("argv", "tp"), [((), (1, 1)), (("-tp", "2"), (2, 2)),
@@ -104,7 +104,8 @@ def test_a_bad_environment_value_is_refused_naming_the_variable(monkeypatch, cap
 
 
 def test_llm_takes_vllms_keywords():
-    assert from_vllm_keywords({"swap_space": 2, "enforce_eager": True, "max_num_seqs": 4}) == {
-        "swap_space_gib": 2, "max_num_seqs": 4}
+    assert from_vllm_keywords({"swap_space": 2, "enforce_eager": True, "max_num_seqs": 4,
+                               "disable_log_stats": True}) == {
+        "swap_space_gib": 2, "enforce_eager": True, "max_num_seqs": 4}
     with pytest.raises(ValueError, match="swap_space and swap_space_gib name the same option"):
         from_vllm_keywords({"swap_space_gib": 1, "swap_space": 2})

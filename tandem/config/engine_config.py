@@ -67,6 +67,12 @@ class EngineConfig:
     admission, so a prompt being prefilled never needs another block and nothing is ever
     preempted. A prefill worker's: KV transfers read its blocks while later chunks compute,
     and a preemption would free (or, resumed, resend) them under the transfer."""
+    enforce_eager: bool = False
+    """Never replay CUDA graphs: every step runs op by op (graphs apply on CUDA only:
+    tandem/engine/cuda_graphs.py)."""
+    max_cudagraph_capture_size: int = 512
+    """The largest decode batch captured as a CUDA graph (vLLM's name and default); larger
+    batches run eagerly. Only the buckets up to max_num_seqs' are captured."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -115,6 +121,8 @@ class EngineConfig:
         seed: int | None = DEFAULTS["seed"],
         scheduling_policy: str = DEFAULTS["scheduling_policy"],
         reserve_whole_prompts: bool = False,
+        enforce_eager: bool = DEFAULTS["enforce_eager"],
+        max_cudagraph_capture_size: int = 512,
     ) -> EngineConfig:
         """The defaults of the engine options are tandem.config.engine_options' (the CLI flags' too).
         device and dtype may be ``auto`` (resolved here: see tandem/config/device.py)."""
@@ -125,6 +133,7 @@ class EngineConfig:
         require(block_size >= 1, "block_size", block_size, ">= 1")
         require(max_num_seqs >= 1, "max_num_seqs", max_num_seqs, ">= 1")
         require(max_num_batched_tokens >= 1, "max_num_batched_tokens", max_num_batched_tokens, ">= 1")
+        require(max_cudagraph_capture_size >= 1, "max_cudagraph_capture_size", max_cudagraph_capture_size, ">= 1")
         require(tensor_parallel_size >= 1, "tensor_parallel_size", tensor_parallel_size, ">= 1")
         tp = tensor_parallel_size
         block_bytes = block_size * model.kv_bytes_per_token(dtype, tp)
@@ -187,4 +196,6 @@ class EngineConfig:
             seed=seed,
             scheduling_policy=scheduling_policy,
             reserve_whole_prompts=reserve_whole_prompts,
+            enforce_eager=enforce_eager,
+            max_cudagraph_capture_size=max_cudagraph_capture_size,
         )

@@ -105,6 +105,10 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "tensor-parallel ranks of each engine, one device each (under tandem serve: every worker of "
                  "both pools, unless --prefill-tp / --decode-tp say otherwise) (default %(default)s)",
                  aliases=("-tp",), metavar="N"),
+    EngineOption("enforce_eager", bool, False,
+                 "never replay CUDA graphs: each decode step launches its kernels one by one (default: off, "
+                 "decode steps of each batch-size bucket replay graphs captured at start; graphs apply on "
+                 "CUDA only)"),
     EngineOption("seed", int, None,
                  "seed of the engine's random numbers, so that unseeded sampling repeats across restarts "
                  "(a request's own seed still wins) (default: none)"),
@@ -112,9 +116,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
 
 VLLM_KEYWORDS: Mapping[str, str] = MappingProxyType({"swap_space": "swap_space_gib"})
 """vLLM's keyword -> the engine option's, where they differ (LLM(...) takes either)."""
-NO_EFFECT_KEYWORDS = frozenset({"enforce_eager", "disable_log_stats", "trust_remote_code"})
-"""vLLM keywords accepted without effect: tandem always runs eagerly (no CUDA graphs), logs
-no per-step stats, and loads only architectures it implements (no remote code runs)."""
+NO_EFFECT_KEYWORDS = frozenset({"disable_log_stats", "trust_remote_code"})
+"""vLLM keywords accepted without effect: tandem logs no per-step stats, and loads only
+architectures it implements (no remote code runs)."""
 
 ENGINE_DEFAULTS: Mapping[str, Any] = MappingProxyType({o.name: o.default for o in ENGINE_OPTIONS})
 """Each option's default by keyword: EngineConfig.build's and LLM's defaults."""
@@ -153,7 +157,7 @@ def engine_options_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 BUILD_ONLY_OPTIONS = ("num_kv_blocks", "num_swap_blocks", "enable_chunked_prefill", "long_prefill_token_threshold",
-                      "prompt_lookup_max", "prompt_lookup_min")
+                      "prompt_lookup_max", "prompt_lookup_min", "max_cudagraph_capture_size")
 """EngineConfig.build's keywords that no flag sets (tests and benchmarks size pools in blocks);
 with ENGINE_DEFAULTS' names, every keyword an EngineOptions may hold."""
 

@@ -1,6 +1,6 @@
 """The KV pool sized by ``gpu_memory_utilization``: the weights and the peak of one
-full-budget step measured on the device, then the pool gets the rest of the budget
-(tandem/kvcache/memory_plan.py)."""
+full-budget step measured on the device, the decode CUDA graphs' memory estimated, then the
+pool gets the rest of the budget (tandem/kvcache/memory_plan.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import dataclasses
 import torch
 
 from tandem.config import EngineConfig
+from tandem.engine.cuda_graphs import planned_graph_bytes
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
@@ -29,10 +30,12 @@ def measured_memory_plan(loaded: LoadedModel, config: EngineConfig, utilization:
         num_tokens = min(config.max_num_batched_tokens, config.max_model_len)
         peak = estimated_step_peak_bytes(config.model, num_tokens, config.max_num_seqs, config.dtype_bytes, tp)
         return DeviceMemoryPlan(total, utilization, -(-loaded.weights.num_bytes // tp), peak, block_bytes,
-                                measured=False)
+                                measured=False, graph_bytes=planned_graph_bytes(config))
     weight_bytes = torch.cuda.memory_allocated(device)
+    # The decode graphs' memory estimated: they can be captured (and measured) only over the KV
+    # pool this plan sizes; the capture logs what they took against this estimate.
     return DeviceMemoryPlan(total, utilization, weight_bytes, step_peak_bytes(loaded, config), block_bytes,
-                            measured=True)
+                            measured=True, graph_bytes=planned_graph_bytes(config))
 
 
 def step_peak_bytes(loaded: LoadedModel, config: EngineConfig) -> int:

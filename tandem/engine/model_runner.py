@@ -11,6 +11,7 @@ from tandem.config import EngineConfig
 from tandem.decoding.draft_verify import sample_step
 from tandem.decoding.grammar_mask import apply_grammar_masks
 from tandem.engine import step_inputs
+from tandem.engine.cuda_graphs import CudaGraphDevice, DecodeGraphs, GraphDevice, graphs_apply, padded_decode_size
 from tandem.engine.device_random import draw_generator
 from tandem.engine.logits_processors import apply_logits_processors
 from tandem.engine.sampler import Sampler, StepOutput
@@ -34,10 +35,12 @@ def private_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model: LlamaModel, allocate_kv: KVAllocator = private_pool,
-                 pad_decode: bool | None = None) -> None:
+                 pad_decode: bool | None = None, graph_device: GraphDevice | None = None) -> None:
         """allocate_kv: where the KV pool lives (a decode worker's may be in shared memory).
         pad_decode: pad decode-only batches to a few static sizes (padded_decode_size), as
-        CUDA graphs need; default: on CUDA only (on the CPU padding is work for nothing)."""
+        CUDA graphs need; default: on CUDA only (on the CPU padding is work for nothing).
+        graph_device: replay decode steps as graphs captured through it (default: on CUDA,
+        CudaGraphDevice, unless config.enforce_eager; see cuda_graphs.py). Graphs need padding."""
         self.config = config
         self.model = model
         self.pad_decode = config.device.type == "cuda" if pad_decode is None else pad_decode
@@ -57,6 +60,16 @@ class ModelRunner:
         # before any request: never on a step.
         ops.prepare_cpu_kernels(config.device, config.dtype)
         pack_for_cpu_kernels(model.weights, config.device, config.dtype)
+        self.graphs: DecodeGraphs | None = None
+        """The decode steps' captured graphs (None: every step eager)."""
+        if graph_device is None and graphs_apply(config):
+            graph_device = CudaGraphDevice(config.device)
+        # NOTE: at tensor_parallel_size > 1 never: the ranks' all-reduces are not captured.
+        if (graph_device is not None and self.pad_decode and not config.enforce_eager
+                and config.tensor_parallel_size == 1):
+            # At start, after the KV pool: the graphs capture its address.
+            self.graphs = DecodeGraphs(self._model_forward, config, self.scratch_block_id, m.vocab_size, graph_device)
+            self.graphs.capture()
 
     def swap(self, batch: ScheduledBatch) -> None:
         """Copy the blocks the scheduler swaps out, then shared blocks the step writes
@@ -82,7 +95,15 @@ class ModelRunner:
                 send_slots: np.ndarray | None) -> torch.Tensor:
         """-> the logits of the batch's sampled rows (see prepare)."""
         input_ids, positions, meta, logits_indices = self.prepare(batch)
+        # A layer hook is host code between layers: a graph would skip it.
+        if self.graphs is not None and on_layer_stored is None and self.graphs.can_replay(input_ids, meta):
+            return self.graphs.replay(input_ids, positions, meta, logits_indices)
         return self.model.forward(input_ids, positions, self.kv_cache, meta, logits_indices, on_layer_stored)
+
+    def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       logits_indices: torch.Tensor) -> torch.Tensor:
+        """The model over this runner's KV cache: what a graph captures."""
+        return self.model.forward(input_ids, positions, self.kv_cache, meta, logits_indices)
 
     def sample(self, batch: ScheduledBatch, logits: torch.Tensor) -> StepOutput:
         """Draw every sample target's tokens from the forward's logits."""
@@ -199,15 +220,6 @@ class ModelRunner:
                                 for g, (_, num_blocks) in enumerate(plan)),
         )
         return t["input_ids"], t["positions"], meta, t["logits_indices"]
-
-
-def padded_decode_size(num_seqs: int) -> int:
-    """The bucket a decode-only batch of ``num_seqs`` is padded to: 1, 2, 4, 8, then
-    multiples of 8, so that a step's shapes come from a few sizes (CUDA graphs capture one
-    per size)."""
-    if num_seqs <= 8:
-        return 1 << max(0, num_seqs - 1).bit_length()
-    return -(-num_seqs // 8) * 8
 
 
 def padded_tables(tables: list[list[int]], width: int | None = None) -> np.ndarray:

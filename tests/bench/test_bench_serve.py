@@ -105,11 +105,14 @@ def test_quick_defaults_and_overrides():
 @pytest.mark.slow
 def test_quick_run_end_to_end(tmp_path: Path):
     """Five fresh clusters (7 model loads): disaggregated and colocated at budgets 128 and 512,
-    6 requests each at 2 req/s, then one max-SLO-rate probe per mode: about 1.5-2 min quiet."""
+    6 requests each at 4 req/s (--quick's 2 req/s would spend twice as long sending), then one
+    max-SLO-rate probe per mode: about 1-1.5 min quiet."""
     out_dir = tmp_path / "serve"
     # Every prompt through the prefill pool: the breakdown's transfer parts are all there.
+    # No repeats of runs others disturbed (a fresh cluster each): the plumbing is the same, and
+    # test_bench_serve_sweep.py checks the repeat itself.
     cmd = [sys.executable, "-m", "tandem", "bench", "serve", "--quick", "--out-dir", str(out_dir), "--save-result",
-           "--disagg-policy", "always"]
+           "--disagg-policy", "always", "--request-rate", "4", "--retries", "0"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for text in ("Successful requests:", "P99 TPOT (ms):", "disaggregated / best colocated",
@@ -121,12 +124,13 @@ def test_quick_run_end_to_end(tmp_path: Path):
 
     results = json.loads((out_dir / "results.json").read_text())
     assert {"config", "workload", "runs", "router_overhead", "comparison", "slo_search"} <= results.keys()
+    assert results["discarded_runs"] == [] and results["config"]["retries"] == 0
     cfg = results["config"]
     assert cfg["modes"]["disaggregated"]["total_threads"] == cfg["modes"]["colocated"]["total_threads"]
     assert cfg["slo_ms"] == {"ttft": 4000.0, "tpot": 200.0} and cfg["colocated_budgets"] == [128, 512]
     runs = results["runs"]
     assert [(r["mode"], r["budget"], r["rate"]) for r in runs] == [
-        ("disaggregated", 1024, 2.0), ("colocated", 128, 2.0), ("colocated", 512, 2.0)]
+        ("disaggregated", 1024, 4.0), ("colocated", 128, 4.0), ("colocated", 512, 4.0)]
     assert results["workload"]["num_long"] == [1]
     prompts = None
     for run in runs:
@@ -186,7 +190,7 @@ def test_quick_run_end_to_end(tmp_path: Path):
     for s in search["setups"].values():
         probes = s["probes"]
         assert [p["rate"] for p in probes] == sorted({p["rate"] for p in probes})
-        assert [p["rate"] for p in probes if p["source"] == "sweep"] == [2.0]
+        assert [p["rate"] for p in probes if p["source"] == "sweep"] == [4.0]
         assert sum(p["source"] == "probe" for p in probes) <= 1
         for p in probes:
             total = p["metrics"]["completed"] + p["metrics"]["failed"]

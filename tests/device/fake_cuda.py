@@ -16,6 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from tandem.config import EngineConfig, ModelConfig
+from tandem.engine.cuda_graphs import GraphDevice
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
@@ -172,14 +173,17 @@ BLOCK_SIZE = 16
 NUM_BLOCKS = 64
 
 
-def runner(quantization: str | None = None) -> ModelRunner:
+def runner(quantization: str | None = None, graph_device: GraphDevice | None = None,
+           max_num_seqs: int = 64) -> ModelRunner:
     """An engine's runner on fake cuda (its config built as cpu: this machine has no GPU to
-    resolve cuda on), padding decode batches as it does on CUDA."""
+    resolve cuda on), padding decode batches as it does on CUDA; eager unless ``graph_device``
+    stands in for CUDA graphs (torch's own cannot capture fake tensors)."""
     config = EngineConfig.build(SMOLLM2, device="cpu", dtype="bfloat16", block_size=BLOCK_SIZE,
-                                num_kv_blocks=NUM_BLOCKS, max_model_len=1024, num_swap_blocks=8)
+                                num_kv_blocks=NUM_BLOCKS, max_model_len=1024, num_swap_blocks=8,
+                                max_num_seqs=max_num_seqs, enforce_eager=graph_device is None)
     config = dataclasses.replace(config, device_name=str(CUDA))
     weights = quantize_weights(random_weights(SMOLLM2, config.dtype), quantization)
-    return ModelRunner(config, LlamaModel(SMOLLM2, weights, config.max_model_len))
+    return ModelRunner(config, LlamaModel(SMOLLM2, weights, config.max_model_len), graph_device=graph_device)
 
 
 def seq(i: int, num_tokens: int, num_computed: int, params: SamplingParams | None = None) -> Sequence:

@@ -7,8 +7,9 @@ from __future__ import annotations
 from reference import english_token_ids, hf_greedy
 
 from tandem.config import EngineConfig
+from tandem.engine.cuda_graphs import padded_decode_size
 from tandem.engine.engine import LLMEngine
-from tandem.engine.model_runner import ModelRunner, padded_decode_size
+from tandem.engine.model_runner import ModelRunner
 from tandem.model.llama import LlamaModel
 from tandem.sampling_params import SamplingParams
 

@@ -11,10 +11,13 @@ from pathlib import Path
 import pytest
 
 from tandem.plan import read_model_shape
+from tandem.sim import validate
 from tandem.sim.step_time import CpuStepModel
 from tandem.sim.validate import calibrate, compare_runs, error_summary, spec_of_run
 
 DATA = Path(__file__).parent / "data"
+SCALES, STEP_OVERHEADS_S = validate.SCALES, validate.STEP_OVERHEADS_S
+"""calibrate's full grid."""
 
 
 def served(fit: CpuStepModel, scale: float, overhead_s: float) -> CpuStepModel:
@@ -35,9 +38,14 @@ def machine():
     return results, fits
 
 
-def test_calibration_recovers_the_scale_and_overhead_that_made_the_runs(shape, machine):
+def test_calibration_recovers_the_scale_and_overhead_that_made_the_runs(shape, machine, monkeypatch):
     results, fits = machine
     true = {1: (1.3, 0.005), 2: (1.1, 0.01)}
+    # Part of calibrate's grid (20 of its 49 points; each point simulates every run): each true
+    # value has its grid neighbours on both sides, so a search that lands one step off still fails.
+    monkeypatch.setattr(validate, "SCALES", (1.0, 1.1, 1.2, 1.3, 1.4))
+    monkeypatch.setattr(validate, "STEP_OVERHEADS_S", (0.0025, 0.005, 0.01, 0.015))
+    assert set(validate.SCALES) < set(SCALES) and set(validate.STEP_OVERHEADS_S) < set(STEP_OVERHEADS_S)
     bare = {n: dataclasses.replace(f, meta={k: v for k, v in f.meta.items() if k != "serving"})
             for n, f in fits.items()}
     # "Real" runs made by the simulator itself with known costs; the calibration must find them.

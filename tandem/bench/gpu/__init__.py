@@ -11,6 +11,9 @@
    (weights + KV read per step / the device's measured copy bandwidth).
 3. The attention and KV-store kernels (Triton on CUDA) against torch's SDPA, on the model's
    own attention shapes.
+2b. The same decode steps eager (``--enforce-eager``) against replayed CUDA graphs: step
+   times, the capture's time and memory (against the memory plan's estimate), whether the
+   greedy tokens agree (graphs.py).
 4. The KV staging copy of one layer (device <-> pinned host buffer, on a side stream)
    against the device's copy bandwidth and a large pinned copy (the host link's ceiling).
 
@@ -72,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     if min(args.batch_sizes) < 1 or args.prompt_len < 1 or args.output_len < 2 or args.parity_tokens < 1:
         raise ValueError("batch sizes, --prompt-len and --parity-tokens must be >= 1, --output-len >= 2")
     from tandem.bench.bandwidth import measure_copy_bandwidth
-    from tandem.bench.gpu import attention, decode, ipc, parity, sampling, staging
+    from tandem.bench.gpu import attention, decode, graphs, ipc, parity, sampling, staging
     from tandem.bench.gpu.setup import load_for_gpu
 
     start = time.perf_counter()
@@ -92,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
     results["bandwidth"] = bandwidth.as_dict()
     results["decode"] = decode.bench(setup, args.batch_sizes, args.prompt_len, args.output_len, args.seed,
                                      bandwidth.bytes_per_s)
+    results["graphs"] = graphs.bench(setup, args.batch_sizes, args.prompt_len, args.output_len, args.seed)
     results["kernels"] = attention.bench(setup, bandwidth.bytes_per_s)
     results["staging"] = staging.bench(setup, args.prompt_len, bandwidth.bytes_per_s)
     (out_dir / "results.json").write_text(json.dumps(results, indent=2))
@@ -143,6 +147,7 @@ def report(r: dict) -> list[str]:
         lines.append(f"decode batch {row['batch']:>3}: step {row['step_s'] * 1e3:7.2f} ms, "
                      f"{row['tokens_per_s']:8.0f} tok/s, {row['floor_fraction']:.0%} of the memory floor "
                      f"({row['floor_s'] * 1e3:.2f} ms)")
+    lines += graph_lines(r.get("graphs"))
     for row in r["kernels"]:
         vs = f", SDPA {row['sdpa_s'] * 1e6:.1f} us ({row['speedup_vs_sdpa']:.2f}x)" if "sdpa_s" in row else ""
         bw = f", {row['bw_fraction']:.0%} of copy bandwidth" if "bw_fraction" in row else ""
@@ -151,6 +156,19 @@ def report(r: dict) -> list[str]:
         lines.append(f"KV staging {row['direction']} ({row['bytes'] / 2**20:.2f} MiB, one layer of "
                      f"{row['tokens']} tokens): {row['bytes_per_s'] / 1e9:.1f} GB/s, "
                      f"{row['device_fraction']:.1%} of device copy, {row['link_fraction']:.0%} of a large pinned copy")
+    return lines
+
+
+def graph_lines(g: dict | None) -> list[str]:
+    """The eager-against-graphs rows (none where they did not run)."""
+    if not g:
+        return []
+    lines = [f"CUDA graphs: {len(g['sizes'])} buckets (up to {max(g['sizes'])}) captured in {g['capture_s']:.1f} s, "
+             f"{g['capture_bytes'] / 2**20:.0f} MiB (planned {g['planned_bytes'] / 2**20:.0f} MiB)"]
+    for row in g["rows"]:
+        lines.append(f"decode batch {row['batch']:>3}: eager {row['eager_step_s'] * 1e3:7.2f} ms, graphs "
+                     f"{row['graph_step_s'] * 1e3:7.2f} ms ({row['speedup']:.2f}x; {row['replays']} replays), "
+                     f"greedy tokens {'agree' if row['tokens_agree'] else 'DIFFER'}")
     return lines
 
 
