@@ -134,7 +134,7 @@ def _build(backend: str, store: dist.Store, key: str, rank: int, host: str, time
     else:  # NOTE: before the group exists: an unproven joiner never joins
         pair_grant.check(prefixed, pair, secret, timeout)
     group = entry.build(prefixed, rank, timeout, host)
-    return DistPayload.over(group, rank, backend, entry.device(), timeout.total_seconds(), entry.empty, entry.polled)
+    return DistPayload(group, rank, backend, entry.device(), timeout.total_seconds(), entry.empty, entry.polled)
 
 
 class PairHost:

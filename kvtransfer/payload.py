@@ -1,5 +1,6 @@
-"""The two data paths for KV rows: frames of the ZMQ message itself, or torch.distributed
-point-to-point (NCCL between GPUs, gloo on CPUs) beside the same ZMQ headers."""
+"""KV rows as they travel: as frames of the ZMQ message itself (a pool's layout, rows as
+bytes and back), or by torch.distributed point-to-point in a pair (NCCL between GPUs, gloo on
+CPUs) beside the same ZMQ headers."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from types import MappingProxyType
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from tandem.config.names import DTYPE_BYTES
 from tandem.kvtransfer.protocol import KVLayout
@@ -83,38 +83,21 @@ class DistPayload:
     the pair's group is aborted first (the watchdog then has nothing to time out).
     """
 
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
-        """group: a group of the default world (None: the world itself); see `over` for a
-        group made outside it."""
-        if not dist.is_initialized():
-            raise RuntimeError("DistPayload needs torch.distributed.init_process_group first")
-        self.group = group
-        self._own: Any = None
-        self.rank = dist.get_rank(group)
-        self.backend = str(dist.get_backend(group))
-        self.device = _device_of(self.backend)
-        self._empty: Callable[..., torch.Tensor] = torch.empty
-        timeout = dist.distributed_c10d._get_default_timeout(dist.Backend(self.backend))
-        self.deadline_s = timeout.total_seconds() / 2
-        self.polled = self.backend == "nccl"
+    def __init__(self, group: Any, rank: int, backend: str, device: torch.device, timeout_s: float,
+                 empty: Callable[..., torch.Tensor] = torch.empty, polled: bool = True) -> None:
+        """group: a group of two built outside the default world (dist_pairs.py), whose own
+        send/recv are called (torch.distributed's functions know only the world's groups);
+        rank: this side's in it. device: where the backend's tensors live; timeout_s: the
+        group's (its watchdog's) timeout; empty: how a tensor is allocated on `device`
+        (torch.empty); polled: whether completion is polled (NCCL) or left to a blocking
+        wait() that raises (gloo)."""
+        self._own: Any = group
+        self.rank, self.backend, self.device, self._empty = rank, backend, device, empty
+        self.deadline_s = timeout_s / 2  # NOTE: well inside the watchdog's timeout
+        self.polled = polled
         self.lost = ""
         self.on_close: Callable[[], None] | None = None
         """Called (on a thread of its own, errors ignored) when a pair still in step is closed."""
-
-    @classmethod
-    def over(cls, group: Any, rank: int, backend: str, device: torch.device, timeout_s: float,
-             empty: Callable[..., torch.Tensor] = torch.empty, polled: bool = True) -> DistPayload:
-        """A payload over a group built outside the default world (dist_pairs.py): its own
-        send/recv are called, since torch.distributed's functions know only the world's groups.
-        device: where the backend's tensors live; timeout_s: the group's (its watchdog's)
-        timeout; empty: how a tensor is allocated on `device` (torch.empty); polled: whether
-        completion is polled (NCCL) or left to a blocking wait() that raises (gloo)."""
-        payload = cls.__new__(cls)
-        payload.group, payload._own, payload.rank, payload.backend = None, group, rank, backend
-        payload.device, payload._empty = device, empty
-        payload.deadline_s = timeout_s / 2  # NOTE: well inside the watchdog's timeout
-        payload.lost, payload.on_close, payload.polled = "", None, polled
-        return payload
 
     def send(self, peer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Returns once both tensors are handed over (unlike the ZMQ path's send_layer).
@@ -123,7 +106,7 @@ class DistPayload:
         for t in (k, v):
             t = t if t.device == self.device else t.to(self.device)  # (rows of a pool on the device: as they are)
             t = t if t.is_contiguous() else t.contiguous()
-            work = self._own.send([t], peer, 0) if self._own is not None else dist.isend(t, dst=peer, group=self.group)
+            work = self._group().send([t], peer, 0)
             self._finish(work, f"send to rank {peer}")
 
     def recv(self, peer: int, num_tokens: int, row_shape: tuple[int, int], dtype: str
@@ -133,10 +116,16 @@ class DistPayload:
         out = []
         for _ in range(2):
             t = self._empty(num_tokens, *row_shape, dtype=TORCH_DTYPES[dtype], device=self.device)
-            work = self._own.recv([t], peer, 0) if self._own is not None else dist.irecv(t, src=peer, group=self.group)
+            work = self._group().recv([t], peer, 0)
             self._finish(work, f"recv from rank {peer}")
             out.append(t)
         return out[0], out[1]
+
+    def _group(self) -> Any:
+        """The pair's group (PeerLost once it is closed or aborted)."""
+        if self._own is None:
+            raise PeerLost(self.lost or "closed")
+        return self._own
 
     def _finish(self, work: Any, what: str) -> None:
         """Poll `work` until it completes (then its wait() raises what the backend saw) or the
@@ -158,8 +147,7 @@ class DistPayload:
         work.wait()
 
     def close(self) -> None:
-        """Abort the pair's group (never blocks: a dead peer cannot hold it up); the world's
-        groups are left to their owner. Idempotent."""
+        """Abort the pair's group (never blocks: a dead peer cannot hold it up). Idempotent."""
         group, self._own = self._own, None
         if group is None:
             return
@@ -177,8 +165,3 @@ def _quietly(f: Callable[[], None]) -> None:
         f()
     except Exception as e:  # NOTE: a courtesy to the peer: it may be gone
         logger.debug("telling a torch.distributed peer the pair is closed: %s", e)
-
-
-def _device_of(backend: str) -> torch.device:
-    """Where a backend's tensors live: NCCL sends from the GPU, gloo from host memory."""
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
