@@ -46,6 +46,7 @@ from tandem.outputs import FirstSample
 from tandem.parallel.runner import TensorParallelRunner
 from tandem.worker.api import PoolFull, PrefillResult, Role, StreamDelta, WorkerRequest, checked
 from tandem.worker.base import Worker
+from tandem.worker.delta_reader import DeltaReader
 from tandem.worker.engine_loop import EngineLoop
 from tandem.worker.state_table import StateTable
 
@@ -141,7 +142,7 @@ class DecodeWorker(Worker):
     async def stream(self, request_id: str) -> AsyncIterator[StreamDelta]:
         """The request's deltas until its last; leaving early aborts it."""
         try:
-            q = self.loop.stream_queue(request_id)
+            deltas = DeltaReader(self.loop.stream_queue(request_id))
         except KeyError:  # aborted before its reader came
             yield StreamDelta(request_id, [], "", "abort", 0, 0)
             return
@@ -149,7 +150,7 @@ class DecodeWorker(Worker):
         finished = False
         try:
             while not finished:
-                delta = await q.get()
+                delta = await deltas.next()
                 finished = delta.request_finished
                 yield delta
         finally:

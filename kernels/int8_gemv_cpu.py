@@ -25,7 +25,8 @@ CHANNELS = 16
 """Output channels interleaved in the packed layout: the output size must be a multiple."""
 
 _openmp = ("-fopenmp",) if sys.platform.startswith("linux") else ()
-EXTENSION = CpuExtension(EXTENSION_NAME, (CSRC / "int8_gemv_cpu.cpp",), (CSRC / "cpu_gemv.h",),
+EXTENSION = CpuExtension(EXTENSION_NAME, (CSRC / "int8_gemv_cpu.cpp",),
+                         (CSRC / "cpu_gemv.h", CSRC / "int8_gemv_cpu.h"),
                          ("-O3", "-Wno-psabi", *_openmp), _openmp)
 
 

@@ -21,13 +21,14 @@ _csrc = Path(__file__).with_name("csrc")
 _openmp = ("-fopenmp",) if sys.platform.startswith("linux") else ()
 # -ffp-contract=off: no fused multiply-add, so that RoPE rounds as torch does (bit for bit).
 EXTENSION = CpuExtension("tandem_layer_ops_cpu", (_csrc / "layer_ops_cpu.cpp",),
-                         (_csrc / "rms_norm_cpu.h", _csrc / "rope_cpu.h"),
+                         (_csrc / "rms_norm_cpu.h", _csrc / "rope_cpu.h", _csrc / "silu_mul_cpu.h",
+                          _csrc / "exp_cpu.h"),
                          ("-O3", "-ffp-contract=off", *_openmp), _openmp)
 
 
 def load_extension() -> ModuleType | None:
     """The compiled kernels, or None where they cannot be built (logged once)."""
-    return cpu_build.load_or_none(EXTENSION, "CPU layer kernels (RMSNorm, RoPE)",
+    return cpu_build.load_or_none(EXTENSION, "CPU layer kernels (RMSNorm, RoPE, SwiGLU)",
                                   "those operations run torch's")
 
 
@@ -65,6 +66,16 @@ def _(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) ->
     return torch.empty_like(h)
 
 
+@torch.library.custom_op("tandem::silu_mul_cpu", mutates_args=())
+def _silu_mul_op(gate_up: torch.Tensor) -> torch.Tensor:
+    return _module().silu_mul(gate_up)
+
+
+@_silu_mul_op.register_fake
+def _(gate_up: torch.Tensor) -> torch.Tensor:
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
 @torch.library.custom_op("tandem::rope_store_kv_cpu", mutates_args=("qkv", "k_cache", "v_cache"))
 def _rope_store_kv_op(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int) -> None:
@@ -97,6 +108,13 @@ def add_rms_norm(kernels: ModuleType, h: torch.Tensor, delta: torch.Tensor, weig
     if torch.compiler.is_compiling():
         return torch.ops.tandem.add_rms_norm_cpu(h, delta, weight, eps)
     return kernels.add_rms_norm(h, delta, weight, eps)
+
+
+def silu_mul(kernels: ModuleType, gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's product. gate_up: [T, 2 I] (gate | up), rows contiguous -> silu(gate) * up: [T, I]."""
+    if torch.compiler.is_compiling():
+        return torch.ops.tandem.silu_mul_cpu(gate_up)
+    return kernels.silu_mul(gate_up)
 
 
 def rope_store_kv(kernels: ModuleType, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -99,7 +99,13 @@ def prepare_cpu_kernels(device: torch.device, dtype: torch.dtype) -> None:
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              meta: AttentionMetadata) -> None:
+    """k, v into their slots (meta.slot_mapping), rounded to the cache's dtype where it differs
+    from theirs (to nearest even, as torch's conversion)."""
     if backend_for(k) is Backend.TRITON:
+        if k.dtype != k_cache.dtype:
+            # NOTE: cast here, not by the kernel's store: Triton's implicit conversion truncates
+            # (its interpreter does), and the cache must hold what every other path stores.
+            k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
         if torch.compiler.is_compiling():  # traced: the custom op (triton_ops.py); eager: the kernel itself
             torch.ops.tandem.store_kv_triton(k, v, k_cache, v_cache, meta.slot_mapping)
             return
@@ -114,10 +120,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     """Attention for a packed batch whose new K and V are already in the cache.
 
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim]
+    k_cache, v_cache: q's dtype or the KV cache's own (read back in q's dtype)
     returns: [num_tokens, num_heads, head_dim]
     """
     num_decode = meta.num_decode_tokens
     decode_backend = decode_attention_backend(q)
+    if decode_backend is Backend.TRITON and k_cache.dtype != q.dtype:
+        # NOTE: the Triton attention kernels read a cache of q's dtype only: another (a float32
+        # engine's bfloat16 KV) runs the torch reference, which casts. (The compiled CPU kernel
+        # checks for itself: paged_decode_attention_cpu.supports.)
+        decode_backend = Backend.TORCH
     if decode_backend is Backend.TRITON:
         # traced: the custom op (triton_ops.py); eager: the same function, without the op's dispatch
         attend = torch.ops.tandem.attention_triton if torch.compiler.is_compiling() else triton_ops.attention_triton

@@ -26,7 +26,8 @@ def paged_decode_attention_torch(
     mixed lengths does not gather and attend over padding up to the longest one.
 
     q: [num_seqs, num_heads, head_dim]
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype or the KV
+    cache's own (e.g. bfloat16 under float32 queries): read back in q's dtype, attended in it
     block_tables: [num_seqs, max_num_blocks] int64; context_lens: [num_seqs] int64
     returns: [num_seqs, num_heads, head_dim]
     """
@@ -71,6 +72,9 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     # k, v: [num_seqs, num_kv_heads, max_len, head_dim] (index_select: parallel, unlike [] indexing)
     k = k_cache.index_select(0, flat_table).view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
     v = v_cache.index_select(0, flat_table).view(num_seqs, max_len, num_kv_heads, head_dim).transpose(1, 2)
+    # A cache in another dtype than q's (bfloat16 KV, float32 activations): SDPA wants one dtype,
+    # and the arithmetic is q's (.to: no copy when they agree).
+    k, v = k.to(q.dtype), v.to(q.dtype)
     # mask: [num_seqs, 1, 1, max_len], True where the position holds a real token
     mask = torch.arange(max_len, device=q.device) < context_lens[:, None]
     out = F.scaled_dot_product_attention(

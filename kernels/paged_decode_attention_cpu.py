@@ -30,10 +30,10 @@ from tandem.kernels.cpu_build import CpuExtension
 from tandem.kernels.paged_decode_attention import paged_decode_attention_torch
 
 CSRC = Path(__file__).with_name("csrc")
-# The torch binding (work split, threads, merge) and the hot loop (no torch headers), and the
-# header they share.
+# The torch binding (threads) and the hot loop (no torch headers), and the headers they share
+# (the work split and merge are in the items header, which the compiled decode step runs too).
 SOURCES = (CSRC / "paged_decode_attention_cpu.cpp", CSRC / "paged_decode_attention_cpu_loop.cpp")
-HEADER = CSRC / "paged_decode_attention_cpu.h"
+HEADERS = (CSRC / "paged_decode_attention_cpu.h", CSRC / "paged_decode_attention_cpu_items.h", CSRC / "exp_cpu.h")
 EXTENSION_NAME = "tandem_paged_decode_attention_cpu"
 DTYPES = (torch.float32, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -55,7 +55,7 @@ def build_flags() -> tuple[list[str], list[str]]:
     return cflags, ldflags
 
 
-EXTENSION = CpuExtension(EXTENSION_NAME, SOURCES, (HEADER,), *map(tuple, build_flags()))
+EXTENSION = CpuExtension(EXTENSION_NAME, SOURCES, HEADERS, *map(tuple, build_flags()))
 
 
 def load_extension() -> ModuleType | None:
@@ -75,7 +75,7 @@ def supports(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
     return (q.device.type == "cpu" and k_cache.device.type == "cpu" and q.dtype in DTYPES
-            and k_cache.dtype == q.dtype and head_dim <= MAX_HEAD_DIM and head_dim % 16 == 0
+            and k_cache.dtype in DTYPES and head_dim <= MAX_HEAD_DIM and head_dim % 16 == 0
             and k_cache.stride(-1) == 1
             and num_heads % num_kv_heads == 0 and num_heads // num_kv_heads <= MAX_GROUP)
 
@@ -92,7 +92,8 @@ def paged_decode_attention_cpu(
     """Decode attention read in place from the paged cache (torch reference where unsupported).
 
     q: [num_seqs, num_heads, head_dim] float32 or bfloat16
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], float32 or bfloat16 (q's
+    dtype, or bfloat16 under float32 queries)
     block_tables: [num_seqs, max_num_blocks] int64; context_lens: [num_seqs] int64 (host)
     groups: only for the torch fallback (the kernel balances its own work)
     returns: [num_seqs, num_heads, head_dim], q's dtype

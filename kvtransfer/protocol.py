@@ -59,7 +59,8 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     dtype: str
-    """One of DTYPES."""
+    """The pool's element type, one of DTYPES: the KV cache's dtype (--kv-cache-dtype), which may
+    differ from the model's activations'. Rows cross as these bytes, never converted."""
 
     @property
     def row_bytes(self) -> int:
@@ -83,7 +84,11 @@ class KVLayout:
         for field in ("num_layers", "num_kv_heads", "head_dim", "dtype"):
             mine, theirs = getattr(self, field), getattr(other, field)
             if mine != theirs:
-                return f"{field} differs: receiver has {mine}, sender has {theirs}"
+                # NOTE: a dtype is refused, not converted: the rows land byte for byte (in place,
+                # by NCCL, as frames), and both pools are sized by it.
+                hint = (": KV cache dtypes must match (give both pools the same --kv-cache-dtype)"
+                        if field == "dtype" else "")
+                return f"{field} differs: receiver has {mine}, sender has {theirs}{hint}"
         return None
 
 

@@ -43,7 +43,7 @@ from tandem.prefill_node.handoff import TRANSITIONS, PrefillHandoff
 from tandem.prefill_node.handoff import PrefillHandoff as P
 from tandem.worker.api import EngineDown, PrefillResult, Role, WorkerRequest, checked
 from tandem.worker.base import Worker
-from tandem.worker.engine_loop import EngineLoop
+from tandem.worker.engine_loop import IDLE_REST_S, IDLE_WAIT_S, EngineLoop
 from tandem.worker.state_table import StateTable
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,13 @@ class PrefillWorker(Worker):
                                curve=CurveKeys.from_env(), allow_unencrypted_pairs=kv.allow_unencrypted_pairs)
         self.metrics.kv_bytes["sent"] = lambda: self.sender.num_bytes_sent
         self.metrics.num_transferring = lambda: self.sender.num_pending
-        return EngineLoop(self.engine, tick=self._tick, on_down=self._engine_down)
+        return EngineLoop(self.engine, tick=self._tick, on_down=self._engine_down, idle_wait=self._idle_wait)
+
+    def _idle_wait(self) -> float:
+        """Tick often while a transfer is in flight (acks, timeouts); with none, only a command
+        (which wakes the loop) brings work: an idle prefill worker then leaves the cores to the
+        decode worker's steps."""
+        return IDLE_WAIT_S if len(self.handoffs) or self.sender.num_pending else IDLE_REST_S
 
     def _held(self, inventory: EngineInventory) -> dict[str, int]:
         return dict(num_pending_transfers=self.sender.num_pending, num_kept=len(self.handoffs))

@@ -26,6 +26,7 @@ from tandem.router.placement import add_placement_args, placement_options
 from tandem.router.policy import POLICIES
 from tandem.router.pool_stats import log_pool_stats
 from tandem.router.tls import TLSFiles
+from tandem.worker.step_priority import SERVING_NICENESS, lower_threads
 
 logger = logging.getLogger(__name__)
 
@@ -177,6 +178,9 @@ async def _serve(args: argparse.Namespace) -> int:
     mode = f"{cfg.colocated} colocated" if cfg.colocated else f"{cfg.num_prefill} prefill + {cfg.num_decode} decode"
     print(f"tandem: starting {mode} worker(s); each loads the model...", file=sys.stderr, flush=True)
     backend = await start_cluster(cfg)
+    # The router's threads (and those it starts later) below the workers' steps: on a host
+    # where they share cores, the step comes first (tandem/worker/step_priority.py).
+    lower_threads(SERVING_NICENESS)
     backend.start_polling()
     stats = asyncio.create_task(log_pool_stats(lambda: [w.load for w in backend.workers if w.load is not None]))
     keys = api_keys_from_env(args.api_key)

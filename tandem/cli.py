@@ -144,7 +144,8 @@ def plan(args: argparse.Namespace) -> int:
         result = make_plan(args.model, args.memory, tp=args.tp, dtype=args.dtype, block_size=args.block_size,
                            max_model_len=args.max_model_len, weights_memory_gib=weights, device=args.device,
                            gpu_memory_utilization=args.gpu_memory_utilization,
-                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs)
+                           max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
+                           kv_cache_dtype=args.kv_cache_dtype)
     except OSError as e:  # no such model, or an unreadable config
         raise ValueError(str(e)) from None
     print("\n".join(result.lines()))
@@ -168,16 +169,18 @@ BENCH_HELP = {
     "prefix": "multi-turn chat: prefix_aware vs least_loaded routing, TTFT and KV bytes sent",
     "overload": "10x the sustainable rate against a bounded router: outcomes, memory, recovery",
     "swap": "preemption: swapping KV blocks out and in vs recomputing their tokens",
+    "lone": "a lone stream through `tandem serve` against the bare engine step, side by side: TPOT and its ratio",
     "spec": "speculative decoding by prompt lookup: tokens/s and acceptance, with vs without",
     "quant": "weight-only int8 and int4 vs float32 and bfloat16: decode tokens/s, weight bytes, agreement",
     "detokenize": "incremental detokenization: tokenizers' DecodeStream vs the window technique, per token",
     "grammar": "structured outputs: xgrammar, llguidance, outlines-core compile and per-token mask times",
     "gpu": "on a GPU: greedy parity with transformers, decode vs the memory floor, kernels vs SDPA, KV staging",
+    "kv-dtype": "a bfloat16 KV cache vs the activations' float32: greedy token agreement on parity prompts",
 }
 
 
 def run_bench(name: str, args: argparse.Namespace) -> int:
-    module = importlib.import_module(f"tandem.bench.{name}")
+    module = importlib.import_module(f"tandem.bench.{name.replace('-', '_')}")
     parser = argparse.ArgumentParser(prog=f"tandem bench {name}", description=module.__doc__)
     module.add_args(parser)
     return module.run(parser.parse_args(args.bench_args))
@@ -283,8 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "required without --slo")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (default 1)")
     # As the engine would run: its flags and defaults.
-    add_engine_options(p, ("device", "dtype", "block_size", "gpu_memory_utilization", "max_num_batched_tokens",
-                           "max_num_seqs"))
+    add_engine_options(p, ("device", "dtype", "kv_cache_dtype", "block_size", "gpu_memory_utilization",
+                           "max_num_batched_tokens", "max_num_seqs"))
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--weights-memory", type=auto_or_gib, default="auto", metavar="auto|GIB",
                    help="weights per rank in GiB (default auto: parameters from the shapes x dtype bytes / tp)")

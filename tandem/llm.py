@@ -40,7 +40,7 @@ class LLM:
     """A model on one engine. ``model=None`` is the embedded default (SmolLM2-135M-Instruct);
     otherwise a local directory, a .gguf file or a Hugging Face hub id (at ``revision``).
 
-    Other keyword arguments go to :meth:`EngineConfig.build` (block_size,
+    Other keyword arguments go to :meth:`EngineConfig.build` (kv_cache_dtype, block_size,
     kv_cache_memory_gib, num_kv_blocks, max_model_len, max_num_seqs,
     max_num_batched_tokens, enable_prefix_caching, enable_chunked_prefill,
     swap_space_gib, num_swap_blocks, preemption_mode, num_speculative_tokens, quantization,

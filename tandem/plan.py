@@ -12,6 +12,8 @@ Per rank, with ``tp`` ranks:
     weights   = parameters (counted from the shapes) × bytes per element / tp  (an even split)
     KV memory = memory − weights
     KV blocks = KV memory // (block_size × bytes_per_token)   (see tandem.kvcache.capacity)
+
+where bytes_per_token counts the KV cache's dtype (``--kv-cache-dtype``; auto: ``--dtype``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 
 from tandem.config import ARCHITECTURE_OF_MODEL_TYPE, ModelConfig, gib_to_bytes, kv_heads_per_rank
 from tandem.config.engine_options import ENGINE_DEFAULTS
-from tandem.config.names import AUTO, DTYPE_BYTES, auto_dtype_name
+from tandem.config.names import AUTO, DTYPE_BYTES, auto_dtype_name, resolve_kv_cache_dtype
 from tandem.kvcache.capacity import KVCapacity
 from tandem.kvcache.memory_plan import DeviceMemoryPlan, estimated_step_peak_bytes
 from tandem.model.source import resolve_model_source
@@ -96,6 +98,9 @@ class Plan:
 
     shape: ModelConfig
     dtype: str
+    """The weights' (and activations') dtype."""
+    kv_cache_dtype: str
+    """The KV cache's dtype (resolved: never auto)."""
     tp: int
     memory_bytes: int
     weight_bytes: int
@@ -121,6 +126,7 @@ class Plan:
         s, c = self.shape, self.capacity
         heads = kv_heads_per_rank(s.num_kv_heads, self.tp)
         window = f", sliding window {s.sliding_window}" if s.sliding_window is not None else ""
+        kv_dtype = "" if self.kv_cache_dtype == self.dtype else f" (a {self.kv_cache_dtype} KV cache)"
         lines = [
             f"model: {s.name} ({s.architecture})",
             f"shape: {s.num_layers} layers, hidden {s.hidden_size}, {s.num_heads} heads, {s.num_kv_heads} KV heads "
@@ -132,7 +138,7 @@ class Plan:
             f"{'estimated: parameters x dtype bytes / tp' if self.weights_estimated else 'as given'}",
             f"KV memory per rank: {_mib(self.kv_memory_bytes)} = memory - weights",
             f"KV bytes per token: {c.bytes_per_token} = 2 x {s.num_layers} layers x {heads} KV heads "
-            f"x {s.head_dim} head dim x {DTYPE_BYTES[self.dtype]} bytes",
+            f"x {s.head_dim} head dim x {DTYPE_BYTES[self.kv_cache_dtype]} bytes{kv_dtype}",
             f"KV blocks: {c.num_blocks} of {c.block_size} tokens = {_mib(c.pool_bytes)}",
             f"KV tokens: {c.num_tokens}",
             f"max concurrency: {c.max_concurrency:.2f}x at max_model_len {c.max_model_len} "
@@ -141,7 +147,8 @@ class Plan:
         if self.device_plan is not None:
             lines += self.device_plan.lines()
         if self.tp == 1:
-            lines.append(f"same pool: --kv-cache-memory-gib {self.kv_cache_memory_gib!r}")
+            same_dtype = "" if self.kv_cache_dtype == self.dtype else f" --kv-cache-dtype {self.kv_cache_dtype}"
+            lines.append(f"same pool: --kv-cache-memory-gib {self.kv_cache_memory_gib!r}{same_dtype}")
         lines.append(f"KV pool: {c.describe()}")
         return lines
 
@@ -156,19 +163,21 @@ def make_plan(model: str | None = None, memory_gib: float = 1.0, *, tp: int = 1,
               shape: ModelConfig | None = None, device: str = ENGINE_DEFAULTS["device"],
               gpu_memory_utilization: float | None = None,
               max_num_batched_tokens: int = ENGINE_DEFAULTS["max_num_batched_tokens"],
-              max_num_seqs: int = ENGINE_DEFAULTS["max_num_seqs"]) -> Plan:
+              max_num_seqs: int = ENGINE_DEFAULTS["max_num_seqs"],
+              kv_cache_dtype: str = ENGINE_DEFAULTS["kv_cache_dtype"]) -> Plan:
     """Plan one rank of ``tp`` with ``memory_gib`` GiB for weights and KV (``weights_memory_gib``
     None: estimated from the shapes). ValueError when the weights leave no room for a KV block.
 
     With ``gpu_memory_utilization``, ``memory_gib`` is the GPU's memory and the rank takes that
     fraction of it, less an estimate of one full-budget step's peak (a worker measures it:
     kvcache/memory_plan.py). dtype auto: as on ``device`` (auto: a GPU with a utilization, else
-    the CPU)."""
+    the CPU). kv_cache_dtype auto: as an engine of unquantized weights picks it."""
     if device == "auto":
         device = "cpu" if gpu_memory_utilization is None else "cuda"
     dtype = auto_dtype_name(device) if dtype == AUTO else dtype
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_BYTES)}, got {dtype!r}")
+    kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, None)
     if tp < 1:
         raise ValueError(f"--tp must be >= 1, got {tp}")
     if memory_gib <= 0:
@@ -184,7 +193,7 @@ def make_plan(model: str | None = None, memory_gib: float = 1.0, *, tp: int = 1,
         num_tokens = min(max_num_batched_tokens, shape.context_limit(max_model_len))
         peak = estimated_step_peak_bytes(shape, num_tokens, max_num_seqs, DTYPE_BYTES[dtype], tp)
         device_plan = DeviceMemoryPlan(memory_bytes, gpu_memory_utilization, weight_bytes, peak,
-                                       block_size * shape.kv_bytes_per_token(dtype, tp), measured=False)
+                                       block_size * shape.kv_bytes_per_token(kv_cache_dtype, tp), measured=False)
         device_plan.num_blocks  # noqa: B018 (refuses a share with no room for a block, saying why)
         memory_bytes = device_plan.budget_bytes
     kv_memory_bytes = memory_bytes - weight_bytes - (0 if device_plan is None else device_plan.step_peak_bytes)
@@ -196,10 +205,11 @@ def make_plan(model: str | None = None, memory_gib: float = 1.0, *, tp: int = 1,
         )
     try:
         capacity = KVCapacity.from_memory(
-            kv_memory_bytes, block_size=block_size, dtype_bytes=DTYPE_BYTES[dtype],
+            kv_memory_bytes, block_size=block_size, dtype_bytes=DTYPE_BYTES[kv_cache_dtype],
             num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
             max_model_len=shape.context_limit(max_model_len), tp=tp,
         )
     except ValueError as e:
         raise ValueError(f"--memory {memory_gib} GiB per rank is too small after the weights: {e}") from None
-    return Plan(shape, dtype, tp, memory_bytes, weight_bytes, weights_memory_gib is None, capacity, device_plan)
+    return Plan(shape, dtype, kv_cache_dtype, tp, memory_bytes, weight_bytes, weights_memory_gib is None, capacity,
+                device_plan)

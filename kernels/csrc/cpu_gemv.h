@@ -1,13 +1,11 @@
-// Shared by the CPU weight-only GEMV kernels (int4_gemv_cpu.cpp, int8_gemv_cpu.cpp): vector
-// types, the run-time choice of instruction set, and the per-(ISA, rows) dispatch table.
+// Shared by the CPU weight-only GEMV kernels (int4_gemv_cpu.h, int8_gemv_cpu.h): vector types,
+// the run-time choice of instruction set, and the per-(ISA, rows) dispatch table.
 //
 // Each kernel writes its loop once, as an always-inline template on the vector width W (16,
 // 8, 4 floats: AVX-512, AVX2, baseline x86-64) and the number of activation rows R (1..8),
 // then instantiates it per target with TANDEM_GEMV_TABLE, so that no cached build ever uses an
 // instruction the machine lacks (no -march=native).
 #pragma once
-
-#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -45,16 +43,6 @@ inline const char* isa_name(Isa isa) {
   return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "baseline";
 }
 
-// run(block, first_row, num_rows) for every block of 16 output channels and every group of up
-// to 8 activation rows, the blocks split over torch's threads; a block's weight stays in cache
-// while every group of rows passes over it.
-template <class Run> void for_each_block(int64_t num_blocks, int64_t num_rows, const Run& run) {
-  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b)
-      for (int64_t m0 = 0; m0 < num_rows; m0 += kGemvMaxRows) run(b, m0, std::min(kGemvMaxRows, num_rows - m0));
-  });
-}
-
 }  // namespace tandem_cpu
 
 #define TANDEM_ROWS_TABLE(FN) {FN<1>, FN<2>, FN<3>, FN<4>, FN<5>, FN<6>, FN<7>, FN<8>}
@@ -72,7 +60,7 @@ template <class Run> void for_each_block(int64_t num_blocks, int64_t num_rows, c
       SIGNATURE {                                                                                      \
     BODY<16, R> ARGS;                                                                                  \
   }                                                                                                    \
-  const FN_TYPE* TABLE_NAME(tandem_cpu::Isa isa) {                                                     \
+  inline const FN_TYPE* TABLE_NAME(tandem_cpu::Isa isa) {                                                     \
     static const FN_TYPE base[] = TANDEM_ROWS_TABLE(TABLE_NAME##_base);                                \
     static const FN_TYPE avx2[] = TANDEM_ROWS_TABLE(TABLE_NAME##_avx2);                                \
     static const FN_TYPE avx512[] = TANDEM_ROWS_TABLE(TABLE_NAME##_avx512);                            \
@@ -81,7 +69,7 @@ template <class Run> void for_each_block(int64_t num_blocks, int64_t num_rows, c
 #else
 #define TANDEM_GEMV_TABLE(TABLE_NAME, FN_TYPE, BODY, SIGNATURE, ARGS)                                  \
   template <int R> void TABLE_NAME##_base SIGNATURE { BODY<4, R> ARGS; }                               \
-  const FN_TYPE* TABLE_NAME(tandem_cpu::Isa) {                                                         \
+  inline const FN_TYPE* TABLE_NAME(tandem_cpu::Isa) {                                                         \
     static const FN_TYPE base[] = TANDEM_ROWS_TABLE(TABLE_NAME##_base);                                \
     return base;                                                                                       \
   }

@@ -11,6 +11,7 @@
 
 #include "rms_norm_cpu.h"
 #include "rope_cpu.h"
+#include "silu_mul_cpu.h"
 
 namespace {
 
@@ -65,16 +66,33 @@ torch::Tensor add_rms_norm(torch::Tensor h, torch::Tensor delta, torch::Tensor w
   return out;
 }
 
+// SwiGLU's product: gate_up: [T, 2 I] float32 (gate | up), rows contiguous -> [T, I] float32.
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  check_float32(gate_up, "silu_mul: gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.size(1) % 2 == 0 && gate_up.stride(1) == 1,
+              "silu_mul: gate_up must be [T, 2 I] with contiguous rows");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, stride = gate_up.stride(0);
+  auto out = torch::empty({T, I}, gate_up.options());
+  const float* g = gate_up.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  for (int64_t t = 0; t < T; ++t) tandem_cpu::silu_mul_row(g + t * stride, g + t * stride + I, o + t * I, I);
+  return out;
+}
+
 // RoPE on the query and key heads of a projection's output, in place, and the keys and
 // values written into their cache slots.
 // qkv: [T, (num_heads + 2 * num_kv_heads) * D] float32, rows contiguous (q heads, k heads, v heads)
 // cos, sin: [T, D] float32, each token's rows of the tables
-// k_cache, v_cache: [num_blocks, block_size, num_kv_heads, D] float32; slot_mapping: [T] int64
+// k_cache, v_cache: [num_blocks, block_size, num_kv_heads, D] float32 or bfloat16; slot_mapping: [T] int64
 // -> q: [T, num_heads, D], k, v: [T, num_kv_heads, D], views of qkv
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_store_kv(
     torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache, torch::Tensor v_cache,
     torch::Tensor slot_mapping, int64_t num_heads, int64_t num_kv_heads) {
-  for (const auto* t : {&qkv, &cos, &sin, &k_cache, &v_cache}) check_float32(*t, "rope_store_kv: every tensor");
+  for (const auto* t : {&qkv, &cos, &sin}) check_float32(*t, "rope_store_kv: qkv, cos and sin");
+  const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK((bf16 || k_cache.scalar_type() == torch::kFloat32) && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "rope_store_kv: the caches must be float32 or bfloat16 CPU tensors, alike");
   const int64_t T = qkv.size(0), D = cos.size(1);
   TORCH_CHECK(D % 2 == 0 && D <= tandem_cpu::kMaxRopeHeadDim, "rope_store_kv: head_dim even, at most 256");
   check_rows(qkv, (num_heads + 2 * num_kv_heads) * D, "rope_store_kv: qkv");
@@ -92,22 +110,20 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_store_kv(
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "rope_store_kv: slot ", sp[t], " out of the cache");
   float* base = qkv.data_ptr<float>();
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* snp = sin.data_ptr<float>();
   const int64_t s0 = k_cache.stride(0), s1 = k_cache.stride(1), s2 = k_cache.stride(2);
   at::parallel_for(0, T, 64, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
-      float* row = base + t * row_stride;
-      for (int64_t h = 0; h < num_heads + num_kv_heads; ++h) tandem_cpu::rope_head(row + h * D, cp + t * D, snp + t * D, D);
-      const float* k = row + num_heads * D;
-      const float* v = k + num_kv_heads * D;
       const int64_t at = sp[t] / block_size * s0 + sp[t] % block_size * s1;
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        std::copy(k + h * D, k + (h + 1) * D, kc + at + h * s2);
-        std::copy(v + h * D, v + (h + 1) * D, vc + at + h * s2);
-      }
+      float* row = base + t * row_stride;
+      if (bf16)
+        tandem_cpu::rope_store_token(row, cp + t * D, snp + t * D, num_heads, num_kv_heads, D,
+                                     static_cast<uint16_t*>(k_cache.data_ptr()),
+                                     static_cast<uint16_t*>(v_cache.data_ptr()), at, s2);
+      else
+        tandem_cpu::rope_store_token(row, cp + t * D, snp + t * D, num_heads, num_kv_heads, D,
+                                     k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), at, s2);
     }
   });
   auto q = qkv.narrow(1, 0, num_heads * D).view({T, num_heads, D});
@@ -119,5 +135,6 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> rope_store_kv(
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows");
   m.def("add_rms_norm", &add_rms_norm, "h += delta in place, then RMSNorm of h");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up of [gate | up] rows");
   m.def("rope_store_kv", &rope_store_kv, "RoPE on q and k in place, k and v into their cache slots");
 }

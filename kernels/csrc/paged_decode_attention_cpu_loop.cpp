@@ -13,6 +13,8 @@
 // 64 and 128.
 #include "paged_decode_attention_cpu.h"
 
+#include "exp_cpu.h"
+
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>
@@ -25,26 +27,9 @@ namespace {
 
 constexpr int64_t kTile = 16;         // tokens scored together before one softmax update
 
-// exp(x) for x <= 0 by range reduction and Cephes' polynomial (about 1 ulp), here for single
-// values and below lane by lane (glibc's expf is a scalar call). Below -87 it gives ~1e-38, not 0.
-TANDEM_INLINE float exp_scalar(float x) {
-  x = std::max(x, -87.0f);
-  const float fx = x * 1.44269504088896341f;
-  // Round to nearest by the 1.5 * 2^23 trick (no floor/rint: vectorises without SSE4.1).
-  const float n = (fx + 12582912.0f) - 12582912.0f;
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
-}
+// exp(x) for x <= 0 (about 1 ulp), for single values; exp_nonpositive below is the same lane
+// by lane. Below -87 it gives ~1e-38, not 0.
+TANDEM_INLINE float exp_scalar(float x) { return exp_in_range(std::max(x, -87.0f)); }
 
 // W floats as one GCC/Clang vector (W = 16, 8, 4: one zmm, ymm or xmm register in the
 // AVX-512, AVX2 and baseline versions). Explicit vectors give the dot products and the softmax
@@ -96,23 +81,8 @@ TANDEM_INLINE float hsum(Vec<16>::F x) {
 
 // exp_nonpositive, lane by lane.
 template <int W> TANDEM_INLINE typename Vec<W>::F exp_nonpositive(typename Vec<W>::F x) {
-  using F = typename Vec<W>::F;
-  using I = typename Vec<W>::I;
-  const F lo = x * 0.0f - 87.0f;
-  x = x < lo ? lo : x;
-  const F fx = x * 1.44269504088896341f;
-  const F n = (fx + 12582912.0f) - 12582912.0f;
-  const F r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  F y = r * 1.9875691500e-4f + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const I bits = (__builtin_convertvector(n, I) + 127) << 23;
-  F scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
+  const typename Vec<W>::F lo = x * 0.0f - 87.0f;
+  return exp_lanes<typename Vec<W>::F, typename Vec<W>::I>(x < lo ? lo : x);
 }
 
 // RangeFn's body (see the header), W lanes wide. D: head_dim known at compile time (fully

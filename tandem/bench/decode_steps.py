@@ -23,6 +23,7 @@ import numpy as np
 
 from tandem.bench.serving.interference import CpuWatch
 from tandem.bench.workload import make_workload
+from tandem.config.names import auto_kv_cache_dtype_name
 from tandem.llm import LLM
 from tandem.model.loader import LoadedModel, quantized
 from tandem.model.source import ModelSource
@@ -34,7 +35,10 @@ FORMATS: dict[str, str | None] = {"float32": None, "int8": "int8", "int4": "int4
 """``--formats`` names -> the engine's ``quantization`` (float32 activations and KV for all).
 ``auto``, the model's own format, resolves to one of these (see resolve_format). For a GGUF
 file int4 keeps the file's own Q4_1 blocks (loader.quantized)."""
-FORMAT_CHOICES = (*FORMATS, "auto")
+EAGER = "-eager"
+"""A format name with this suffix runs with --enforce-eager: the quantized formats' decode steps
+op by op instead of as one compiled call (tandem/model/compiled_step.py), side by side."""
+FORMAT_CHOICES = (*FORMATS, "auto", *(f"{name}{EAGER}" for name in ("int8", "int4", "auto")))
 
 
 @dataclass(frozen=True)
@@ -47,7 +51,7 @@ class StepSettings:
     formats: list[str]
 
 
-FULL = StepSettings([1, 8, 32], 128, 64, ["float32", "int4"])
+FULL = StepSettings([1, 8, 32], 128, 64, ["float32", "int4", f"int4{EAGER}"])
 QUICK = StepSettings([1, 2], 16, 4, ["float32", "int4"])
 
 
@@ -55,8 +59,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     """The decode-step table's options of ``tandem bench engine``."""
     parser.add_argument("--formats", nargs="+", choices=FORMAT_CHOICES, default=None,
                         help="weight formats of the decode-step table: float32 (a GGUF file dequantized), int8, "
-                             "int4 (a GGUF file's own Q4_1 blocks), auto (the model's own format) "
-                             "(default: float32 int4)")
+                             "int4 (a GGUF file's own Q4_1 blocks), auto (the model's own format); with -eager "
+                             "(int4-eager, ...): under --enforce-eager (default: float32 int4 int4-eager)")
     parser.add_argument("--step-batch-sizes", type=int, nargs="+", default=None,
                         help="sequences per decode step in the decode-step table (default: 1 8 32)")
     parser.add_argument("--step-prompt-len", type=int, default=None,
@@ -78,6 +82,7 @@ def settings_from_args(args: argparse.Namespace) -> StepSettings:
 
 def resolve_format(name: str, source: ModelSource | None) -> str | None:
     """A ``--formats`` name -> the engine's ``quantization``: auto is the model's own format."""
+    name = name.removesuffix(EAGER)
     if name != "auto":
         return FORMATS[name]
     try:
@@ -94,19 +99,24 @@ class Format:
     name: str
     quantization: str | None
     loaded: LoadedModel
+    enforce_eager: bool = False
 
     def engine_kwargs(self) -> dict:
         """LLM(...)'s keywords for this format: the one place a name becomes engine options."""
-        return {"dtype": "float32", "quantization": self.quantization}
+        return {"dtype": "float32", "quantization": self.quantization, "enforce_eager": self.enforce_eager}
 
 
 def load_formats(loaded: LoadedModel, names: list[str], source: ModelSource | None) -> list[Format]:
-    """Each format's weights, quantized once from the float32 ``loaded`` (shared, not copied)."""
-    formats = []
+    """Each format's weights, quantized once from the float32 ``loaded`` (shared, not copied:
+    a format and its -eager twin run the same weights)."""
+    formats: list[Format] = []
+    weights: dict[str | None, LoadedModel] = {}
     for name in names:
         quantization = resolve_format(name, source)
-        label = name if name != "auto" else f"auto ({quantization or 'float32'})"
-        formats.append(Format(label, quantization, quantized(loaded, quantization, source)))
+        if quantization not in weights:
+            weights[quantization] = quantized(loaded, quantization, source)
+        label = name if not name.startswith("auto") else f"{name} ({quantization or 'float32'})"
+        formats.append(Format(label, quantization, weights[quantization], name.endswith(EAGER)))
     return formats
 
 
@@ -147,12 +157,13 @@ def decode_step_times(fmt: Format, prompts: list[list[int]], output_len: int, wa
     return times
 
 
-def kv_bytes_per_step(loaded: LoadedModel, batch: int, prompt_len: int, num_steps: int) -> float:
+def kv_bytes_per_step(loaded: LoadedModel, batch: int, prompt_len: int, num_steps: int,
+                      kv_cache_dtype: str = "float32") -> float:
     """Mean KV bytes one timed step reads: pure decode step k (k = 1 .. num_steps) feeds the
-    k-th output token, so each sequence attends over its prompt and k tokens (K and V,
-    float32 like the engine's pool)."""
+    k-th output token, so each sequence attends over its prompt and k tokens (K and V, in the
+    engine's pool's dtype)."""
     mean_context = prompt_len + (num_steps + 1) / 2
-    return batch * mean_context * loaded.config.kv_bytes_per_token("float32")
+    return batch * mean_context * loaded.config.kv_bytes_per_token(kv_cache_dtype)
 
 
 def bench_decode_steps(formats: list[Format], settings: StepSettings, token_ids: np.ndarray, seed: int,
@@ -169,7 +180,9 @@ def bench_decode_steps(formats: list[Format], settings: StepSettings, token_ids:
             steps = decode_step_times(fmt, prompts, o, warm.prompt_token_ids)
             others = watch.stop()
             weight_bytes = fmt.loaded.weights.num_bytes
-            kv_bytes = kv_bytes_per_step(fmt.loaded, batch, p, len(steps))
+            # the pool's dtype as the engine resolves auto (bfloat16 for the quantized formats)
+            kv_bytes = kv_bytes_per_step(fmt.loaded, batch, p, len(steps),
+                                         auto_kv_cache_dtype_name("float32", fmt.quantization, "cpu"))
             step = float(np.mean(steps))
             floor = (weight_bytes + kv_bytes) / bandwidth
             rows.append({"format": fmt.name, "quantization": fmt.quantization, "batch_size": batch,

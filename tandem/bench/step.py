@@ -3,6 +3,8 @@ norms with the residual adds, RoPE with the KV store, attention, the rest of the
 (embedding, SwiGLU's product, views), sampling,
 the sequences' update with detokenization, and the Python left between them; beside the
 step's memory floor (weight + KV bytes read / the copy bandwidth measured in the same run).
+Where the compiled CPU decode step runs (tandem/model/compiled_step.py), the same steps are
+timed both ways, side by side: the eager forward part by part, the compiled one as one part.
 
 Each part is timed by wrapping the function that does it (nothing in the engine changes);
 decode steps only, after a warm-up, at each batch size and weight format.
@@ -75,6 +77,9 @@ def timed_parts(llm: LLM, timer: PartTimer) -> Iterator[None]:
         (engine.runner, "sample", timer.wrap("sampling", engine.runner.sample)),
         (engine.runner.model, "forward", timer.wrap("forward", engine.runner.model.forward)),
     ]
+    if engine.runner.compiled_step is not None:
+        patches.append((engine.runner.compiled_step, "forward",
+                        timer.wrap("compiled forward", engine.runner.compiled_step.forward)))
     originals = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
     for obj, attr, fn in patches:
         setattr(obj, attr, fn)
@@ -86,6 +91,17 @@ def timed_parts(llm: LLM, timer: PartTimer) -> Iterator[None]:
                 setattr(obj, attr, fn)
             else:
                 delattr(obj, attr)  # the instance attribute: the class's method shows again
+
+
+@contextlib.contextmanager
+def eager_steps(llm: LLM) -> Iterator[None]:
+    """Every step through the eager forward while inside (as --enforce-eager would run it)."""
+    runner = llm.engine.runner
+    compiled, runner.compiled_step = runner.compiled_step, None
+    try:
+        yield
+    finally:
+        runner.compiled_step = compiled
 
 
 def profile(llm: LLM, batch_size: int, context: int, num_steps: int) -> tuple[dict[str, float], float]:
@@ -109,7 +125,8 @@ def profile(llm: LLM, batch_size: int, context: int, num_steps: int) -> tuple[di
         engine.abort_request(request_id)
     parts = {name: s / num_steps * 1e3 for name, s in timer.seconds.items()}
     inner = sum(v for k, v in parts.items() if k in (*PROJECTIONS, "lm_head", "other products", *LAYER_PARTS))
-    parts["rest of the forward"] = parts.pop("forward") - inner
+    if "forward" in parts:
+        parts["rest of the forward"] = parts.pop("forward") - inner
     parts["Python between"] = total - sum(parts.values())
     return parts, total
 
@@ -126,12 +143,19 @@ def run(args: argparse.Namespace) -> int:
         config = llm.engine.config
         weight_bytes = llm.engine.runner.model.weights.num_bytes
         for batch_size in args.batch_sizes:
-            parts, total = profile(llm, batch_size, args.context, args.steps)
-            kv_bytes = batch_size * (args.context + args.steps // 2) * config.model.kv_bytes_per_token(config.dtype)
+            kv_bytes = (batch_size * (args.context + args.steps // 2)
+                        * config.model.kv_bytes_per_token(config.kv_cache_dtype))
             floor = (weight_bytes + kv_bytes) / bandwidth.bytes_per_s * 1e3
+            with eager_steps(llm):
+                runs = [("eager", *profile(llm, batch_size, args.context, args.steps))]
+            if llm.engine.runner.compiled_step is not None:
+                runs.append(("compiled", *profile(llm, batch_size, args.context, args.steps)))
             print(f"\n--quantization {fmt} ({config.quantization or config.dtype_name}), batch {batch_size}, "
-                  f"context {args.context}: step {total:.2f} ms, floor {floor:.2f} ms "
-                  f"({weight_bytes / 1e6:.0f} MB weights + {kv_bytes / 1e6:.1f} MB KV): {floor / total:.0%} of it")
-            for name, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
-                print(f"  {name:<22} {ms:8.2f} ms  {ms / total:6.1%}")
+                  f"context {args.context}: floor {floor:.2f} ms ({weight_bytes / 1e6:.0f} MB weights + "
+                  f"{kv_bytes / 1e6:.1f} MB KV)")
+            for path, parts, total in runs:
+                print(f"{path} step {total:.2f} ms: {floor / total:.0%} of the floor"
+                      + (f", {runs[0][2] / total:.2f}x the eager step" if path != "eager" else ""))
+                for name, ms in sorted(parts.items(), key=lambda kv: -kv[1]):
+                    print(f"  {name:<22} {ms:8.2f} ms  {ms / total:6.1%}")
     return 0

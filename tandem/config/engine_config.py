@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from tandem.config.engine_options import ENGINE_DEFAULTS as DEFAULTS
 from tandem.config.engine_options import SCHEDULING_POLICIES
 from tandem.config.model_config import ModelConfig, gib_to_bytes
-from tandem.config.names import DTYPE_BYTES, PREEMPTION_MODES, QUANTIZATION_CHOICES, require
+from tandem.config.names import DTYPE_BYTES, PREEMPTION_MODES, QUANTIZATION_CHOICES, require, resolve_kv_cache_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -30,7 +30,11 @@ class EngineConfig:
     device_name: str
     """Where every tensor of the engine lives: cpu, cuda or cuda:N (resolved: never auto)."""
     dtype_name: str
-    """The dtype of weights and KV cache, by name (a key of DTYPE_BYTES; resolved: never auto)."""
+    """The dtype of weights and activations, by name (a key of DTYPE_BYTES; resolved: never auto)."""
+    kv_cache_dtype_name: str
+    """The KV cache's dtype, by name (a key of DTYPE_BYTES; resolved: never auto): what the pool,
+    its swap space and its transfers hold, and what its blocks are sized by. K and V are cast
+    to it as they are stored and read back in dtype_name's for attention."""
     block_size: int
     num_kv_blocks: int
     max_model_len: int
@@ -68,8 +72,8 @@ class EngineConfig:
     preempted. A prefill worker's: KV transfers read its blocks while later chunks compute,
     and a preemption would free (or, resumed, resend) them under the transfer."""
     enforce_eager: bool = False
-    """Never replay CUDA graphs: every step runs op by op (graphs apply on CUDA only:
-    tandem/engine/cuda_graphs.py)."""
+    """Every step runs op by op: no CUDA graphs on CUDA (tandem/engine/cuda_graphs.py), no
+    compiled decode step on the CPU (tandem/model/compiled_step.py)."""
     max_cudagraph_capture_size: int = 512
     """The largest decode batch captured as a CUDA graph (vLLM's name and default); larger
     batches run eagerly. Only the buckets up to max_num_seqs' are captured."""
@@ -91,8 +95,20 @@ class EngineConfig:
 
     @property
     def dtype_bytes(self) -> int:
-        """Bytes per element of the weights and KV cache."""
+        """Bytes per element of the weights and activations."""
         return DTYPE_BYTES[self.dtype_name]
+
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """The torch dtype of kv_cache_dtype_name (torch imported here, as for :attr:`dtype`)."""
+        import torch
+
+        return getattr(torch, self.kv_cache_dtype_name)
+
+    @property
+    def kv_cache_dtype_bytes(self) -> int:
+        """Bytes per element of the KV cache."""
+        return DTYPE_BYTES[self.kv_cache_dtype_name]
 
     @classmethod
     def build(
@@ -101,6 +117,7 @@ class EngineConfig:
         *,
         device: str = DEFAULTS["device"],
         dtype: str = DEFAULTS["dtype"],
+        kv_cache_dtype: str = DEFAULTS["kv_cache_dtype"],
         block_size: int = DEFAULTS["block_size"],
         kv_cache_memory_gib: float = DEFAULTS["kv_cache_memory_gib"],
         num_kv_blocks: int | None = None,
@@ -125,7 +142,8 @@ class EngineConfig:
         max_cudagraph_capture_size: int = 512,
     ) -> EngineConfig:
         """The defaults of the engine options are tandem.config.engine_options' (the CLI flags' too).
-        device and dtype may be ``auto`` (resolved here: see tandem/config/device.py)."""
+        device, dtype and kv_cache_dtype may be ``auto`` (resolved here: see tandem/config/device.py and
+        names.auto_kv_cache_dtype_name)."""
         from tandem.config.device import resolve_device, resolve_dtype  # torch only where a GPU is asked about
 
         device = resolve_device(device)
@@ -135,8 +153,14 @@ class EngineConfig:
         require(max_num_batched_tokens >= 1, "max_num_batched_tokens", max_num_batched_tokens, ">= 1")
         require(max_cudagraph_capture_size >= 1, "max_cudagraph_capture_size", max_cudagraph_capture_size, ">= 1")
         require(tensor_parallel_size >= 1, "tensor_parallel_size", tensor_parallel_size, ">= 1")
+        require(quantization is None or quantization in QUANTIZATION_CHOICES, "quantization", quantization,
+                 f"None or one of {', '.join(QUANTIZATION_CHOICES)}")
+        # With no source to look at, auto means the weights as given (engine/setup.py looks first).
+        quantization = None if quantization in ("auto", "none") else quantization
+        kv_cache_dtype = resolve_kv_cache_dtype(kv_cache_dtype, dtype, quantization, device.split(":")[0])
         tp = tensor_parallel_size
-        block_bytes = block_size * model.kv_bytes_per_token(dtype, tp)
+        # The pool and the swap space are sized by the KV dtype's bytes, not the activations'.
+        block_bytes = block_size * model.kv_bytes_per_token(kv_cache_dtype, tp)
         if num_kv_blocks is None:
             require(kv_cache_memory_gib > 0, "kv_cache_memory_gib", kv_cache_memory_gib, "> 0")
             num_kv_blocks = gib_to_bytes(kv_cache_memory_gib) // block_bytes
@@ -153,10 +177,6 @@ class EngineConfig:
         require(prompt_lookup_min >= 1, "prompt_lookup_min", prompt_lookup_min, ">= 1")
         require(prompt_lookup_max >= prompt_lookup_min, "prompt_lookup_max", prompt_lookup_max,
                  f">= prompt_lookup_min ({prompt_lookup_min})")
-        require(quantization is None or quantization in QUANTIZATION_CHOICES, "quantization", quantization,
-                 f"None or one of {', '.join(QUANTIZATION_CHOICES)}")
-        # With no source to look at, auto means the weights as given (engine/setup.py looks first).
-        quantization = None if quantization in ("auto", "none") else quantization
         # NOTE: swapped blocks never outnumber the device pool, so more host blocks go unused.
         num_swap_blocks = min(num_swap_blocks, num_kv_blocks)
 
@@ -177,6 +197,7 @@ class EngineConfig:
             model=model,
             device_name=device,
             dtype_name=dtype,
+            kv_cache_dtype_name=kv_cache_dtype,
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
             max_model_len=limit,

@@ -16,7 +16,13 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from tandem.config.names import DTYPE_CHOICES, PREEMPTION_MODES, QUANTIZATION_CHOICES, check_device_name
+from tandem.config.names import (
+    DTYPE_CHOICES,
+    KV_CACHE_DTYPE_CHOICES,
+    PREEMPTION_MODES,
+    QUANTIZATION_CHOICES,
+    check_device_name,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +71,15 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "where weights, KV pool and every step's tensors live: auto (CUDA when this process sees a "
                  "GPU, else CPU), cpu, cuda or cuda:N (default %(default)s)", metavar="{auto,cpu,cuda,cuda:N}"),
     EngineOption("dtype", str, "auto",
-                 "weights and KV cache: auto is bfloat16 on CUDA (float16 where the GPU lacks bfloat16), "
-                 "float32 on the CPU (default %(default)s)", choices=DTYPE_CHOICES),
+                 "weights and activations (and the KV cache, unless --kv-cache-dtype says otherwise): auto is "
+                 "bfloat16 on CUDA (float16 where the GPU lacks bfloat16), float32 on the CPU (default %(default)s)",
+                 choices=DTYPE_CHOICES),
+    EngineOption("kv_cache_dtype", str, "auto",
+                 "the KV cache's dtype, which may differ from the activations' (--dtype): keys and values are "
+                 "rounded to it as they are stored and read back in the activations' dtype; bfloat16 halves "
+                 "a float32 engine's KV bytes (twice the tokens per GiB). auto: bfloat16 for the int4 and int8 "
+                 "formats on the CPU, --dtype's otherwise (default %(default)s)",
+                 choices=KV_CACHE_DTYPE_CHOICES),
     EngineOption("block_size", int, 16, "tokens per KV block (default %(default)s)"),
     # 1.0 GiB: what LLM(...), tandem chat, the README and the Helm chart's values assume.
     EngineOption("kv_cache_memory_gib", float, 1.0,
@@ -106,9 +119,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "both pools, unless --prefill-tp / --decode-tp say otherwise) (default %(default)s)",
                  aliases=("-tp",), metavar="N"),
     EngineOption("enforce_eager", bool, False,
-                 "never replay CUDA graphs: each decode step launches its kernels one by one (default: off, "
-                 "decode steps of each batch-size bucket replay graphs captured at start; graphs apply on "
-                 "CUDA only)"),
+                 "run every decode step op by op: no CUDA graphs on a GPU, no compiled step on the CPU "
+                 "(default: off, decode steps of each batch-size bucket replay graphs captured at start on "
+                 "CUDA, and run as one compiled call on the CPU)"),
     EngineOption("seed", int, None,
                  "seed of the engine's random numbers, so that unseeded sampling repeats across restarts "
                  "(a request's own seed still wins) (default: none)"),

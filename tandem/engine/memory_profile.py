@@ -25,7 +25,7 @@ def measured_memory_plan(loaded: LoadedModel, config: EngineConfig, utilization:
     device, tp = config.device, config.tensor_parallel_size
     torch.cuda.synchronize(device)
     _, total = torch.cuda.mem_get_info(device)
-    block_bytes = config.block_size * config.model.kv_bytes_per_token(config.dtype_name, tp)
+    block_bytes = config.block_size * config.model.kv_bytes_per_token(config.kv_cache_dtype_name, tp)
     if tp > 1:  # the weights are still whole, on the host: a rank's share from the shapes, as tandem plan does
         num_tokens = min(config.max_num_batched_tokens, config.max_model_len)
         peak = estimated_step_peak_bytes(config.model, num_tokens, config.max_num_seqs, config.dtype_bytes, tp)

@@ -21,6 +21,7 @@ from tandem.kernels import ops
 from tandem.kernels.attention_metadata import AttentionMetadata, DecodeGroup
 from tandem.kernels.paged_decode_attention import decode_group_plan
 from tandem.kvcache.swap_copier import KVSwapper
+from tandem.model.compiled_step import CompiledDecodeStep
 from tandem.model.llama import LlamaModel
 from tandem.model.quantization import pack_for_cpu_kernels
 
@@ -50,9 +51,10 @@ class ModelRunner:
         num_blocks = config.num_kv_blocks + (1 if self.pad_decode else 0)
         self.scratch_block_id = config.num_kv_blocks
         # kv_cache: [num_layers, 2 (k, v), num_blocks, block_size, num_kv_heads, head_dim], the
-        # model's own KV heads (a tensor-parallel rank's share)
+        # model's own KV heads (a tensor-parallel rank's share), in the KV dtype, which may differ
+        # from the activations' (the store casts; attention reads it back in q's dtype)
         self.kv_cache = allocate_kv(
-            (m.num_layers, 2, num_blocks, config.block_size, model.num_kv_heads, m.head_dim), config.dtype,
+            (m.num_layers, 2, num_blocks, config.block_size, model.num_kv_heads, m.head_dim), config.kv_cache_dtype,
             config.device)
         self.swapper = KVSwapper(self.kv_cache, config.num_swap_blocks)
         self.sampler = Sampler()
@@ -60,6 +62,9 @@ class ModelRunner:
         # before any request: never on a step.
         ops.prepare_cpu_kernels(config.device, config.dtype)
         pack_for_cpu_kernels(model.weights, config.device, config.dtype)
+        self.compiled_step = None if config.enforce_eager else CompiledDecodeStep.for_model(
+            model, config.tensor_parallel_size)
+        """Decode steps as one compiled call on the CPU (None: every step eager; see compiled_step.py)."""
         self.graphs: DecodeGraphs | None = None
         """The decode steps' captured graphs (None: every step eager)."""
         if graph_device is None and graphs_apply(config):
@@ -98,6 +103,8 @@ class ModelRunner:
         # A layer hook is host code between layers: a graph would skip it.
         if self.graphs is not None and on_layer_stored is None and self.graphs.can_replay(input_ids, meta):
             return self.graphs.replay(input_ids, positions, meta, logits_indices)
+        if self.compiled_step is not None and on_layer_stored is None and self.compiled_step.can_run(input_ids, meta):
+            return self.compiled_step.forward(input_ids, positions, self.kv_cache, meta, logits_indices)
         return self.model.forward(input_ids, positions, self.kv_cache, meta, logits_indices, on_layer_stored)
 
     def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -90,7 +90,7 @@ class KVCapacity:
     def of_engine_config(cls, config: EngineConfig) -> KVCapacity:
         """The pool an engine built from ``config`` holds (on each rank, under tensor parallelism)."""
         tp = config.tensor_parallel_size
-        bytes_per_token = config.model.kv_bytes_per_token(config.dtype_name, tp)
+        bytes_per_token = config.model.kv_bytes_per_token(config.kv_cache_dtype_name, tp)
         return cls(bytes_per_token, config.block_size, config.num_kv_blocks, config.max_model_len, tp)
 
     def full_length_text(self) -> str:

@@ -62,14 +62,16 @@ class KVSwapper:
         shape = list(self.host_cache.shape)
         shape[BLOCK_DIM] = len(block_pairs)
         num_bytes = self.host_cache.element_size() * len(block_pairs) * self.host_cache[:, :, :1].numel()
-        # [block bytes | device ids as int64]; block bytes are a multiple of 8 (whole heads).
-        buffer = torch.empty(num_bytes + 8 * len(device_ids), dtype=torch.uint8, pin_memory=self._pinned)
+        # [block bytes | padding to 8 | device ids as int64]: the ids aligned for their int64
+        # view whatever the cache's element size (a bfloat16 block of odd head_dim: 2-byte rows).
+        ids_at = -(-num_bytes // 8) * 8
+        buffer = torch.empty(ids_at + 8 * len(device_ids), dtype=torch.uint8, pin_memory=self._pinned)
         blocks = buffer[:num_bytes].view(self.host_cache.dtype).view(shape)
         torch.index_select(self.host_cache, BLOCK_DIM, self._ids(host_ids, self.host_cache.device), out=blocks)
-        buffer[num_bytes:].view(torch.int64).copy_(torch.tensor(device_ids, dtype=torch.int64))
+        buffer[ids_at:].view(torch.int64).copy_(torch.tensor(device_ids, dtype=torch.int64))
         with self._on_side_stream():
             on_device = step_inputs.to_device(buffer, self.device_cache.device)  # the one transfer
-            ids = on_device[num_bytes:].view(torch.int64)  # [num_pairs]
+            ids = on_device[ids_at:].view(torch.int64)  # [num_pairs]
             self.device_cache.index_copy_(BLOCK_DIM, ids, on_device[:num_bytes].view(self.host_cache.dtype).view(shape))
 
     def copy(self, block_pairs: list[tuple[int, int]]) -> None:

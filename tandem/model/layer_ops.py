@@ -51,10 +51,12 @@ def rope_and_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k
     cache slots (meta.slot_mapping).
 
     qkv: [T, (num_heads + 2 * num_kv_heads) * D]; cos, sin: [T, D] (each token's position's)
-    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, D]
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, D], qkv's dtype or the KV cache's
+    own (k and v are rounded to it as they are stored; the returned k, v are not)
     -> q: [T, num_heads, D]; k, v: [T, num_kv_heads, D] (rotated q and k)
     """
-    if kernels is not None and qkv.stride(-1) == 1:
+    # The compiled kernel stores into a float32 or a bfloat16 cache (rounded as torch's store is).
+    if kernels is not None and qkv.stride(-1) == 1 and k_cache.dtype in (torch.float32, torch.bfloat16):
         return layer_ops_cpu.rope_store_kv(kernels, qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, num_heads,
                                            num_kv_heads)
     num_tokens, head_dim = qkv.shape[0], cos.shape[-1]

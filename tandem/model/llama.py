@@ -8,13 +8,14 @@ products.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Callable, overload
 
 import torch
 import torch.nn.functional as F
 
 from tandem.config import ModelConfig
-from tandem.kernels import ops
+from tandem.kernels import layer_ops_cpu, ops
 from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.layer_ops_cpu import kernels_for
 from tandem.model.layer_ops import add_rms_norm, rms_norm, rope_and_store_kv
@@ -134,8 +135,7 @@ class LlamaModel:
             attn = ops.attention(q, k, v, k_cache, v_cache, meta, self.scale)
             h, x = add_rms_norm(h, self.all_reduce(linear(attn.reshape(num_tokens, self.q_size), lw.o_proj)),
                                 lw.post_attention_norm, eps, kernels)
-            gate, up = linear(x, lw.gate_up_proj).chunk(2, dim=-1)
-            mlp = self.all_reduce(linear(F.silu(gate) * up, lw.down_proj))
+            mlp = self.all_reduce(linear(swiglu(linear(x, lw.gate_up_proj), kernels), lw.down_proj))
             if layer_idx + 1 < len(w.layers):
                 h, x = add_rms_norm(h, mlp, w.layers[layer_idx + 1].input_norm, eps, kernels)
             else:
@@ -145,3 +145,12 @@ class LlamaModel:
         # Only the rows that are sampled go through the final norm and the LM head.
         h = rms_norm(h[logits_indices], w.norm, eps)
         return linear(h, w.lm_head).float()
+
+
+def swiglu(gate_up: torch.Tensor, kernels: ModuleType | None) -> torch.Tensor:
+    """gate_up: [T, 2 I] (gate | up) -> silu(gate) * up: [T, I]; the layer kernel where given
+    (the compiled decode step runs the same arithmetic), else torch's."""
+    if kernels is not None and gate_up.stride(-1) == 1:
+        return layer_ops_cpu.silu_mul(kernels, gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

@@ -40,7 +40,8 @@ def start_engine_model(loaded: LoadedModel, config: EngineConfig, model: str | N
         part = LlamaModel(loaded.config, weights_on(loaded.weights, config.device), config.max_model_len)
         return EngineModel(part, ModelRunner(config, part, allocate_kv), None)
     rank_shards(loaded.config, tp)  # refuses a tp the heads do not split by, before any rank starts
-    rank_args = dict(device=config.device_name, dtype=config.dtype_name, block_size=config.block_size,
+    rank_args = dict(device=config.device_name, dtype=config.dtype_name, kv_cache_dtype=config.kv_cache_dtype_name,
+                     block_size=config.block_size,
                      num_kv_blocks=config.num_kv_blocks, num_swap_blocks=config.num_swap_blocks,
                      max_model_len=config.max_model_len, quantization=config.quantization, tensor_parallel_size=tp)
     ranks = RankGroup(tp, model, rank_args, num_threads, placement_group, revision)

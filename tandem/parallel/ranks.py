@@ -26,6 +26,7 @@ from tandem.model.source import resolve_model_source
 from tandem.parallel.executor import DeviceCollectives, RankExecutor, rank_model
 from tandem.parallel.step_message import StepMessage, StepOp, broadcast_step, receive_step
 from tandem.parallel.world import world_backend
+from tandem.worker.step_priority import actor_runtime_env
 
 logger = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ class RankGroup:
             index = first_bundle + rank - 1
             bundle = placement_group_.bundle_specs[index]
             self.actors.append(actor.options(
-                num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0),
+                num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), runtime_env=actor_runtime_env(),
                 scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group_,
                                                                      placement_group_bundle_index=index),
             ).remote(rank, tp, init_method, model, engine_args, num_threads, revision))

@@ -31,7 +31,7 @@ class TensorParallelRunner(ModelRunner):
         self.step_group = step_group
         m = config.model
         self.layout = KVLayout(m.num_layers, config.num_kv_blocks, config.block_size, m.num_kv_heads, m.head_dim,
-                               config.dtype_name)
+                               config.kv_cache_dtype_name)
         """The pool as other workers see it: every KV head."""
         self.kv_writes = PendingKVWrites(self.layout, self.kv_cache.shape[2])
         """KV that other workers sent (a KVReceiver's sink), for the next message."""

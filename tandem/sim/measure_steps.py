@@ -235,7 +235,7 @@ def measure_steps(model: str | None = None, *, num_threads: int = 1, grid: Grid 
             "device": config.device_name, "dtype": config.dtype_name, "quantization": config.quantization,
             "num_threads": num_threads, "clock": clock, "torch_version": torch.__version__,
             "max_num_batched_tokens": config.max_num_batched_tokens, "block_size": config.block_size,
-            "kv_bytes_per_token": config.model.kv_bytes_per_token(config.dtype_name),
+            "kv_bytes_per_token": config.model.kv_bytes_per_token(config.kv_cache_dtype_name),
             "others_cpu": others_cpu, "measure_s": time.perf_counter() - started, "grid": asdict(grid),
             "seed": seed,
         }

@@ -8,6 +8,7 @@ from typing import AsyncIterator
 from tandem.engine.engine import LLMEngine
 from tandem.worker.api import Role, StreamDelta, WorkerRequest, checked
 from tandem.worker.base import Worker
+from tandem.worker.delta_reader import DeltaReader
 
 
 class ColocatedWorker(Worker):
@@ -16,14 +17,14 @@ class ColocatedWorker(Worker):
     async def generate(self, request: WorkerRequest) -> AsyncIterator[StreamDelta]:
         """The request's deltas until its last; leaving early aborts it."""
         request = checked(request, WorkerRequest, "request")
-        q = self.loop.open_stream(request.request_id)
+        deltas = DeltaReader(self.loop.open_stream(request.request_id))
         finished = False
         try:
             await self.compile_grammar(request)
             await self.loop.call(lambda engine: engine.add_request(
                 request.request_id, request.prompt_token_ids, request.params, priority=request.priority) and None)
             while not finished:
-                delta = await q.get()
+                delta = await deltas.next()
                 finished = delta.request_finished
                 yield delta
         finally:

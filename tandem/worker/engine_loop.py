@@ -18,10 +18,14 @@ from tandem.engine.engine import LLMEngine
 from tandem.outputs import RequestDelta
 from tandem.worker.api import EngineDown, StreamDelta
 from tandem.worker.heartbeat_file import HeartbeatFile
+from tandem.worker.step_priority import ENGINE_THREAD, name_os_thread
 
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.002  # how often an idle loop still ticks (transfer events, deadlines)
+IDLE_REST_S = 0.05
+"""How often an idle loop ticks when its worker has nothing in flight (see ``idle_wait``):
+a command wakes it at once, and its polling would take CPU from a busy worker beside it."""
 
 
 def stream_delta(d: RequestDelta, error: str | None = None) -> StreamDelta:
@@ -33,12 +37,16 @@ def stream_delta(d: RequestDelta, error: str | None = None) -> StreamDelta:
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, tick: Callable[[], None] | None = None,
-                 on_down: Callable[[EngineDown], None] | None = None) -> None:
+                 on_down: Callable[[EngineDown], None] | None = None,
+                 idle_wait: Callable[[], float] | None = None) -> None:
         """tick: runs every iteration, busy or idle (transfer events). What runs inside a step
         is the engine's (see PrefillHooks). on_down: called on the loop thread, after every
-        open stream got its error, when the loop stopped on an error (see `down`)."""
+        open stream got its error, when the loop stopped on an error (see `down`). idle_wait:
+        on the loop thread, how long an idle loop waits for a command before it ticks again
+        (default IDLE_WAIT_S)."""
         self.engine = engine
         self._tick = tick
+        self._idle_wait = idle_wait
         self._on_down = on_down
         self.down: EngineDown | None = None
         """Why the loop stopped on an error; from then on every call fails with it."""
@@ -49,7 +57,7 @@ class EngineLoop:
         self._last_iteration_at = time.monotonic()
         self.heartbeat_file: HeartbeatFile | None = None
         """Touched as the loop goes round, for a probe outside the process (see heartbeat_file.py)."""
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=ENGINE_THREAD, daemon=True)
         self._thread.start()
 
     def submit(self, fn: Callable[[LLMEngine], Any]) -> concurrent.futures.Future:
@@ -96,6 +104,11 @@ class EngineLoop:
     def publish_engine_delta(self, d: RequestDelta, error: str | None = None) -> None:
         self.publish(stream_delta(d, error))
 
+    @property
+    def native_id(self) -> int | None:
+        """The loop thread's id in the OS (its OpenMP team's threads are started from it)."""
+        return self._thread.native_id
+
     def seconds_since_iteration(self) -> float:
         """How long ago the loop thread last went round (any thread): it goes round every
         IDLE_WAIT_S when idle, after every step when busy; a large value means it is stuck."""
@@ -107,6 +120,7 @@ class EngineLoop:
         self._thread.join()
 
     def _run(self) -> None:
+        name_os_thread(self._thread.name)
         try:
             self._loop()
         except BaseException as e:  # noqa: BLE001 - whatever it was, the engine is unusable now
@@ -146,5 +160,5 @@ class EngineLoop:
                 for d in engine.step():
                     self.publish_engine_delta(d)
             else:
-                self._wake.wait(IDLE_WAIT_S)
+                self._wake.wait(IDLE_WAIT_S if self._idle_wait is None else self._idle_wait())
                 self._wake.clear()

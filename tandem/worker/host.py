@@ -14,6 +14,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tandem.config import WorkerConfig
 from tandem.kvtransfer.protocol import Destination
+from tandem.worker import step_priority
 from tandem.worker.api import (
     PrefillResult,
     Role,
@@ -44,6 +45,8 @@ class WorkerHost:
         module, name = WORKER_CLASSES[role].split(":")
         self.worker = getattr(importlib.import_module(module), name)(config, instance, placement_group)
         self.worker.exit_on_engine_down = True  # NOTE: Ray restarts a process that ended, not a thread
+        if self.worker.engine.config.device.type == "cpu":
+            step_priority.favour_the_step(self.worker.loop.native_id)  # the serving path shares its cores here
 
     def is_ready(self) -> bool:
         return self.worker.is_ready()
@@ -123,10 +126,12 @@ def start_worker(role: Role, instance: str, config: WorkerConfig, *, num_cpus: f
     """-> the actor handle of a new worker built with ``config`` (Ray restarts it if its process dies).
     pool_resources: the worker runs only on nodes that offer its pool's resource.
     placement_group: a tensor-parallel worker's (see worker_placement_group)."""
-    options: dict[str, Any] = dict(resources={pool_resource(role): 1} if pool_resources else None)
+    options: dict[str, Any] = dict(resources={pool_resource(role): 1} if pool_resources else None,
+                                   runtime_env=step_priority.actor_runtime_env())
     if placement_group is not None:
         options = dict(scheduling_strategy=PlacementGroupSchedulingStrategy(placement_group,
-                                                                            placement_group_bundle_index=0))
+                                                                            placement_group_bundle_index=0),
+                       runtime_env=step_priority.actor_runtime_env())
     # ray.remote's overloads leave out concurrency_groups, an actor option its documentation gives.
     actor = ray.remote(concurrency_groups={"control": 2})(WorkerHost).options(  # type: ignore[call-overload]
         name=instance, num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=-1, max_concurrency=1000, **options)

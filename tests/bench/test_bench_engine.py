@@ -69,7 +69,8 @@ def test_decode_step_settings_and_formats():
     parser = argparse.ArgumentParser()
     bench_engine.add_args(parser)
     assert decode_steps.settings_from_args(parser.parse_args([])) == decode_steps.FULL
-    assert decode_steps.FULL.batch_sizes == [1, 8, 32] and decode_steps.FULL.formats == ["float32", "int4"]
+    assert decode_steps.FULL.batch_sizes == [1, 8, 32]
+    assert decode_steps.FULL.formats == ["float32", "int4", "int4-eager"]
     quick = decode_steps.settings_from_args(parser.parse_args(["--quick", "--formats", "int4", "int4", "float32"]))
     assert quick.formats == ["int4", "float32"] and quick.batch_sizes == decode_steps.QUICK.batch_sizes
     with pytest.raises(ValueError):
@@ -78,8 +79,11 @@ def test_decode_step_settings_and_formats():
         parser.parse_args(["--formats", "fp8"])
     # One place maps a name to the engine's options: float32 is the weights as loaded.
     assert decode_steps.resolve_format("float32", None) is None and decode_steps.resolve_format("int4", None) == "int4"
+    assert decode_steps.resolve_format("int4-eager", None) == "int4"
     fmt = decode_steps.Format("int4", "int4", loaded=None)  # type: ignore[arg-type]
-    assert fmt.engine_kwargs() == {"dtype": "float32", "quantization": "int4"}
+    assert fmt.engine_kwargs() == {"dtype": "float32", "quantization": "int4", "enforce_eager": False}
+    eager = decode_steps.Format("int4-eager", "int4", loaded=None, enforce_eager=True)  # type: ignore[arg-type]
+    assert eager.engine_kwargs()["enforce_eager"] is True
 
 
 def test_kv_bytes_per_step_is_the_mean_context():

@@ -1,6 +1,7 @@
 """The compiled CPU layer kernels (RMSNorm, the residual add with RMSNorm, RoPE with the KV
-store) against float64 definitions and transformers' own RoPE, and the
-model's choice of them (float32 CPU tensors)."""
+store into a float32 or bfloat16 cache, SwiGLU's product) against float64 definitions,
+transformers' own RoPE and torch's bfloat16 rounding, and the model's choice of them (float32
+CPU tensors)."""
 
 from __future__ import annotations
 
@@ -104,6 +105,36 @@ def test_rope_and_store_kv_is_transformers_rope_to_the_bit(kernel, num_tokens, p
     assert not flat_k[others].any() and not flat_v[others].any()  # no other slot written
 
 
+def test_rope_stores_into_a_bfloat16_cache_as_torch_rounds(kernel):
+    qkv, cos, sin, k_cache, v_cache, meta = rope_case(5, seed=11)
+    qkv[0, 9 * 64 + 3] = float("nan")  # NaN stays NaN
+    qkv[1, 9 * 64 + 5] = 1.0 + 2.0 ** -8  # a tie: to even
+    k16, v16 = k_cache.bfloat16(), v_cache.bfloat16()
+    q, k, v = kernel.rope_store_kv(qkv, cos, sin, k16, v16, meta.slot_mapping, 9, 3)
+    flat_k, flat_v = k16.view(-1, 3, 64), v16.view(-1, 3, 64)
+    for stored, rows in ((flat_k, k), (flat_v, v)):  # bfloat16 -> float32 is exact: the values compared
+        torch.testing.assert_close(stored[meta.slot_mapping].float(), rows.bfloat16().float(), rtol=0, atol=0,
+                                   equal_nan=True)
+    assert flat_k[meta.slot_mapping][0].isnan().sum() == 2  # the NaN and its rotation partner
+
+
+@pytest.mark.parametrize("shape", [(1, 2 * 1536), (7, 2 * 40), (3, 2 * 5)])
+def test_silu_mul_matches_float64(kernel, shape):
+    gen = torch.Generator().manual_seed(shape[0])
+    gate_up = torch.randn(*shape, generator=gen) * 8
+    gate_up[0, :5] = torch.tensor([-200.0, 200.0, 0.0, -0.0, float("inf")])  # past exp's range both ways
+    out = kernel.silu_mul(gate_up)
+    g, u = gate_up.double().chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(g) * u
+    assert out.shape == (shape[0], shape[1] // 2)
+    assert out[0, 0] == 0 and out[0, 1] == 200 * gate_up[0, shape[1] // 2 + 1]  # silu(-200) = -0, silu(200) = 200
+    assert out[0, 4] == expected[0, 4] and out[0, 4].isinf()  # silu(inf) = inf
+    finite = expected.isfinite()
+    # exp within ~1 ulp, then a division and a product each rounded: a few ulp of the result
+    error = (out.double() - expected)[finite].abs()
+    assert bool((error <= 6 * U32 * expected[finite].abs() + 1e-36).all())
+
+
 def test_rope_and_store_kv_refuses_a_slot_outside_the_cache(kernel):
     qkv, cos, sin, k_cache, v_cache, _ = rope_case(2)
     with pytest.raises(RuntimeError, match="out of the cache"):
@@ -124,7 +155,8 @@ def test_it_loads_without_a_warning(kernel, fresh_kernel_state, caplog):
 
     with caplog.at_level("INFO", logger=cpu_build.__name__):
         assert layer_ops_cpu.load_extension() is not None
-    assert [r.getMessage() for r in caplog.records] == ["CPU layer kernels (RMSNorm, RoPE) loaded (portable code)"]
+    assert [r.getMessage() for r in caplog.records] == [
+        "CPU layer kernels (RMSNorm, RoPE, SwiGLU) loaded (portable code)"]
 
 
 def test_a_float32_cpu_model_takes_them(kernel, loaded):

@@ -20,22 +20,21 @@ from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
 from tandem.kernels import int4_gemv_cpu, layer_ops_cpu
 from tandem.model.llama import LlamaModel
-from tandem.model.quantization import quantize_weights
 from tandem.sampling_params import SamplingParams
 
 BLOCK_SIZE = 16
 NUM_BLOCKS = 64
-CPU_OPS = {"tandem.rms_norm_cpu", "tandem.add_rms_norm_cpu", "tandem.rope_store_kv_cpu",
+CPU_OPS = {"tandem.rms_norm_cpu", "tandem.add_rms_norm_cpu", "tandem.rope_store_kv_cpu", "tandem.silu_mul_cpu",
            "tandem.paged_decode_attention_cpu", "tandem.int4_gemv_cpu", "tandem.int8_gemv_cpu"}
 
 
 @pytest.fixture(scope="module")
-def runner(loaded) -> ModelRunner:
+def runner(loaded, int4_weights) -> ModelRunner:
     """The default model as the default GGUF file serves it (int4 projections, an int8 LM head),
     float32 on the CPU, decode batches padded to their buckets."""
     config = EngineConfig.build(loaded.config, device="cpu", dtype="float32", block_size=BLOCK_SIZE,
                                 num_kv_blocks=NUM_BLOCKS, max_model_len=1024, num_swap_blocks=8)
-    model = LlamaModel(loaded.config, quantize_weights(loaded.weights, "int4"), config.max_model_len)
+    model = LlamaModel(loaded.config, int4_weights, config.max_model_len)
     return ModelRunner(config, model, pad_decode=True)
 
 
@@ -59,7 +58,8 @@ def test_a_decode_step_is_one_graph_with_the_eager_logits(runner) -> None:
     ops = tandem_ops(gm)
     assert set(ops) == CPU_OPS
     num_layers = runner.config.model.num_layers
-    assert ops["tandem.paged_decode_attention_cpu"] == ops["tandem.rope_store_kv_cpu"] == num_layers
+    assert (ops["tandem.paged_decode_attention_cpu"] == ops["tandem.rope_store_kv_cpu"] == ops["tandem.silu_mul_cpu"]
+            == num_layers)
     assert ops["tandem.int4_gemv_cpu"] == 4 * num_layers and ops["tandem.int8_gemv_cpu"] == 1  # the LM head
     torch.testing.assert_close(traced, eager, rtol=0, atol=0)
 

@@ -90,3 +90,29 @@ def test_an_error_in_the_step_fails_every_stream_and_call():
     assert delta.request_id == "r1" and delta.request_finished and delta.finish_reason == "abort"
     assert delta.error == "the worker's engine stopped on an error: OutOfMemoryError: out of memory in the forward"
     assert refused is loop.down and downs == [loop.down]
+
+
+class IdleEngine:
+    """An engine with nothing to do."""
+
+    has_unfinished = False
+
+
+def test_an_idle_loop_waits_as_long_as_told_yet_a_command_wakes_it():
+    """idle_wait sets how long an idle loop rests between ticks (consulted on the loop
+    thread); a command does not wait for the rest to end."""
+    waits: list[str] = []
+    ticks = threading.Semaphore(0)
+
+    def idle_wait() -> float:
+        waits.append(threading.current_thread().name)
+        return 600.0  # far longer than the test may wait: only the command can wake it
+
+    loop = EngineLoop(cast("LLMEngine", IdleEngine()), tick=ticks.release, idle_wait=idle_wait)
+    try:
+        assert ticks.acquire(timeout=10)  # the first round: it ticked, then rests
+        assert loop.submit(lambda e: "ran").result(timeout=10) == "ran"
+        assert ticks.acquire(timeout=10)  # the command's round ticked too
+        assert waits and set(waits) == {"engine-loop"}
+    finally:
+        loop.stop()

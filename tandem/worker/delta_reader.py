@@ -1,0 +1,62 @@
+"""A request's deltas as a worker streams them out: the ones already waiting go as one.
+
+Each delta a worker yields costs the serving path the same whatever it holds: Ray reports it
+to the router, the router awaits it, writes a gRPC message, and the client wakes. When that
+path falls behind the engine (it shares the cores with the step), deltas queue up; merging
+the queued ones into one costs nothing in latency (each token still leaves as soon as the
+path can take it) and makes the path's work per token shrink exactly when it is short of CPU.
+A delta is never held back to wait for another.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import TypeVar
+
+from tandem.worker.api import StreamDelta
+
+T = TypeVar("T")
+
+
+def can_follow(first: StreamDelta, then: StreamDelta) -> bool:
+    """Whether ``then`` may be merged into ``first``: the same completion, and ``first``
+    neither finishes it nor carries an error (a finish or an error is always a delta's last)."""
+    return (first.index == then.index and first.finish_reason is None and first.error is None
+            and first.request_id == then.request_id)
+
+
+def _joined(a: list[T] | None, b: list[T] | None) -> list[T] | None:
+    if a is None and b is None:
+        return None
+    return [*(a or ()), *(b or ())]
+
+
+def merge(first: StreamDelta, then: StreamDelta) -> StreamDelta:
+    """One delta holding ``first``'s output, then ``then``'s (its counts, finish and error)."""
+    return dataclasses.replace(then, token_ids=[*first.token_ids, *then.token_ids], text=first.text + then.text,
+                               logprobs=_joined(first.logprobs, then.logprobs),
+                               top_logprobs=_joined(first.top_logprobs, then.top_logprobs))
+
+
+class DeltaReader:
+    """Reads a request's delta queue (EngineLoop.open_stream's) for a worker's stream."""
+
+    def __init__(self, queue: asyncio.Queue[StreamDelta]) -> None:
+        self._queue = queue
+        self._held: StreamDelta | None = None
+        """A delta taken off the queue that could not be merged: the next one to go."""
+
+    async def next(self) -> StreamDelta:
+        """The next delta (waiting for one), with every delta queued behind it that can
+        follow it merged in; the queue's order is kept."""
+        delta, self._held = self._held, None
+        if delta is None:
+            delta = await self._queue.get()
+        while not self._queue.empty():
+            then = self._queue.get_nowait()
+            if not can_follow(delta, then):
+                self._held = then
+                break
+            delta = merge(delta, then)
+        return delta
