@@ -144,8 +144,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.
     if num_decode:
         out[:num_decode] = decode(
             q[:num_decode], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale, groups)
+    k, v = k[num_decode:], v[num_decode:]
+    if k_cache.dtype != q.dtype:
+        # NOTE: the chunk's own K and V as the cache holds them (rounded to its dtype), as every
+        # later step reads them: else a token's output would depend on whether its keys were
+        # computed in the same step (chunking, drafts), and so on the batch.
+        k, v = k.to(k_cache.dtype).to(q.dtype), v.to(v_cache.dtype).to(q.dtype)
     out[num_decode:] = prefill_attention_torch(
-        q[num_decode:], k[num_decode:], v[num_decode:], k_cache, v_cache,
+        q[num_decode:], k, v, k_cache, v_cache,
         meta.prefill_query_starts, meta.prefill_query_lens,
         meta.prefill_context_lens, meta.prefill_block_tables, scale)
     return out

@@ -180,7 +180,7 @@ def bench_decode_steps(formats: list[Format], settings: StepSettings, token_ids:
             steps = decode_step_times(fmt, prompts, o, warm.prompt_token_ids)
             others = watch.stop()
             weight_bytes = fmt.loaded.weights.num_bytes
-            # the pool's dtype as the engine resolves auto (bfloat16 for the quantized formats)
+            # the pool's dtype as the engine resolves auto
             kv_bytes = kv_bytes_per_step(fmt.loaded, batch, p, len(steps),
                                          auto_kv_cache_dtype_name("float32", fmt.quantization, "cpu"))
             step = float(np.mean(steps))

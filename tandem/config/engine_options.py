@@ -77,8 +77,8 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("kv_cache_dtype", str, "auto",
                  "the KV cache's dtype, which may differ from the activations' (--dtype): keys and values are "
                  "rounded to it as they are stored and read back in the activations' dtype; bfloat16 halves "
-                 "a float32 engine's KV bytes (twice the tokens per GiB). auto: bfloat16 for the int4 and int8 "
-                 "formats on the CPU, --dtype's otherwise (default %(default)s)",
+                 "a float32 engine's KV bytes (twice the tokens per GiB), but a request's tokens may then depend on "
+                 "what shares its steps. auto: --dtype's (default %(default)s)",
                  choices=KV_CACHE_DTYPE_CHOICES),
     EngineOption("block_size", int, 16, "tokens per KV block (default %(default)s)"),
     # 1.0 GiB: what LLM(...), tandem chat, the README and the Helm chart's values assume.

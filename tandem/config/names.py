@@ -63,16 +63,15 @@ def auto_dtype_name(device: str, bfloat16_supported: bool = True) -> str:
 
 def auto_kv_cache_dtype_name(dtype: str, quantization: str | None, device: str = "cpu") -> str:
     """``kv_cache_dtype auto``'s choice for an engine on ``device`` (resolved) whose activations
-    are ``dtype`` (resolved) and whose weights are ``quantization`` (resolved: None, int8, int4).
+    are ``dtype`` (resolved) and whose weights are ``quantization`` (resolved: None, int8, int4):
+    the activations' dtype, always.
 
-    bfloat16 for the quantized formats on the CPU with float32 activations (the GGUF formats as
-    served): half the KV bytes a decode step reads, measured 10% faster at batch 8 and 14% at 32
-    (the compiled step, 256-token contexts) with every greedy token equal on the 8 parity prompts
-    of `tandem bench kv-dtype`; its compiled kernels read and write it. Elsewhere the
-    activations' dtype: float32 weights stay float32 throughout (the parity reference), and on a
-    GPU the Triton attention reads a cache of the activations' dtype only."""
-    if device == "cpu" and dtype == "float32" and quantization in ("int8", "int4"):
-        return "bfloat16"
+    NOTE: not bfloat16 for the quantized formats, although their compiled CPU step reads it
+    10-14% faster at batch 8 and 32: with a bfloat16 cache a request's greedy tokens came to
+    depend on what shared its steps (the compatibility matrix's preemption batch: one token
+    in 56 differed once preemption changed the batches, in-process as on a cluster), where the
+    float32 cache keeps every request's tokens its own. ``--kv-cache-dtype bfloat16`` asks for it."""
+    del quantization, device  # (the choice may depend on them again once bfloat16 is batch-invariant)
     return dtype
 
 

@@ -2,9 +2,13 @@
 
 An entry with d drafts has 1 + d logits rows: row j is the target's distribution for the
 token after draft j (row 0: after the sequence's last token). Greedy rows keep drafts
-while they equal the argmax. Random rows use speculative rejection sampling with a
-point-mass draft: accept draft x with probability p(x), else draw from p with x removed.
-Either way a kept token is distributed exactly as the target alone would draw it.
+while they equal the argmax. A random row draws its token as the sampler would at that
+position (the exponential race, keyed by the row's generator: a seeded request's key is a
+function of its seed and the position), and keeps the draft while the two are equal. That is
+speculative rejection sampling with a point-mass draft (the draft is kept with probability
+p(x); past a rejection the token is p's draw, which is not x), and more: a seeded request
+gets the same tokens whatever was drafted, so its output does not depend on the batch, the
+pool's room for drafts or the worker that decodes it.
 
 Everything is worked out on the logits' device (acceptance of every draft at once: a
 cumulative product of accept flags) and read back in one transfer per step, with the plain
@@ -19,6 +23,7 @@ import torch
 
 from tandem.decoding.beam_search import num_candidates
 from tandem.engine import step_inputs
+from tandem.engine.device_random import generator_later
 from tandem.engine.sampler import Sampler, StepOutput, exponential_race, filtered_probs
 from tandem.logprobs import TopLogprobs
 from tandem.sampling_params import SamplingParams
@@ -120,73 +125,30 @@ def verify_on_device(
     -> [tokens, logprobs, num_accepted]: tokens ``[sum(1 + d)]`` int64, per entry its drafts
     up to the first rejected one, there the target's own token, then leftovers (the host keeps
     ``num_accepted + 1`` of them); their logprobs ``[sum(1 + d)]`` float32; num_accepted ``[E]``.
-    Random draws come from each entry's generator in a fixed order (one uniform per draft,
-    then one token), so a seeded request gets the same tokens for the same drafts.
+    generators: each entry's for its first row; row j draws with generator_later(g, j).
     """
-    device, vocab_size = logits.device, logits.shape[-1]
     sizes = [len(d) for d in draft_token_ids]
-    # The drafts and the uniforms of generators on the host cross in one transfer.
-    host_generators = {e: g for e, (p, g) in enumerate(zip(params, generators))
-                       if not p.is_greedy and g is not None and g.device != device}
-    on_host = list(host_generators)
-    # (host values, drawn before anything else of the generator's)
-    host_uniforms = {e: torch.rand(sizes[e], generator=g, device=g.device, dtype=torch.float64)
-                     for e, g in host_generators.items()}
-    host = torch.tensor([t for d in draft_token_ids for t in d], dtype=torch.float64)
-    if host_uniforms:
-        host = torch.cat([host, *host_uniforms.values()])
-    inputs = step_inputs.to_device(host, device)
-    num_drafts = sum(sizes)
-    drafts_t = inputs[:num_drafts].long()  # [D]
-    uniform_at = {e: num_drafts + sum(sizes[f] for f in on_host[:j]) for j, e in enumerate(on_host)}
-
-    rows = torch.cat([logits[s:s + 1 + d] for s, d in zip(row_starts, sizes)]).float()  # [R, vocab_size]
-    greedy = torch.argmax(rows, dim=-1)  # [R]
+    row_at = [sum(1 + d for d in sizes[:e]) for e in range(len(sizes))]
     random = [e for e, p in enumerate(params) if not p.is_greedy]
-    row_at, draft_at = [], []
-    r = dr = 0
-    for d in sizes:
-        row_at.append(r)
-        draft_at.append(dr)
-        r, dr = r + 1 + d, dr + d
-    probs = None
-    if random:  # one filtering for every random entry's rows: [sum over them of 1 + d, vocab_size]
-        probs = filtered_probs(torch.cat([rows[row_at[e]:row_at[e] + 1 + sizes[e]] for e in random]),
-                               [params[e] for e in random for _ in range(1 + sizes[e])])
-    tokens, accepted, residuals = [], [], []
-    no_token = torch.full((1,), vocab_size, dtype=torch.long, device=device)  # a draft id no row has
-    prob_at = 0
-    vocab = torch.arange(vocab_size, device=device)  # [vocab_size]
+    random_rows = [r for e in random for r in range(row_at[e], row_at[e] + 1 + sizes[e])]
+    # The drafts and the random rows' indices cross in one transfer.
+    host = torch.tensor([t for d in draft_token_ids for t in d] + random_rows, dtype=torch.long)
+    inputs = step_inputs.to_device(host, logits.device)
+    drafts_t, on_device = inputs[:sum(sizes)], inputs[sum(sizes):]  # [D], [len(random_rows)]
+    rows = torch.cat([logits[s:s + 1 + d] for s, d in zip(row_starts, sizes)]).float()  # [R, vocab_size]
+    chosen = torch.argmax(rows, dim=-1)  # [R]: greedy rows' tokens
+    if random:  # one filtering and one race for every random entry's rows
+        probs = filtered_probs(rows[on_device], [params[e] for e in random for _ in range(1 + sizes[e])])
+        drawn = exponential_race(probs, [generator_later(generators[e], j) for e in random
+                                         for j in range(1 + sizes[e])])
+        chosen = chosen.index_copy(0, on_device, drawn)
+    accepted = []
     for e, d in enumerate(sizes):
-        drafts = drafts_t[draft_at[e]:draft_at[e] + d]  # [d]
-        if params[e].is_greedy:
-            target = greedy[row_at[e]:row_at[e] + 1 + d]  # [1 + d]
-            accepted.append(torch.cumprod((drafts == target[:d]).long(), 0).sum())
-            tokens.append(target)
-            continue
-        assert probs is not None
-        p = probs[prob_at:prob_at + 1 + d]  # [1 + d, vocab_size]
-        prob_at += 1 + d
-        if e in uniform_at:
-            u = inputs[uniform_at[e]:uniform_at[e] + d].float()  # [d]
-        else:
-            u = torch.rand(d, generator=generators[e], device=device)
-        n = torch.cumprod((u < p[:d].gather(1, drafts.unsqueeze(1)).squeeze(1)).long(), 0).sum()  # []
-        accepted.append(n)
-        # Row n draws the last token: p with the rejected draft removed, or (every draft kept)
-        # the bonus row as it is. NOTE: rejection implies p(draft) < 1, so mass is left.
-        padded = torch.cat([drafts, no_token])  # [1 + d]
-        final = p.index_select(0, n.view(1)).masked_fill(vocab == padded.index_select(0, n.view(1)), 0.0)
-        residuals.append(final / final.sum(dim=-1, keepdim=True))  # [1, vocab_size]
-        tokens.append(torch.cat([drafts, torch.zeros_like(no_token)]))  # position n: the drawn token
-    if residuals:
-        drawn = exponential_race(torch.cat(residuals), [generators[e] for e in random])  # [len(random)]
-        for j, e in enumerate(random):
-            tokens[e] = tokens[e].scatter(0, accepted[e].view(1), drawn[j:j + 1])
-    tokens_t = torch.cat(tokens)  # [R]
+        target = chosen[row_at[e]:row_at[e] + d]  # [d]: each row's own token
+        accepted.append(torch.cumprod((drafts_t[row_at[e] - e:row_at[e] - e + d] == target).long(), 0).sum())
     # As the sampler reports them (draft rows are never processed: raw and processed are one).
-    token_logprobs = rows.gather(1, tokens_t.unsqueeze(1)).squeeze(1) - torch.logsumexp(rows, dim=-1)  # [R]
-    return [tokens_t, token_logprobs, torch.stack(accepted)]
+    token_logprobs = rows.gather(1, chosen.unsqueeze(1)).squeeze(1) - torch.logsumexp(rows, dim=-1)  # [R]
+    return [chosen, token_logprobs, torch.stack(accepted)]
 
 
 def verify_drafts(

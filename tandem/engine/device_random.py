@@ -55,17 +55,29 @@ def draw_key(seed: int, position: int) -> int:
 
 class DrawGenerator(torch.Generator):
     """A host generator that knows its key: the sampler takes the key as it is (no torch op
-    on the host, nothing to read back); speculative verification draws its uniforms from it."""
+    on the host, nothing to read back)."""
 
     key: int
+    request_seed: int
+    position: int
+
+    def later(self, num_tokens: int) -> DrawGenerator:
+        """The generator of the same request ``num_tokens`` positions on (a draft's row)."""
+        return draw_generator(self.request_seed, self.position + num_tokens)
 
 
 def draw_generator(seed: int, position: int) -> DrawGenerator:
     """The generator for the draws at token ``position`` of the request seeded ``seed``."""
     gen = DrawGenerator()
-    gen.key = draw_key(seed, position)
+    gen.key, gen.request_seed, gen.position = draw_key(seed, position), seed, position
     gen.manual_seed(gen.key)
     return gen
+
+
+def generator_later(gen: torch.Generator | None, num_tokens: int) -> torch.Generator | None:
+    """The generator of a row ``num_tokens`` positions after ``gen``'s: a DrawGenerator's own
+    for that position; any other generator (or None) serves every row, each drawing its next key."""
+    return gen.later(num_tokens) if isinstance(gen, DrawGenerator) else gen
 
 
 UNSEEDED = -1

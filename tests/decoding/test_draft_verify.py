@@ -6,6 +6,8 @@ from __future__ import annotations
 import torch
 
 from tandem.decoding.draft_verify import verify_drafts
+from tandem.engine.device_random import draw_generator
+from tandem.engine.sampler import Sampler
 from tandem.sampling_params import SamplingParams
 
 VOCAB = 6
@@ -64,3 +66,17 @@ def test_seeded_verification_is_reproducible():
     params = SamplingParams(temperature=0.9, seed=5)
     runs = [verify_drafts(_logits(4), [0, 1, 2], params, torch.Generator().manual_seed(5)) for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+def test_a_seeded_request_draws_the_same_tokens_whatever_was_drafted():
+    """Row j of a seeded entry draws as the sampler alone would at position p + j, so the kept
+    tokens are the undrafted run's: drafts change how many come per step, never which."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50) * 2  # [1 + 4 drafts, vocab]
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=7)
+    undrafted = [Sampler().sample(logits[j:j + 1], [params], [draw_generator(7, 100 + j)]).token_ids[0]
+                 for j in range(5)]
+    for num_kept in range(5):  # drafts that match the first num_kept tokens, then a wrong one
+        drafts = undrafted[:num_kept] + [(undrafted[num_kept] + 1) % 50] * (4 - num_kept)
+        tokens, _ = verify_drafts(logits, drafts[:4], params, draw_generator(7, 100))
+        assert tokens == undrafted[:len(tokens)] and len(tokens) == num_kept + 1, (num_kept, tokens, undrafted)

@@ -53,15 +53,16 @@ def test_a_bf16_pool_under_float32_activations(int4):
     assert_all_blocks_free(llm)
 
 
-def test_auto_is_bfloat16_for_the_quantized_formats(int4):
-    """auto on the int4 format (float32 activations, on the CPU): a bfloat16 pool; float32 named
-    keeps the activations' dtype."""
+def test_bfloat16_named_on_the_int4_format_holds_twice_the_blocks(int4):
+    """On the int4 format (float32 activations, on the CPU) auto keeps float32; bfloat16 named
+    gives a pool of twice the blocks in the same memory."""
     config = _llm(int4, kv_cache_memory_gib=POOL_GIB).config
-    assert (config.kv_cache_dtype_name, config.dtype_name) == ("bfloat16", "float32")
-    assert config.num_kv_blocks == gib_to_bytes(POOL_GIB) // (16 * 23040) == 145
-    config = _llm(int4, kv_cache_dtype="float32", kv_cache_memory_gib=POOL_GIB).config
+    assert (config.kv_cache_dtype_name, config.dtype_name) == ("float32", "float32")
     assert KVCapacity.of_engine_config(config).bytes_per_token == FLOAT32_BYTES_PER_TOKEN
     assert config.num_kv_blocks == gib_to_bytes(POOL_GIB) // (16 * FLOAT32_BYTES_PER_TOKEN) == 72
+    config = _llm(int4, kv_cache_dtype="bfloat16", kv_cache_memory_gib=POOL_GIB).config
+    assert (config.kv_cache_dtype_name, config.dtype_name) == ("bfloat16", "float32")
+    assert config.num_kv_blocks == gib_to_bytes(POOL_GIB) // (16 * 23040) == 145
 
 
 def test_swapping_a_bf16_pool_keeps_outputs_exact(int4):
