@@ -204,7 +204,7 @@ def test_measured_cpu_fit_predicts_steps_it_was_not_fitted_on():
     fit = measure_and_fit(grid=QUICK_GRID, seed=0)
     assert (fit.meta["dtype"], fit.meta["quantization"], fit.meta["num_threads"]) == ("float32", "int4", 1)
     assert fit.meta["clock"] == "cpu"  # one thread: CPU time, which a neighbour's load barely stretches
-    assert fit.large_step_tokens == 160 and fit.kv_bytes_per_token == 2 * 30 * 3 * 64 * 2  # bfloat16 KV
+    assert fit.large_step_tokens == 160 and fit.kv_bytes_per_token == 2 * 30 * 3 * 64 * 4  # float32 KV (auto)
     other = Grid(contexts=(128,), batch_sizes=(2, 8), decode_repeats=2, prefill_sizes=(48, 200),
                  prefill_decode_batches=(0, 4), prefill_decode_context=96, prefill_repeats=1, long_prompts=())
     samples, _ = measure_steps(grid=other, seed=1)
