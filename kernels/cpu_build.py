@@ -161,9 +161,16 @@ def _put_ninja_on_path() -> None:
 
 def extensions() -> tuple[CpuExtension, ...]:
     """Every CPU extension tandem has."""
-    from tandem.kernels import decode_step_cpu, int4_gemv_cpu, int8_gemv_cpu, layer_ops_cpu, paged_decode_attention_cpu
+    from tandem.kernels import (
+        decode_step_cpu,
+        f32_gemv_cpu,
+        int4_gemv_cpu,
+        int8_gemv_cpu,
+        layer_ops_cpu,
+        paged_decode_attention_cpu,
+    )
     return (paged_decode_attention_cpu.EXTENSION, int4_gemv_cpu.EXTENSION, int8_gemv_cpu.EXTENSION,
-            layer_ops_cpu.EXTENSION, decode_step_cpu.EXTENSION)
+            f32_gemv_cpu.EXTENSION, layer_ops_cpu.EXTENSION, decode_step_cpu.EXTENSION)
 
 
 def main() -> int:

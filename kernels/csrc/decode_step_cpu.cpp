@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "f32_gemv_cpu.h"
 #include "int4_gemv_cpu.h"
 #include "int8_gemv_cpu.h"
 #include "paged_decode_attention_cpu_items.h"
@@ -30,30 +31,49 @@ using tandem_cpu::kGemvChannels;
 
 const tandem_cpu::Isa kIsa = tandem_cpu::detect_isa();
 
-// A weight in one of the GEMV kernels' packed layouts: int4 (scale_offset int32) or int8 (scale float32).
+// A weight as one of the GEMV kernels takes it: int4 (scale_offset int32) or int8 (scale float32)
+// packed, or float32 as torch holds it ([N, K], no scales).
 struct Projection {
+  enum class Kind { kInt4, kInt8, kF32 };
   torch::Tensor values, scales;
+  Kind kind;
   bool int4;
   int64_t N, K;
 
   Projection(torch::Tensor v, torch::Tensor s)
-      : values(v), scales(s), int4(s.scalar_type() == torch::kInt32), N(v.size(0) * kGemvChannels),
-        K(v.size(1) * (int4 ? 8 : 4)) {
-    TORCH_CHECK(v.dim() == 3 && v.scalar_type() == torch::kInt32 && v.is_contiguous() && s.is_contiguous() &&
-                    v.size(2) == kGemvChannels && (int4 || s.scalar_type() == torch::kFloat32),
-                "Projection: a packed int4 or int8 weight");
+      : values(v), scales(s),
+        kind(v.scalar_type() == torch::kFloat32 ? Kind::kF32
+             : s.scalar_type() == torch::kInt32 ? Kind::kInt4 : Kind::kInt8),
+        int4(kind == Kind::kInt4),
+        N(kind == Kind::kF32 ? v.size(0) : v.size(0) * kGemvChannels),
+        K(kind == Kind::kF32 ? v.size(1) : v.size(1) * (int4 ? 8 : 4)) {
+    if (kind == Kind::kF32) {
+      TORCH_CHECK(v.dim() == 2 && v.is_contiguous() && N % kGemvChannels == 0 && K % tandem_cpu::f32::kColumns == 0,
+                  "Projection: a float32 weight [N, K], contiguous, N and K multiples of 16");
+    } else {
+      TORCH_CHECK(v.dim() == 3 && v.scalar_type() == torch::kInt32 && v.is_contiguous() && s.is_contiguous() &&
+                      v.size(2) == kGemvChannels && (int4 || s.scalar_type() == torch::kFloat32),
+                  "Projection: a packed int4 or int8 weight");
+    }
   }
 
   // out[:, blocks [first, end)] of x: [M, K] (xsum: int4::group_sums of x, for int4).
   void run_blocks(const float* x, int64_t M, float* out, int64_t first, int64_t end, const float* xsum) const {
-    if (int4) {
-      tandem_cpu::int4::gemv_blocks(tandem_cpu::int4::int4_blocks(kIsa),
-                                    reinterpret_cast<const uint32_t*>(values.data_ptr<int32_t>()),
-                                    reinterpret_cast<const uint32_t*>(scales.data_ptr<int32_t>()), x, xsum, M, K, N,
-                                    out, first, end);
-    } else {
-      tandem_cpu::int8::gemv_blocks(tandem_cpu::int8::int8_blocks(kIsa), values.data_ptr<int32_t>(),
-                                    scales.data_ptr<float>(), x, M, K, N, out, first, end);
+    switch (kind) {
+      case Kind::kInt4:
+        tandem_cpu::int4::gemv_blocks(tandem_cpu::int4::int4_blocks(kIsa),
+                                      reinterpret_cast<const uint32_t*>(values.data_ptr<int32_t>()),
+                                      reinterpret_cast<const uint32_t*>(scales.data_ptr<int32_t>()), x, xsum, M, K,
+                                      N, out, first, end);
+        break;
+      case Kind::kInt8:
+        tandem_cpu::int8::gemv_blocks(tandem_cpu::int8::int8_blocks(kIsa), values.data_ptr<int32_t>(),
+                                      scales.data_ptr<float>(), x, M, K, N, out, first, end);
+        break;
+      case Kind::kF32:
+        tandem_cpu::f32::gemv_blocks(tandem_cpu::f32::f32_blocks(kIsa), values.data_ptr<float>(), x, M, K, N, out,
+                                     first, end);
+        break;
     }
   }
   int64_t num_blocks() const { return N / kGemvChannels; }
@@ -146,13 +166,17 @@ class DecodeStep {
     {
       std::vector<float> xsum(B * max_k / tandem_cpu::int4::kGroup + 1), acc(Q), m(num_heads_), l(num_heads_);
       tandem_cpu::StepStages::Cursor at;
-      // A product's stage: its blocks in units, each thread summing its input's groups (int4) once.
+      // An int4 product's input groups, summed by each thread once per stage, before its first unit.
+      auto sum_groups_once = [&](bool& summed, const Projection& p, const float* in, int64_t rows_in) {
+        if (!summed && p.int4) tandem_cpu::int4::group_sums(in, rows_in, p.K, xsum.data());
+        summed = true;
+      };
+      // A product's stage: its blocks in units.
       auto product = [&](const Projection& p, const float* in, int64_t rows_in, float* out) {
         const tandem_cpu::BlockUnits units(p.num_blocks(), threads);
         bool summed = false;
         stages.run(at, units.count(), [&](int64_t u) {
-          if (p.int4 && !summed) tandem_cpu::int4::group_sums(in, rows_in, p.K, xsum.data());
-          summed = true;
+          sum_groups_once(summed, p, in, rows_in);
           p.run_blocks(in, rows_in, out, units.first(u), units.end(u), xsum.data());
         });
       };
@@ -165,8 +189,7 @@ class DecodeStep {
         const tandem_cpu::BlockUnits qkv_units(L.qkv.num_blocks(), threads);
         bool summed = false;
         stages.run(at, qkv_units.count(), [&](int64_t u) {  // the qkv product and its bias
-          if (!summed && L.qkv.int4) tandem_cpu::int4::group_sums(xp, B, H, xsum.data());
-          summed = true;
+          sum_groups_once(summed, L.qkv, xp, B);
           L.qkv.run_blocks(xp, B, qkvp, qkv_units.first(u), qkv_units.end(u), xsum.data());
           if (L.qkv_bias.defined())
             for (int64_t b = 0; b < B; ++b)
@@ -204,8 +227,7 @@ class DecodeStep {
         const tandem_cpu::BlockUnits gates(I / kGemvChannels, threads);
         summed = false;
         stages.run(at, gates.count(), [&](int64_t u) {
-          if (!summed && L.gate_up.int4) tandem_cpu::int4::group_sums(xp, B, H, xsum.data());
-          summed = true;
+          sum_groups_once(summed, L.gate_up, xp, B);
           const int64_t first = gates.first(u), end = gates.end(u), up = I / kGemvChannels;
           L.gate_up.run_blocks(xp, B, gup, first, end, xsum.data());
           L.gate_up.run_blocks(xp, B, gup, first + up, end + up, xsum.data());

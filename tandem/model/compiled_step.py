@@ -1,19 +1,19 @@
-"""The decode step compiled for the CPU: a quantized float32 model's whole decode step as one
-call into tandem.kernels.decode_step_cpu (the layer loop in C++, one parallel region a step),
+"""The decode step compiled for the CPU: a float32 model's whole decode step (int4, int8 or
+float32 weights) as one call into tandem.kernels.decode_step_cpu (the layer loop in C++, one parallel region a step),
 where the eager forward makes ~12 torch calls a layer.
 
 Measured against Inductor's C++ backend on the traced step (issue 33 item 3): Inductor took 9x
 the eager step at batch 1 (its KV-cache writes are functionalized, so the cache is copied), and
 a native loop runs the eager kernels' own code, so its logits equal the eager path's to the bit.
 The eager path stays the reference and runs every step this one does not take: prefill and
-mixed steps, layer hooks, tensor parallelism, float weights, `--enforce-eager`.
+mixed steps, layer hooks, tensor parallelism, bfloat16 weights, `--enforce-eager`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from tandem.kernels import ops
+from tandem.kernels import f32_gemv_cpu, ops
 from tandem.kernels.attention_metadata import AttentionMetadata
 from tandem.kernels.decode_step_cpu import load_extension
 from tandem.kernels.int4_gemv_cpu import Int4GemvPack
@@ -28,14 +28,17 @@ from tandem.model.quantization import Weight
 class CompiledDecodeStep:
     """A model's decode steps as one compiled call (see the module's docstring)."""
 
-    def __init__(self, model: LlamaModel, step: object) -> None:
+    def __init__(self, model: LlamaModel, step: object, max_tokens: int) -> None:
         self.model = model
         self._step = step  # the extension's DecodeStep, holding the model's tensors
+        self.max_tokens = max_tokens
+        """Sequences a step it runs may hold: as many as the eager products' kernels take, so
+        that both paths run the same kernel (f32_gemv_cpu.MAX_TOKENS for float32 weights)."""
 
     @classmethod
     def for_model(cls, model: LlamaModel, tensor_parallel_size: int = 1) -> CompiledDecodeStep | None:
         """The compiled step of ``model``, or None where it cannot run it: weights not all in the
-        CPU GEMV kernels' layouts (float, or not float32 activations), tensor parallelism (the
+        CPU GEMV kernels' layouts (bfloat16, or not float32 activations), tensor parallelism (the
         ranks' all-reduces sit between its stages), shapes the kernels do not take, or no build."""
         if not isinstance(model, LlamaModel):  # a stand-in model (tests): its own forward
             return None
@@ -54,6 +57,8 @@ class CompiledDecodeStep:
         def projection(p: Weight) -> object:
             pack = _gemv_pack(p)
             assert pack is not None
+            if isinstance(pack, torch.Tensor):
+                return ext.Projection(pack, torch.empty(0))  # float32 as torch holds it: no scales
             return ext.Projection(pack.values, pack.scale_offset if isinstance(pack, Int4GemvPack) else pack.scale)
 
         layers = [ext.Layer(projection(lw.qkv_proj), projection(lw.o_proj), projection(lw.gate_up_proj),
@@ -61,13 +66,13 @@ class CompiledDecodeStep:
                   for lw in w.layers]
         step = ext.DecodeStep(w.embed_tokens, model.cos, model.sin, w.norm, layers, projection(w.lm_head),
                               model.num_heads, model.num_kv_heads, cfg.rms_norm_eps, model.scale, MIN_SPLIT_TOKENS)
-        return cls(model, step)
+        floats = any(isinstance(p, torch.Tensor) for p in [*projections, w.lm_head])
+        return cls(model, step, f32_gemv_cpu.MAX_TOKENS if floats else GEMV_MAX_TOKENS)
 
-    @staticmethod
-    def can_run(input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
-        """Whether this step is one it runs: decode tokens only (one per sequence), as many as
-        the GEMV kernels take, with the CPU attention kernel chosen (TANDEM_ATTENTION_BACKEND)."""
-        return (meta.num_prefills == 0 and meta.num_decode_tokens == input_ids.shape[0] <= GEMV_MAX_TOKENS
+    def can_run(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> bool:
+        """Whether this step is one it runs: decode tokens only (one per sequence), at most
+        max_tokens, with the CPU attention kernel chosen (TANDEM_ATTENTION_BACKEND)."""
+        return (meta.num_prefills == 0 and meta.num_decode_tokens == input_ids.shape[0] <= self.max_tokens
                 and ops.requested_backend() in (ops.Backend.AUTO, ops.Backend.CPU_KERNEL))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
@@ -81,6 +86,10 @@ class CompiledDecodeStep:
                               meta.decode_block_tables, meta.decode_context_lens, logits_indices)
 
 
-def _gemv_pack(w: Weight) -> Int4GemvPack | Int8GemvPack | None:
-    """The weight's CPU GEMV layout, where pack_for_cpu_kernels made one."""
-    return None if isinstance(w, torch.Tensor) else vars(w).get("gemv_pack")
+def _gemv_pack(w: Weight) -> Int4GemvPack | Int8GemvPack | torch.Tensor | None:
+    """The weight's CPU GEMV layout: the one pack_for_cpu_kernels made, or a float32 weight itself
+    where f32_gemv_cpu takes it."""
+    if isinstance(w, torch.Tensor):
+        ok = w.dtype == torch.float32 and w.is_contiguous() and f32_gemv_cpu.takes(*w.shape)
+        return w if ok and f32_gemv_cpu.load_extension() is not None else None
+    return vars(w).get("gemv_pack")

@@ -59,7 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.config.names import QUANTIZATION_METHODS
-from tandem.kernels import int4_gemv_cpu, int8_gemv_cpu, ops
+from tandem.kernels import f32_gemv_cpu, int4_gemv_cpu, int8_gemv_cpu, ops
 from tandem.kernels.int8_gemv_cpu import Int8GemvPack
 from tandem.model.int4 import Int4Weight, quantize_int4
 from tandem.model.int4_matmul import GEMV_MAX_TOKENS, int4_matmul
@@ -191,12 +191,19 @@ def quantized_matmul(x2: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, w, bias)`` for a float weight (exactly that), or the int8/int4 product.
+    """``F.linear(x, w, bias)`` for a float weight (tandem's float32 kernel for a few float32 CPU
+    rows, f32_gemv_cpu.py: the same product summed in another order), or the int8/int4 product.
 
     x: [..., in]; w: [out, in]; bias: [out] -> [..., out] in x's dtype.
     """
     if isinstance(w, torch.Tensor):
-        return F.linear(x, w, bias)
+        x2 = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if not f32_gemv_cpu.uses_kernel(x2, w):
+            return F.linear(x, w, bias)
+        out = f32_gemv_cpu.matmul(x2, w)  # [M, out]
+        if bias is not None:
+            out = out + bias
+        return out if x.dim() == 2 else out.reshape(*x.shape[:-1], out.shape[-1])
     # out: [M, out] float32
     out = quantized_matmul(x if x.dim() == 2 else x.reshape(-1, x.shape[-1]), w)
     if bias is not None:

@@ -14,6 +14,7 @@ import torch
 from backends import TRITON_DEVICE
 
 from tandem.kernels import (
+    f32_gemv_cpu,
     int4_gemv_cpu,
     int8_gemv_cpu,
     layer_ops_cpu,
@@ -124,6 +125,13 @@ def int8_gemv() -> tuple[Any, Callable[..., Any], tuple[Any, ...], tuple[int, ..
     pack = int8_gemv_cpu.pack(w.qweight, w.scale)
     return (torch.ops.tandem.int8_gemv_cpu, built(int8_gemv_cpu.load_extension).int8_gemv,
             (torch.randn(3, 576, generator=g), pack.values, pack.scale), ())
+
+
+@_cpu_case
+def f32_gemv() -> tuple[Any, Callable[..., Any], tuple[Any, ...], tuple[int, ...]]:
+    g = gen(6)
+    return (torch.ops.tandem.f32_gemv_cpu, built(f32_gemv_cpu.load_extension).f32_gemv,
+            (torch.randn(3, 576, generator=g), torch.randn(48, 576, generator=g)), ())
 
 
 def _int4_parts(w: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -90,6 +90,17 @@ def test_a_bfloat16_cache_and_an_int8_model_too(loaded) -> None:
     assert torch.equal(compiled, eager) and torch.equal(compiled_cache, eager_cache)
 
 
+@pytest.mark.parametrize("lengths", [[9], [5, 300, 17, 1000, 40, 41, 42, 43]], ids=["1 short", "8 mixed"])
+def test_float32_weights_too(loaded, lengths: list[int]) -> None:
+    """The products of float32 weights are tandem's float32 kernel in both paths (f32_gemv_cpu)."""
+    r = make_runner(loaded, loaded.weights)
+    assert r.compiled_step is not None and r.compiled_step.max_tokens == 8
+    eager, eager_cache, compiled, compiled_cache = both_ways(r, decode_args(r, lengths))
+    assert torch.equal(compiled, eager) and torch.equal(compiled_cache, eager_cache)
+    input_ids, positions, meta, _ = decode_args(r, [20] * 9)
+    assert not r.compiled_step.can_run(input_ids, meta)  # 9 rows: F.linear's (sgemm) in the eager path
+
+
 def test_the_runner_takes_it_for_decode_only_steps(runner, monkeypatch) -> None:
     calls: list[int] = []
     forward = CompiledDecodeStep.forward
@@ -115,7 +126,8 @@ def test_the_runner_takes_it_for_decode_only_steps(runner, monkeypatch) -> None:
 
 def test_it_is_left_out_where_it_cannot_run(loaded, int4_weights, runner) -> None:
     assert make_runner(loaded, int4_weights, enforce_eager=True).compiled_step is None
-    assert make_runner(loaded, loaded.weights).compiled_step is None  # float projections: no GEMV layout
+    bf16_head = dataclasses.replace(loaded.weights, lm_head=loaded.weights.lm_head.bfloat16())
+    assert make_runner(loaded, bf16_head).compiled_step is None  # a weight no CPU kernel takes
     assert CompiledDecodeStep.for_model(runner.model, tensor_parallel_size=2) is None
 
 
