@@ -1,6 +1,6 @@
 """The decode step compiled for the CPU: a float32 model's whole decode step (int4, int8 or
-float32 weights) as one call into tandem.kernels.decode_step_cpu (the layer loop in C++, one parallel region a step),
-where the eager forward makes ~12 torch calls a layer.
+float32 weights) as one call into tandem.kernels.decode_step_cpu (the layer loop in C++, one
+parallel region a step), where the eager forward makes ~12 torch calls a layer.
 
 Measured against Inductor's C++ backend on the traced step (issue 33 item 3): Inductor took 9x
 the eager step at batch 1 (its KV-cache writes are functionalized, so the cache is copied), and
