@@ -193,14 +193,17 @@ def spec(cell: Cell) -> None:
 
 
 def preemption_batch(cell: Cell) -> None:
-    """Four requests at once (2 greedy, 2 seeded), 20 + 56 tokens each: 5 blocks at their full
-    length, the whole pool, so one fits and two do not. Two preempt each other once both pass 32
-    tokens: outputs this long let a request that reaches the decode worker a prefill step after
-    another still overlap it (with 28 tokens, a decode worker whose steps outran the prefill
-    worker's saw them one at a time, and nothing was preempted)."""
-    calls = [(cell.prompt(20, 60 + 97 * i), SamplingParams(temperature=0, max_tokens=56, ignore_eos=True) if i < 2
-              else SamplingParams(temperature=0.8, seed=i, max_tokens=56, ignore_eos=True)) for i in range(4)]
-    cell.run(calls, at_once=True)
+    """Four requests at once: greedy and seeded, 20 + 56 tokens (5 blocks at full length, the
+    whole pool), and a greedy and a seeded n=2, 20 + 44 tokens (4 blocks a fork, 7 for both with
+    the prompt's shared one: its forks preempt each other too). Outputs this long let a request
+    that reaches the decode worker a prefill step after another still overlap it (with 28 tokens,
+    a decode worker whose steps outran the prefill worker's saw them one at a time, and nothing
+    was preempted)."""
+    params = [SamplingParams(temperature=0, max_tokens=56, ignore_eos=True),
+              SamplingParams(temperature=0, n=2, max_tokens=44, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=2, max_tokens=56, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=44, ignore_eos=True)]
+    cell.run([(cell.prompt(20, 60 + 97 * i), p) for i, p in enumerate(params)], at_once=True)
 
 
 def swap(cell: Cell) -> None:
