@@ -10,9 +10,13 @@ from __future__ import annotations
 import multiprocessing
 import queue
 import socket
+import time
+from typing import Any
 
 from fake_cuda import SMOLLM2
-from tp_fake_ranks import SLOTS, run_rank
+from tp_fake_ranks import HANG_DUMP_S, SLOTS, run_rank
+
+REPORT_WAIT_S = HANG_DUMP_S + 30.0
 
 
 def test_tp_decode_worker_takes_kv_received_on_the_device():
@@ -26,7 +30,7 @@ def test_tp_decode_worker_takes_kv_received_on_the_device():
     try:
         mine: queue.Queue = queue.Queue()
         run_rank(0, init_method, mine)
-        reports = [mine.get(), results.get(timeout=60)]
+        reports = [mine.get(), second_report(second, results)]
     finally:
         second.join(timeout=30)
     for report in reports:
@@ -45,3 +49,17 @@ def test_tp_decode_worker_takes_kv_received_on_the_device():
         assert {device for device, _ in report["kv_writes"]} == {"cuda:0"}
         # the arrived rows (once), then two all-reduces per layer, on the fake device group
         assert report["posted"] == {"broadcast": 1, "allreduce": 2 * SMOLLM2.num_layers}, report["posted"]
+
+
+def second_report(second: multiprocessing.process.BaseProcess, results: Any) -> dict[str, Any]:
+    """Rank 1's report, waited for as long as its process lives (a loaded 2-core machine runs
+    it minutes behind rank 0); a process that ended without one says how it ended."""
+    deadline = time.monotonic() + REPORT_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            if not second.is_alive():
+                break
+    raise AssertionError(f"rank 1 gave no report (alive: {second.is_alive()}, exit code: {second.exitcode}); "
+                         "its stack, if it hung, is in the captured stderr")

@@ -12,6 +12,7 @@ shape), and the collectives it posted on the device group."""
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import threading
 import traceback
@@ -44,6 +45,8 @@ LAYER = 7
 SLOTS = np.array([80, 81, 82, 83, 84], dtype=np.int64)  # block 5 of the decode worker
 SENDER_DEVICE = 7  # the prefill worker's GPU
 ADDRESS = "tcp://127.0.0.1:5555"
+HANG_DUMP_S = 240.0
+"""How long rank 1 may run before it dumps its threads' stacks and ends."""
 
 
 class DeviceTraffic(TorchDispatchMode):
@@ -156,6 +159,8 @@ def fake_nccl_world() -> Iterator[Counter[str]]:
 def run_rank(rank: int, init_method: str, results: Any) -> None:
     """Rank `rank` of TP: join, run one FORWARD step (rank 0 builds and broadcasts it), report."""
     report: dict[str, Any] = {"rank": rank}
+    if rank != 0:  # (a process of its own: a hang shows where, in the test's captured stderr)
+        faulthandler.dump_traceback_later(HANG_DUMP_S, exit=True)
     try:
         with fake_nccl_world() as posted:
             groups = join_groups(init_method, rank, TP, torch.device("cuda", rank))
@@ -172,6 +177,7 @@ def run_rank(rank: int, init_method: str, results: Any) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
         results.put(report)
+        faulthandler.cancel_dump_traceback_later()
 
 
 def run_step(rank: int, groups: Any, mode: FakeTensorMode, traffic: DeviceTraffic) -> dict[str, Any]:
