@@ -168,7 +168,7 @@ class DecodeWorker(Worker):
     # -- on the loop thread -------------------------------------------------------------
     def _reserve(self, engine: LLMEngine, request: WorkerRequest) -> Destination:
         block_ids = engine.reserve_prefilled(request.request_id, request.prompt_token_ids, request.params,
-                                             request.priority)
+                                             request.priority, request.num_resumed_tokens)
         if block_ids is None:
             raise PoolFull(f"{self.instance}: no room for {len(request.prompt_token_ids)} prompt tokens now")
         # Only the KV after the prefix this pool caches already is sent.
@@ -183,7 +183,8 @@ class DecodeWorker(Worker):
     def _prefill_local(self, engine: LLMEngine, request: WorkerRequest) -> None:
         if not engine.may_add_request(request.prompt_token_ids, request.params):
             raise PoolFull(f"{self.instance}: no room for {len(request.prompt_token_ids)} prompt tokens now")
-        engine.add_request(request.request_id, request.prompt_token_ids, request.params, priority=request.priority)
+        engine.add_request(request.request_id, request.prompt_token_ids, request.params, priority=request.priority,
+                           num_resumed_tokens=request.num_resumed_tokens)
 
     def _start(self, engine: LLMEngine, first: PrefillResult) -> None:
         rid = first.request_id

@@ -133,13 +133,14 @@ class PrefillWorker(Worker):
         # One token: the first (of each completion, or the beams' candidates); the decode
         # worker samples the rest with the request's own params. (min_tokens >= 1 still keeps
         # EOS from the first.)
-        params = dataclasses.replace(request.params, max_tokens=1, stop=(),
-                                     min_tokens=min(request.params.min_tokens, 1))
+        num_output = request.num_resumed_tokens + 1  # (a resumed request's output so far, then the first)
+        params = dataclasses.replace(request.params, max_tokens=num_output, stop=(),
+                                     min_tokens=min(request.params.min_tokens, num_output))
         path = self.sender.begin(destination)  # first: a refused handshake must leave no sequence behind
         self.metrics.transfer_began(path)
         # Its blocks are freed once the decode worker has the KV (see _tick).
         seq = engine.add_request(request.request_id, request.prompt_token_ids, params, keep_blocks=True,
-                                 priority=request.priority)
+                                 priority=request.priority, num_resumed_tokens=request.num_resumed_tokens)
         # The receiver's cached prefix is never sent: start counting after it.
         self.handoffs.begin(request.request_id, _Prefill(seq, result, result.get_loop(),
                                                          num_sent_tokens=destination.num_cached_tokens))

@@ -17,7 +17,7 @@ from tandem.engine.model_runner import ModelRunner
 from tandem.engine.observer import EngineObserver
 from tandem.engine.sampler import TargetSample
 from tandem.engine.scheduler import Scheduler
-from tandem.engine.sequence import Sequence, SequenceGroup, SequenceStatus, SequenceUpdate
+from tandem.engine.sequence import Sequence, SequenceGroup, SequenceStatus, SequenceUpdate, check_resumable
 from tandem.engine.snapshots import EngineCounters, EngineInventory, EngineLoad
 from tandem.engine.step_threads import StepThreads
 from tandem.kvcache.block_manager import BlockManager
@@ -65,13 +65,16 @@ class LLMEngine:
         logger.info("KV pool: %s", KVCapacity.of_engine_config(config).describe())
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    keep_blocks: bool = False, priority: int = 0) -> Sequence:
+                    keep_blocks: bool = False, priority: int = 0, num_resumed_tokens: int = 0) -> Sequence:
         """Queue a request; raises ValueError at once when it could never run.
         keep_blocks: its blocks outlive it until :meth:`release_blocks` (a prefill worker's
         KV is still being read out after the request ends).
         priority: vLLM's; under the priority scheduling policy lower is served first (ties in
-        arrival order); under fcfs only 0 is taken (ValueError otherwise)."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params, priority)
+        arrival order); under fcfs only 0 is taken (ValueError otherwise).
+        num_resumed_tokens: the last this many of prompt_token_ids are the output of a request
+        resumed here (a migrated one, WorkerRequest.num_resumed_tokens): computed with the
+        prompt, counted, penalized, constrained and detokenized as output."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, priority, num_resumed_tokens)
         seq.keep_blocks = keep_blocks
         self.scheduler.add(seq)
         return seq
@@ -96,14 +99,14 @@ class LLMEngine:
         return self.sequences.get(request_id)
 
     def reserve_prefilled(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                          priority: int = 0) -> list[int] | None:
+                          priority: int = 0, num_resumed_tokens: int = 0) -> list[int] | None:
         """Hold blocks for a prompt whose KV another worker computes. -> their ids, or None
         when the pool cannot hold it now. The leading blocks may be this pool's own cached
         prefix (shared, their KV already here): the sequence's num_cached_prompt_tokens
         counts their tokens, and only the rest must arrive. The request waits outside the
-        scheduler until :meth:`start_prefilled`. priority: as :meth:`add_request`'s."""
+        scheduler until :meth:`start_prefilled`. priority, num_resumed_tokens: as :meth:`add_request`'s."""
         self.check_prompt(prompt_token_ids)  # before the room check: a prompt that never fits is a ValueError
-        seq = self._new_sequence(request_id, prompt_token_ids, params, priority)
+        seq = self._new_sequence(request_id, prompt_token_ids, params, priority, num_resumed_tokens)
         cached_block_ids = self.block_manager.find_cached_prefix(seq)
         num_cached_tokens = len(cached_block_ids) * self.block_manager.block_size
         # Room for the prompt and the first decode step, beyond what running sequences hold.
@@ -119,7 +122,7 @@ class LLMEngine:
         """Whether a reserved ``seq`` can take its first sample before its KV has arrived
         (:meth:`accept_first_sample`): a single completion (n > 1 forks the prompt's
         blocks, beam search its candidates, both only once the KV is in them)."""
-        return seq.group is None and seq.num_output_tokens == 0
+        return seq.group is None and seq.num_output_tokens == seq.num_resumed_tokens
 
     def accept_first_sample(self, request_id: str, sample: FirstSample) -> list[RequestDelta]:
         """The first sample of a reserved request, drawn by a prefill worker, while its KV is
@@ -138,7 +141,7 @@ class LLMEngine:
         its first sample, drawn elsewhere (unless that sample already ends it), or with the
         one :meth:`accept_first_sample` took before (sample None)."""
         seq = self.sequences[request_id]
-        seq.num_computed_tokens = len(seq.prompt_token_ids)
+        seq.num_computed_tokens = seq.num_tokens  # (a resumed request's output so far came as prompt)
         self.block_manager.cache_full_blocks(seq)
         if sample is None:
             seq.keep_blocks = False
@@ -160,10 +163,11 @@ class LLMEngine:
             assert seq.group is not None  # add_request gives every beam search its group
             candidates = seq.group.first_candidates
             return None if candidates is None else FirstSample(*candidates)
-        if not seq.output_token_ids:
+        first = seq.num_resumed_tokens  # (the resumed tokens have no log-probabilities here)
+        if seq.num_output_tokens <= first:
             return None
         targets = LLMEngine._first_sample_targets(seq)
-        return FirstSample([s.output_token_ids[0] for s in targets], [s.output_logprobs[0] for s in targets],
+        return FirstSample([s.output_token_ids[first] for s in targets], [s.output_logprobs[0] for s in targets],
                            [s.output_top_logprobs[0] for s in targets if s.output_top_logprobs])
 
     @staticmethod
@@ -174,12 +178,15 @@ class LLMEngine:
         return seq.group.completions
 
     def _new_sequence(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                      priority: int = 0) -> Sequence:
+                      priority: int = 0, num_resumed_tokens: int = 0) -> Sequence:
         self.check_request(request_id, prompt_token_ids, priority)
+        check_resumable(params, len(prompt_token_ids), num_resumed_tokens)
         new_detokenizer = functools.partial(self._new_detokenizer, params)
         arrival_index = next(self._arrivals)
-        seq = Sequence(request_id, prompt_token_ids, params, arrival_index, new_detokenizer(),
+        num_prompt_tokens = len(prompt_token_ids) - num_resumed_tokens
+        seq = Sequence(request_id, prompt_token_ids[:num_prompt_tokens], params, arrival_index, new_detokenizer(),
                        grammar=self.grammars.matcher(params))
+        seq.resume(prompt_token_ids[num_prompt_tokens:])
         seq.priority = priority  # (its forks and beams take it from it: Sequence.take_progress)
         if params.use_beam_search:
             num_candidates = beam_search.num_candidates(params.beam_width, len(self.config.model.eos_token_ids))

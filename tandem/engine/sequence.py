@@ -109,6 +109,24 @@ class Sequence:
         self.keep_blocks = False
         """When set, finishing leaves the blocks with the sequence and its owner frees them
         (a prefill worker, once the KV it sends from them has arrived)."""
+        self.num_resumed_tokens = 0
+        """Output tokens it was created with (a request resumed mid-stream: :meth:`resume`)."""
+
+    def resume(self, token_ids: list[int]) -> None:
+        """Take ``token_ids`` as the output so far, before any is computed (a request moved
+        here mid-stream continues from them): its grammar and text follow them, and the text
+        they make is dropped (its client has it), except what a stop string's possible start
+        holds back, which goes out as the original would have sent it. ValueError when they
+        break the request's grammar."""
+        assert self.num_computed_tokens == 0 and not self.num_output_tokens
+        for position, token_id in enumerate(token_ids):
+            if self.grammar is not None and not self.grammar.accept_token(token_id):
+                raise ValueError(f"resumed token {token_id} at output position {position} does not follow "
+                                 "the request's structured output")
+            if self.detokenizer is not None:
+                self.detokenizer.append(token_id)
+        self.token_ids.extend(token_ids)
+        self.num_resumed_tokens = len(token_ids)
 
     def take_progress(self, parent: Sequence) -> None:
         """Start from where ``parent`` is (a fork): its tokens and timestamps; the blocks are
@@ -221,3 +239,15 @@ class SequenceGroup:
             results.append(seq)
         self.completions = results
         return results
+
+
+def check_resumable(params: SamplingParams, num_tokens: int, num_resumed_tokens: int) -> None:
+    """ValueError unless a request of ``num_tokens`` prompt tokens may take its last
+    ``num_resumed_tokens`` as output already made: one sampled completion (a migrated
+    request's completions resume one by one), at least one prompt token before them."""
+    if not isinstance(num_resumed_tokens, int) or not 0 <= num_resumed_tokens < num_tokens:
+        raise ValueError(f"num_resumed_tokens must be an integer in [0, {num_tokens}), got {num_resumed_tokens!r}")
+    if num_resumed_tokens and (params.n != 1 or params.use_beam_search):
+        raise ValueError("only a request of one sampled completion (n=1, no beam search) resumes mid-stream")
+    if num_resumed_tokens >= params.max_tokens:
+        raise ValueError(f"{num_resumed_tokens} resumed tokens leave nothing of max_tokens={params.max_tokens}")

@@ -35,6 +35,11 @@ class WorkerRequest:
     priority: int = 0
     """vLLM's request priority: under ``--scheduling-policy priority`` lower is served first
     (ties in arrival order); the router sends 0 to workers of any other policy."""
+    num_resumed_tokens: int = 0
+    """The last this many of prompt_token_ids are output the client already has: the request
+    moved here mid-stream (router/migration.py) and goes on from them. The worker computes
+    them with the prompt and counts, penalizes, constrains and detokenizes them as output
+    (their text is not sent again); only n=1 requests resume."""
 
 
 def checked(value: Any, cls: type[T], what: str) -> T:
@@ -46,8 +51,10 @@ def checked(value: Any, cls: type[T], what: str) -> T:
         raise ValueError(f"{what}.request_id must be a non-empty string, got {value.request_id!r}")
     if isinstance(value, WorkerRequest) and not (isinstance(value.params, SamplingParams)
                                                  and isinstance(value.prompt_token_ids, list)
-                                                 and type(value.priority) is int):
-        raise TypeError(f"{what}: params must be SamplingParams, prompt_token_ids a list and priority an int")
+                                                 and type(value.priority) is int
+                                                 and type(value.num_resumed_tokens) is int):
+        raise TypeError(f"{what}: params must be SamplingParams, prompt_token_ids a list, and priority and "
+                        "num_resumed_tokens ints")
     return value
 
 

@@ -22,7 +22,8 @@ class ColocatedWorker(Worker):
         try:
             await self.compile_grammar(request)
             await self.loop.call(lambda engine: engine.add_request(
-                request.request_id, request.prompt_token_ids, request.params, priority=request.priority) and None)
+                request.request_id, request.prompt_token_ids, request.params, priority=request.priority,
+                num_resumed_tokens=request.num_resumed_tokens) and None)
             while not finished:
                 delta = await deltas.next()
                 finished = delta.request_finished
