@@ -42,11 +42,13 @@ class Backend(Protocol):
         ...
 
     def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                 priority: int = 0) -> AsyncIterator[StreamDelta]:
+                 priority: int = 0, num_resumed_tokens: int = 0) -> AsyncIterator[StreamDelta]:
         """Stream a request's deltas until the one with ``request_finished``. With n > 1 the
         completions' deltas interleave (``StreamDelta.index``), each completion's last one
         with its own finish_reason. ``priority``: vLLM's request priority, for workers that
-        schedule by it (WorkerRequest.priority).
+        schedule by it (WorkerRequest.priority). ``num_resumed_tokens``: the last this many of
+        prompt_token_ids are output its client has already (a migrated request, n=1:
+        WorkerRequest.num_resumed_tokens); the deltas then carry only what follows them.
 
         Raises Overloaded or NoHealthyWorker (WorkerFailed when a worker serving it died or
         hung: deltas never carry `error` out of a backend); ValueError for a request the

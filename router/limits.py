@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, fields
 
+from tandem.router.migration import DEFAULT_MAX_MIGRATIONS
+
 DEFAULT_MAX_PROMPT_CHARS = 2**20
 """Bounds the tokenizer's work per request: 1 Mi characters take about 0.8 s of one core to
 tokenize (2-core CPU), and hold far more than any context's worth of tokens. (gRPC's own
@@ -56,6 +58,9 @@ class RequestLimits:
     length before it is read); past it a new request gets 503 at once."""
     body_read_timeout_s: int = 30
     """Seconds an HTTP request body may take to arrive (a slow upload then gets 408)."""
+    max_migrations: int = DEFAULT_MAX_MIGRATIONS
+    """Times one streaming request may move to another worker when its worker fails (dies, hangs
+    or is drained: router/migration.py); one more failure reaches its client as UNAVAILABLE."""
 
     @property
     def max_body_bytes(self) -> int:
@@ -81,7 +86,7 @@ class RequestLimits:
 
 def _least(name: str) -> int:
     """The smallest value a limit takes (0 for the counts of optional lists: none allowed)."""
-    return 0 if name in ("max_stop_strings", "max_stop_token_ids", "max_logit_bias_tokens") else 1
+    return 0 if name in ("max_stop_strings", "max_stop_token_ids", "max_logit_bias_tokens", "max_migrations") else 1
 
 
 def _int_at_least(least: int):
@@ -118,6 +123,9 @@ _FLAGS = (
     ("--max-body-bytes-in-flight", "max_body_bytes_in_flight",
      "most bytes of HTTP request bodies received at once; past it 503 (default 268435456)"),
     ("--body-read-timeout-s", "body_read_timeout_s", "seconds an HTTP request body may take to arrive (default 30)"),
+    ("--max-migrations", "max_migrations",
+     "times a streaming request may move to another worker when its worker fails or is drained, going on "
+     f"from the tokens already streamed; then UNAVAILABLE (default {DEFAULT_MAX_MIGRATIONS}; 0: never)"),
 )
 
 

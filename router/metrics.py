@@ -66,6 +66,10 @@ class RouterMetrics:
         self._status = counter("tandem_request_status", "Generate calls by gRPC status code.", "code")
         self._rejected = counter("tandem_request_rejected", "Requests refused before any worker ran them.", "reason")
         self.reruns = counter("tandem_request_reruns", "Buffered requests run again after a worker failed them.")
+        self.migration_seconds = histogram(
+            "tandem_request_migration_seconds", "Streams moved to another worker after theirs failed, dead, hung or "
+            "drained (one per completion moved): the failure seen to the first token from the new worker.",
+            REQUEST_SECONDS)
         self.prefill_decisions = counter("tandem_prefill_decisions", "Where each prompt was prefilled "
                                          "(remote: the prefill pool; local: its decode worker), and why.",
                                          "where", "reason")

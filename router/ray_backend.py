@@ -101,14 +101,14 @@ class RayBackend:
         results = await asyncio.gather(*(self.calls.abort_on(self.workers, i) for i in ids))
         return any(r is True for rs in results for r in rs)
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, priority: int = 0) -> AsyncIterator[StreamDelta]:
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       priority: int = 0, num_resumed_tokens: int = 0) -> AsyncIterator[StreamDelta]:
         # The workers know the call by an id of the router's own, never the client's: a
         # client reusing an id (e.g. right after its deadline, while the workers still clean
         # up the earlier call) must not meet the earlier call's state.
         worker_id = uuid.uuid4().hex
         self._worker_ids.setdefault(request_id, set()).add(worker_id)
-        request = WorkerRequest(worker_id, prompt_token_ids, params, priority)
+        request = WorkerRequest(worker_id, prompt_token_ids, params, priority, num_resumed_tokens)
         stream = self._colocated(request) if self.colocated else self._disaggregated(request)
         try:
             async for delta in stream:

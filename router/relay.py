@@ -23,6 +23,7 @@ from tandem.router.backend import Backend, NoHealthyWorker, Overloaded
 from tandem.router.buffered import generate_buffered
 from tandem.router.limits import RequestLimits
 from tandem.router.metrics import RequestTimer, RouterMetrics
+from tandem.router.migration import generate_migrating
 from tandem.router.validation import ValidRequest
 from tandem.worker.api import PoolFull, StreamDelta
 
@@ -153,7 +154,8 @@ class RequestRelay:
         """Run ``request`` on the backend -> its deltas, to be sent to the client inside the block.
 
         buffered: run it through ``generate_buffered`` (one merged delta per completion at the
-        end; a worker failing it midway runs it again). Leaving the block with the request's
+        end; a worker failing it midway runs it again); else through ``generate_migrating`` (a
+        worker failing it midway: it goes on elsewhere). Leaving the block with the request's
         last delta taken records it as OK. A failure, from the backend or from the block
         (anything but ClientGone), raises RequestFailed. Leaving it early otherwise (the
         block breaks, ClientGone, the task cancelled, the front door's generator closed)
@@ -167,7 +169,9 @@ class RequestRelay:
             deltas = RelayedStream(
                 generate_buffered(self._backend, request_id, prompt_token_ids, params, self._metrics.reruns.inc,
                                   priority=priority)
-                if buffered else self._backend.generate(request_id, prompt_token_ids, params, priority=priority),
+                if buffered else generate_migrating(self._backend, request_id, prompt_token_ids, params, priority,
+                                                    self._limits.max_migrations,
+                                                    self._metrics.migration_seconds.observe),
                 request_id, timer)
             yield deltas
             if deltas.finished is None and deltas.ended_early:

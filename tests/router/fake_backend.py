@@ -58,6 +58,7 @@ class Seen:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int = 0
+    num_resumed_tokens: int = 0
 
 
 @dataclass
@@ -124,10 +125,10 @@ class FakeBackend:
         return own[: params.max_tokens], "length" if params.max_tokens <= len(own) else "stop"
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[StreamDelta]:
+                       priority: int = 0, num_resumed_tokens: int = 0) -> AsyncIterator[StreamDelta]:
         if self.closed_event is None:
             self.closed_event = asyncio.Event()
-        self.seen.append(Seen(client_id(request_id), list(prompt_token_ids), params, priority))
+        self.seen.append(Seen(client_id(request_id), list(prompt_token_ids), params, priority, num_resumed_tokens))
         if isinstance(self.fail_with, Exception):
             raise self.fail_with
         if self.fail_prompts and self.tokenizer.decode(prompt_token_ids) in self.fail_prompts:
@@ -136,15 +137,18 @@ class FakeBackend:
             yield StreamDelta(request_id=request_id, token_ids=[], text="", finish_reason="abort",
                               num_prompt_tokens=len(prompt_token_ids), num_output_tokens=0, error=self.fail_with)
             return
+        # A resumed request (n=1 here) goes on after the tokens its client has, as a worker does.
+        resumed = num_resumed_tokens
+        prompt_token_ids = prompt_token_ids[:len(prompt_token_ids) - resumed]
         outputs = [self.completion_ids(params, i, prompt_token_ids) for i in range(params.n)]
         # One token of each unfinished completion per step: (index, position) in stream order.
-        steps = [(i, k) for k in range(max(len(ids) for ids, _ in outputs))
+        steps = [(i, k) for k in range(resumed, max(len(ids) for ids, _ in outputs))
                  for i, (ids, _) in enumerate(outputs) if k < len(ids)]
         fail_at = self.worker_failures.pop(0) if self.worker_failures else None
         abort_event = self.running.setdefault(request_id, asyncio.Event())
         done = False
         try:
-            texts_so_far = [""] * params.n
+            texts_so_far = [self.tokenizer.decode(ids[:resumed]) for ids, _ in outputs]
             unfinished = set(range(params.n))
             for j, (i, k) in enumerate(steps):
                 if j == fail_at:
@@ -167,7 +171,7 @@ class FakeBackend:
                 delta = StreamDelta(
                     request_id=request_id, token_ids=[output[k]], text=text[len(texts_so_far[i]):],
                     finish_reason=reason if last else None, num_prompt_tokens=len(prompt_token_ids),
-                    num_output_tokens=j + 1,
+                    num_output_tokens=resumed + j + 1,
                     logprobs=[CHOSEN_LOGPROB] if params.logprobs is not None else None,
                     top_logprobs=([top_logprobs_at(output[k], params.top_logprobs, self.chosen_in_top)]
                                   if params.top_logprobs else None),

@@ -1,5 +1,6 @@
 """Buffered requests: the whole output in one response; a worker failure midway runs the
-request again from the start (at most MAX_RERUNS times) where a streamed one ends UNAVAILABLE."""
+request again from the start (at most MAX_RERUNS times), where a streamed one goes on from its
+last streamed token (router/migration.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from router_harness import serving
 from tandem.proto import generation_pb2 as pb
 from tandem.proto import generation_pb2_grpc as pb_grpc
 from tandem.router.buffered import MAX_RERUNS
+from tandem.router.limits import RequestLimits
 
 
 def call(backend: FakeBackend, buffered: bool,
@@ -74,9 +76,28 @@ def test_no_rerun_when_no_worker_is_healthy(router_tokenizer):
 
 
 @pytest.mark.parametrize("fail_at", [0, 2])
-def test_a_streamed_request_is_not_run_again(router_tokenizer, fail_at):
+def test_a_streamed_request_moves_on_instead(router_tokenizer, fail_at):
+    """(router/migration.py) Its client gets every token once, from two runs: the second
+    resumes after the tokens already streamed (none: it runs again whole)."""
     backend = FakeBackend(router_tokenizer, worker_failures=[fail_at])
     responses, error = call(backend, buffered=False)
-    assert error is not None
-    assert len(responses) == fail_at and error.code() == grpc.StatusCode.UNAVAILABLE
-    assert len(backend.seen) == 1 and reruns(backend) == 0
+    assert error is None
+    assert [t for r in responses for t in r.token_ids] == router_tokenizer.encode(REPLY)
+    assert "".join(r.text for r in responses) == REPLY
+    assert [s.num_resumed_tokens for s in backend.seen] == [0, fail_at] and reruns(backend) == 0
+    assert responses[-1].usage.completion_tokens == len(router_tokenizer.encode(REPLY))
+
+
+def test_a_streamed_request_ends_unavailable_past_max_migrations(router_tokenizer):
+    backend = FakeBackend(router_tokenizer, worker_failures=[2])
+    async def body():
+        responses = []
+        async with serving(backend, limits=RequestLimits(max_migrations=0)) as (channel, _):
+            request = pb.GenerateRequest(request_id="b-1", prompt="Hi", sampling=pb.SamplingParams(max_tokens=100))
+            with pytest.raises(grpc.aio.AioRpcError) as error:
+                async for response in pb_grpc.GenerationStub(channel).Generate(request):
+                    responses.append(response)
+        return responses, error.value
+    responses, error = asyncio.run(body())
+    assert len(responses) == 2 and error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "max-migrations=0" in error.details() and len(backend.seen) == 1

@@ -167,7 +167,7 @@ def test_past_max_concurrent_requests_is_429_at_once(router_tokenizer):
 
 
 def test_a_failure_after_the_stream_started_is_an_error_event(router_tokenizer):
-    backend = FakeBackend(router_tokenizer, worker_failures=[3])
+    backend = FakeBackend(router_tokenizer, worker_failures=[3, 0, 0])  # and both moves elsewhere
 
     async def body():
         async with openai_serving(backend) as served, served.async_client() as client:

@@ -179,7 +179,9 @@ def test_a_failure_midway_in_a_stream_is_an_error_event_and_aborts_the_others(ro
     backend = backend_for(router_tokenizer, step_delay_s=0.01, worker_failures=[3])
 
     async def run():
-        async with openai_serving(backend) as served, served.async_client() as client:
+        # (never moved to another worker: router/migration.py)
+        async with openai_serving(backend, limits=RequestLimits(max_migrations=0)) as served, \
+                served.async_client() as client:
             chunks = []
             with pytest.raises(openai.APIError) as error:
                 async for chunk in await client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=50,

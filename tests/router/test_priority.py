@@ -138,7 +138,7 @@ def test_the_worker_request_carries_the_priority():
     assert WorkerRequest("r", [1], SamplingParams()).priority == 0
     assert checked(WorkerRequest("r", [1], SamplingParams(), -4), WorkerRequest, "request").priority == -4
     for bad in ("1", 1.0, None):
-        with pytest.raises(TypeError, match="priority an int"):
+        with pytest.raises(TypeError, match="priority and num_resumed_tokens ints"):
             checked(WorkerRequest("r", [1], SamplingParams(), cast(int, bad)), WorkerRequest, "request")
 
 

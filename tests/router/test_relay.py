@@ -196,12 +196,18 @@ def test_an_error_delta_is_a_failure_not_a_finish(router_tokenizer):
     assert count(metrics, "tandem_request_success_total", finished_reason="abort") == 0
 
 
-def test_a_worker_failure_midway_is_unavailable_streamed_and_rerun_buffered(router_tokenizer):
+def test_a_worker_failure_midway_moves_streamed_and_reruns_buffered(router_tokenizer):
     backend = FakeBackend(router_tokenizer, worker_failures=[3])
+    relay, metrics = make_relay(backend)
+    deltas = asyncio.run(relay_all(relay, valid_request(backend)))
+    assert "".join(d.text for d in deltas) == REPLY and deltas[-1].request_finished
+    assert statuses(metrics) == {"OK": 1} and count(metrics, "tandem_request_migration_seconds_count") == 1
+
+    backend = FakeBackend(router_tokenizer, worker_failures=[3, 1, 1])  # and both moves
     relay, metrics = make_relay(backend)
     with pytest.raises(RequestFailed) as failed:
         asyncio.run(relay_all(relay, valid_request(backend)))
-    assert failed.value.code == grpc.StatusCode.UNAVAILABLE
+    assert failed.value.code == grpc.StatusCode.UNAVAILABLE and "moved 2 times already" in failed.value.message
     # Tokens went out before it failed: a failure, not a refusal.
     assert statuses(metrics) == {"UNAVAILABLE": 1} and count(metrics, REJECTED, reason="unavailable") == 0
 
@@ -235,7 +241,8 @@ class EndsEarly(FakeBackend):
     """A backend whose stream ends after one delta, before the request finished."""
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams, priority: int = 0) -> AsyncIterator[StreamDelta]:
+                       params: SamplingParams, priority: int = 0,
+                       num_resumed_tokens: int = 0) -> AsyncIterator[StreamDelta]:
         yield StreamDelta(request_id=request_id, token_ids=[1], text="a", finish_reason=None,
                           num_prompt_tokens=len(prompt_token_ids), num_output_tokens=1)
 

@@ -39,7 +39,7 @@ class ScriptedBackend(FakeBackend):
     script: list[StreamDelta] = field(default_factory=list)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = 0) -> AsyncIterator[StreamDelta]:
+                       priority: int = 0, num_resumed_tokens: int = 0) -> AsyncIterator[StreamDelta]:
         self.seen.append(Seen(request_id, list(prompt_token_ids), params, priority))
         for delta in self.script:
             yield delta
