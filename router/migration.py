@@ -8,7 +8,8 @@ A completion of an n > 1 request resumes as an n=1 request of its own, with the 
 from (seed + index). The client's stream goes on with no token twice and none missing.
 
 A request that has no token yet runs again whole; beam search does not migrate (its beams
-are not in the stream); after ``max_migrations`` the failure reaches the client (UNAVAILABLE).
+are not in the stream); with no healthy worker left, or after ``max_migrations``, the failure
+reaches the client (UNAVAILABLE).
 The client's deadline keeps counting from its call: the migration runs inside it."""
 
 from __future__ import annotations
@@ -28,9 +29,6 @@ from tandem.worker.api import StreamDelta
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_MIGRATIONS = 2
-HEALTHY_WAIT_S = 60.0
-"""How long a migration waits for a healthy worker (e.g. the only one, while Ray restarts it)."""
-_POLL_S = 0.2
 
 
 @dataclass
@@ -101,12 +99,15 @@ class MigratingStream:
 
     async def _migrate(self, lane: _Lane, error: WorkerFailed) -> None:
         """Go on with the failed lane's unfinished completions elsewhere, or raise ``error``."""
-        if self.params.use_beam_search or self.num_migrations >= self.max_migrations:
-            why = "beam search does not migrate" if self.params.use_beam_search else (
-                f"it moved {self.num_migrations} times already (--max-migrations={self.max_migrations})")
+        # NOTE: no wait for a worker to come back (Ray restarting the only one takes a model
+        # load): with no healthy worker to go on, the client hears so at once.
+        why = ("beam search does not migrate" if self.params.use_beam_search
+               else f"it moved {self.num_migrations} times already (--max-migrations={self.max_migrations})"
+               if self.num_migrations >= self.max_migrations
+               else "no healthy worker to go on" if not self.backend.is_ready() else None)
+        if why is not None:
             raise WorkerFailed(f"{error} ({why})") from None
         started = time.monotonic()
-        await self._healthy(error)
         self.num_migrations += 1
         indexes = range(len(self.completions)) if lane.index is None else [lane.index]
         resumed = [i for i in indexes if not self.completions[i].finished]
@@ -123,13 +124,6 @@ class MigratingStream:
             params = dataclasses.replace(self.params, n=1, seed=None if self.params.seed is None
                                          else self.params.seed + i)
             self._start(_Lane(i, started, True), self.prompt_token_ids + tokens, params, len(tokens))
-
-    async def _healthy(self, error: WorkerFailed) -> None:
-        deadline = time.monotonic() + HEALTHY_WAIT_S
-        while not self.backend.is_ready():
-            if time.monotonic() > deadline:
-                raise WorkerFailed(f"{error} (no healthy worker to go on within {HEALTHY_WAIT_S:.0f} s)") from None
-            await asyncio.sleep(_POLL_S)
 
     def _start(self, lane: _Lane, prompt_token_ids: list[int], params: SamplingParams, num_resumed: int) -> None:
         stream = cast(AsyncGenerator[StreamDelta, None], self.backend.generate(
