@@ -141,7 +141,8 @@ class LLMEngine:
         its first sample, drawn elsewhere (unless that sample already ends it), or with the
         one :meth:`accept_first_sample` took before (sample None)."""
         seq = self.sequences[request_id]
-        seq.num_computed_tokens = seq.num_tokens  # (a resumed request's output so far came as prompt)
+        # NOTE: not num_tokens: the first sample, taken before the KV came, is still to compute
+        seq.num_computed_tokens = seq.num_prompt_tokens + seq.num_resumed_tokens  # (what the KV holds)
         self.block_manager.cache_full_blocks(seq)
         if sample is None:
             seq.keep_blocks = False
