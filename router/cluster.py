@@ -23,6 +23,7 @@ from tandem.router.placement import (
 )
 from tandem.router.placement_wait import wait_placeable, wait_ready
 from tandem.router.policy import WorkerState
+from tandem.router.pool_changes import PoolChanges
 from tandem.router.ray_backend import RayBackend
 from tandem.worker.api import Role
 from tandem.worker.host import start_worker, worker_placement_group
@@ -128,17 +129,19 @@ async def start_cluster(cfg: ClusterConfig) -> RayBackend:
                                  num_threads=cfg.worker.num_threads or max(1, cores // cfg.num_ranks))
     roles = ([(Role.COLOCATED, cfg.colocated)] if cfg.colocated
              else [(Role.PREFILL, cfg.num_prefill), (Role.DECODE, cfg.num_decode)])
+    resources = dict(num_cpus=cfg.num_cpus_per_rank, num_gpus=placement.gpus_per_rank)
+
+    def start_one(role: Role, instance: str) -> WorkerState:
+        tp = cfg.prefill_tp if role is Role.PREFILL else cfg.decode_tp
+        group = worker_placement_group(role, tp, pool_resources=cfg.pool_resources, **resources) if tp > 1 else None
+        pool_worker = worker.with_engine(tensor_parallel_size=tp) if tp > 1 else worker
+        handle = start_worker(role, instance, pool_worker, pool_resources=cfg.pool_resources,
+                              placement_group=group, **resources)
+        return WorkerState(instance, handle, placement_group=group)
+
     states: dict[Role, list[WorkerState]] = {Role.PREFILL: [], Role.DECODE: [], Role.COLOCATED: []}
     for role, count in roles:
-        tp = cfg.prefill_tp if role is Role.PREFILL else cfg.decode_tp
-        resources = dict(num_cpus=cfg.num_cpus_per_rank, num_gpus=placement.gpus_per_rank)
-        for i in range(count):
-            instance = f"{cfg.name_prefix}{role.value}-{i}"
-            group = worker_placement_group(role, tp, pool_resources=cfg.pool_resources, **resources) if tp > 1 else None
-            pool_worker = worker.with_engine(tensor_parallel_size=tp) if tp > 1 else worker
-            handle = start_worker(role, instance, pool_worker, pool_resources=cfg.pool_resources,
-                                  placement_group=group, **resources)
-            states[role].append(WorkerState(instance, handle, placement_group=group))
+        states[role] = [start_one(role, f"{cfg.name_prefix}{role.value}-{i}") for i in range(count)]
     everyone = [w for ws in states.values() for w in ws]
     logger.info("starting %d workers (each loads the model)...", len(everyone))
     try:
@@ -149,6 +152,7 @@ async def start_cluster(cfg: ClusterConfig) -> RayBackend:
     spec = await (states[Role.DECODE] or states[Role.COLOCATED])[0].handle.tokenizer_spec.remote()
     backend = RayBackend(states[Role.PREFILL], states[Role.DECODE], states[Role.COLOCATED], cfg.policy, spec,
                          disagg_policy=cfg.disagg_policy, max_local_stall_s=cfg.max_local_stall_s)
+    backend.pool_changes = PoolChanges(backend, start_one, cfg.name_prefix)
     await backend.loads()
     logger.info("cluster ready: %s", ", ".join(w.instance for w in everyone))
     return backend

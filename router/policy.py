@@ -44,7 +44,9 @@ class WorkerState:
     """Requests the router placed on it that its last polled load may not show yet."""
     num_polls_started: int = 0
     healthy: bool = True
-    """Whether requests are routed to it."""
+    """Whether it serves (dead and hung workers do not)."""
+    draining: bool = False
+    """Being drained (router/pool_changes.py): routed nothing new, never again."""
     placement_group: Any = None
     """A tensor-parallel worker's Ray placement group (removed with the worker)."""
     num_failures: int = 0
@@ -54,6 +56,11 @@ class WorkerState:
     up_since: float = 0.0
     last_answer: float = 0.0
     """When it last answered a load poll (event-loop seconds)."""
+
+    @property
+    def routable(self) -> bool:
+        """Whether new requests may go to it."""
+        return self.healthy and not self.draining
 
     def mark_down(self, now: float) -> bool:
         """Route nothing more to it until may_recover -> whether it was up until now."""
@@ -138,8 +145,8 @@ class Router:
 
     def order(self, workers: list[WorkerState], prompt_token_ids: list[int],
               cache_salt: str | None = None) -> list[WorkerState]:
-        """Healthy workers, the policy's choice first (the rest as fallbacks)."""
-        healthy = [w for w in workers if w.healthy]
+        """Routable workers, the policy's choice first (the rest as fallbacks)."""
+        healthy = [w for w in workers if w.routable]
         if not healthy:
             return []
         if self.policy == "round_robin":

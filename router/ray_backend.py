@@ -25,6 +25,7 @@ from tandem.worker.api import PoolFull, Role, StreamDelta, TokenizerSpec, Worker
 
 if TYPE_CHECKING:
     from tandem.router.metrics import RouterMetrics
+    from tandem.router.pool_changes import PoolChanges
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ class RayBackend:
         self._worker_ids: dict[str, set[str]] = {}
         """The client's request id -> the ids its calls have on the workers."""
         self.metrics: RouterMetrics | None = None
+        self.pool_changes: PoolChanges | None = None
+        """Draining, adding and scaling its workers (set by cluster.start_cluster)."""
 
     @property
     def num_admitting(self) -> int:
@@ -79,7 +82,17 @@ class RayBackend:
         """Every pool in use has a healthy worker: one restarting worker does not take the
         router out of service (its requests go to the others meanwhile)."""
         pools = (self.colocated,) if self.colocated else (self.prefill, self.decode)
-        return all(any(w.healthy for w in pool) for pool in pools)
+        return all(any(w.routable for w in pool) for pool in pools)
+
+    def add_worker(self, role: Role, w: WorkerState) -> None:
+        """A worker that serves joins ``role``'s pool (router/pool_changes.py)."""
+        {Role.PREFILL: self.prefill, Role.DECODE: self.decode, Role.COLOCATED: self.colocated}[role].append(w)
+        self.health.add(w)
+
+    def remove_worker(self, role: Role, w: WorkerState) -> None:
+        """A drained worker leaves ``role``'s pool and the health polls."""
+        {Role.PREFILL: self.prefill, Role.DECODE: self.decode, Role.COLOCATED: self.colocated}[role].remove(w)
+        self.health.workers.remove(w)
 
     async def loads(self) -> list[WorkerLoad]:
         await self.health.refresh()

@@ -45,6 +45,11 @@ class WorkerHealth:
         self.restart_hung_after_s = restart_hung_after_s
         self._poller: asyncio.Task | None = None
 
+    def add(self, w: WorkerState) -> None:
+        """Poll a worker that joined (its pool's list, e.g. `decode`, is the caller's)."""
+        w.last_answer = asyncio.get_running_loop().time()
+        self.workers.append(w)
+
     def start(self) -> None:
         """Keep worker loads (and health) fresh in the background."""
         now = asyncio.get_running_loop().time()

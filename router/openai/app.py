@@ -21,6 +21,7 @@ from tandem.router.auth import ApiKeys
 from tandem.router.backend import Backend
 from tandem.router.limits import RequestLimits
 from tandem.router.metrics import RouterMetrics
+from tandem.router.openai.admin_routes import add_admin_routes
 from tandem.router.openai.errors import APIError
 from tandem.router.openai.generation import TENANT_KEY, Generation
 from tandem.router.openai.protocol import CHAT, COMPLETION
@@ -76,6 +77,7 @@ async def start_openai_endpoint(backend: Backend, tokenizer: RouterTokenizer, me
     open_paths = OPEN_PATHS + ((METRICS_PATH,) if metrics_token else ())
     app = _application(generation, backend, ApiKeys.of(auth_token), limits.max_body_bytes, open_paths)
     add_utility_routes(app, tokenizer, limits, generation.model_names, metrics.registry, metrics_token)
+    add_admin_routes(app, getattr(backend, "pool_changes", None))
     # handler_cancellation: a client that disconnects cancels its handler at once, wherever
     # it waits (the admission queue, the workers), and the cancel aborts its request.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=grace_s)

@@ -15,11 +15,12 @@ from typing import Any
 import grpc
 import pytest
 import ray
-from fault_calls import assert_serves, awaited, wait_until
+from fault_calls import assert_serves, request, wait_until
 from metrics_text import parse_samples, total
 from reference import english_token_ids
 from worker_checks import assert_workers_empty, inventories, num_leaked_blocks
 
+from tandem import cli
 from tandem.proto import generation_pb2 as pb
 
 pytestmark = pytest.mark.slow
@@ -88,16 +89,56 @@ def run_mix(cluster, tokenizer, pool, before_kill=None) -> list[dict[Any, Any]]:
     return outs
 
 
-def test_decode_worker_killed_mid_stream_loses_no_request(clusters, tokenizer, fault_report):
+@pytest.fixture(scope="module")
+def reference(clusters, tokenizer) -> list[dict[Any, Any]]:
+    """The mix run uninterrupted on the disaggregated cluster."""
+    cluster = clusters["disaggregated"]
+    assert_workers_empty(cluster)
+    with concurrent.futures.ThreadPoolExecutor(NUM_STREAMS) as pool:
+        outs = run_mix(cluster, tokenizer, pool)
+    assert all(o["code"] == grpc.StatusCode.OK for o in outs), [o.get("details") for o in outs]
+    assert_workers_empty(cluster, timeout=30)
+    return outs
+
+
+def assert_equal_to(reference: list[dict[Any, Any]], outs: list[dict[Any, Any]]) -> None:
+    """Every stream OK, and equal to the reference's per completion (tokens, text, finish)."""
+    failed = [(i, o.get("code"), o.get("details")) for i, o in enumerate(outs) if o["code"] != grpc.StatusCode.OK]
+    assert not failed, failed
+    differ = [i for i, (a, b) in enumerate(zip(reference, outs)) if outputs(a) != outputs(b)]
+    assert not differ, [(i, outputs(reference[i]), outputs(outs[i])) for i in differ[:2]]
+
+
+def migrations(cluster) -> tuple[float, float]:
+    """tandem_request_migration_seconds' count and sum so far."""
+    samples = parse_samples(cluster.scrape())
+    return (total(samples, "tandem_request_migration_seconds_count"),
+            total(samples, "tandem_request_migration_seconds_sum"))
+
+
+def assert_each_decode_worker_serves(cluster, tokenizer) -> None:
+    """Two long greedy streams, one after the other, land one on each decode worker and decode."""
+    stub = cluster.stub()
+    calls = []
+    try:
+        for i in range(2):
+            calls.append(stub.Generate(request(english_token_ids(tokenizer, 16, skip=11 * i), 400), timeout=120))
+            assert next(calls[-1]).token_ids
+            time.sleep(0.3)  # the router's poller refreshes the loads
+        running = {i.instance: i.num_running for i in cluster.run(inventories(cluster.backend))
+                   if i.role.value == "decode"}
+        assert sorted(running.values()) == [1, 1], running
+    finally:
+        for call in calls:
+            call.cancel()
+
+
+def test_decode_worker_killed_mid_stream_loses_no_request(clusters, tokenizer, reference, fault_report):
     cluster = clusters["disaggregated"]
     backend = cluster.backend
-    assert_workers_empty(cluster)
     pool = concurrent.futures.ThreadPoolExecutor(NUM_STREAMS)
     try:
-        reference = run_mix(cluster, tokenizer, pool)
-        assert all(o["code"] == grpc.StatusCode.OK for o in reference), [o.get("details") for o in reference]
-        assert_workers_empty(cluster, timeout=30)
-        before = parse_samples(cluster.scrape())
+        before = migrations(cluster)
         killed: dict[str, Any] = {}
 
         def kill(outs: list[dict[Any, Any]]) -> None:
@@ -114,26 +155,19 @@ def test_decode_worker_killed_mid_stream_loses_no_request(clusters, tokenizer, f
         ended_s = time.monotonic() - killed["at"]
     finally:
         pool.shutdown(cancel_futures=True)
-    failed = [(i, o.get("code"), o.get("details")) for i, o in enumerate(migrated) if o["code"] != grpc.StatusCode.OK]
-    assert not failed, failed
-    differ = [i for i, (a, b) in enumerate(zip(reference, migrated)) if outputs(a) != outputs(b)]
-    assert not differ, [(i, outputs(reference[i]), outputs(migrated[i])) for i in differ[:2]]
+    assert_equal_to(reference, migrated)
     # the mix really held what it should: a JSON value that validates, both completions of n=2
     assert all(set(outputs(o)) == ({0, 1} if i % 5 == 2 else {0}) for i, o in enumerate(migrated))
     for i in range(3, NUM_STREAMS, 5):
         parsed = json.loads(migrated[i][0]["text"])
         assert set(parsed) == {"name", "age"}, parsed
-    after = parse_samples(cluster.scrape())
-    num_moved, added_s = (total(after, f"tandem_request_migration_seconds_{s}") -
-                          total(before, f"tandem_request_migration_seconds_{s}") for s in ("count", "sum"))
+    num_moved, added_s = (b - a for a, b in zip(before, migrations(cluster)))
     assert num_moved >= killed["running"] > 0  # (an n=2 stream moves as two)
 
     victim = killed["victim"]
     wait_until(lambda: victim.healthy, 180, "the restarted worker is seen healthy")
     restart_s = time.monotonic() - killed["at"]
-    assert_serves(cluster, tokenizer)
-    served = parse_samples(cluster.run(awaited(victim.handle.metrics_text.remote())))
-    assert total(served, "tandem_kv_transfer_bytes_total") > 0, "the restarted worker served nothing"
+    assert_each_decode_worker_serves(cluster, tokenizer)
     assert_workers_empty(cluster, timeout=30)
     assert backend.is_ready()
     fault_report.add("decode worker killed mid-stream", injected=1, affected=killed["running"],
@@ -143,3 +177,50 @@ def test_decode_worker_killed_mid_stream_loses_no_request(clusters, tokenizer, f
                           f"{added_s / num_moved:.2f} s each on average), all {NUM_STREAMS} OK and equal to the "
                           f"uninterrupted run; the mix ended {ended_s:.1f} s after the kill; recovery = Ray's "
                           "restart, serving again")
+
+
+def test_a_decode_worker_added_then_drained_under_load_fails_nothing(clusters, tokenizer, reference, fault_report,
+                                                                      capsys):
+    """tandem scale adds a decode worker (2 -> 3), which serves; tandem drain takes it out again
+    (3 -> 2) while it streams: what is still on it after the drain's timeout moves to the other
+    decode workers, every stream equal to the uninterrupted run, and Ray never restarts it."""
+    cluster = clusters["disaggregated"]
+    backend = cluster.backend
+    url = cluster.openai_url().removesuffix("/v1")
+    started = time.monotonic()
+    assert cli.main(["scale", "--decode", "3", "--url", url]) == 0
+    scaled = json.loads(capsys.readouterr().out)
+    (added,) = [w for w in backend.decode if f"added {w.instance}" in scaled["changes"]]
+    add_s = time.monotonic() - started
+    assert len(backend.decode) == 3 and added.routable
+    drained: dict[str, Any] = {}
+
+    def drain(outs: list[dict[Any, Any]]) -> None:
+        running = {i.instance: i.num_running for i in cluster.run(inventories(backend)) if i.role.value == "decode"}
+        assert running[added.instance] > 0, running  # least_loaded sent the new worker its share
+        drained["running"] = running[added.instance]
+        assert cli.main(["drain", added.instance, "--url", url, "--timeout-s", "1"]) == 0
+        drained.update(json.loads(capsys.readouterr().out))
+
+    before = migrations(cluster)
+    with concurrent.futures.ThreadPoolExecutor(NUM_STREAMS) as pool:
+        outs = run_mix(cluster, tokenizer, pool, before_kill=drain)
+    assert_equal_to(reference, outs)
+    num_moved, added_s = (b - a for a, b in zip(before, migrations(cluster)))
+    assert drained["num_moved"] > 0 and num_moved >= drained["num_moved"], (drained, num_moved)
+    assert [w.instance for w in backend.decode] == [w.instance for w in backend.decode if w is not added]
+    assert len(backend.decode) == 2 and added not in backend.workers
+    with pytest.raises(ray.exceptions.RayActorError):  # ended for good: Ray did not restart it
+        ray.get(added.handle.heartbeat.remote(), timeout=30)
+    assert_serves(cluster, tokenizer)
+    assert_workers_empty(cluster, timeout=30)
+    # a drain that would empty a pool is refused, naming why
+    assert cli.main(["drain", backend.prefill[0].instance, "--url", url]) == 1
+    assert "without a worker" in capsys.readouterr().err
+    fault_report.add("decode scaled 2 -> 3 -> 2 under load", injected=2, affected=drained["running"],
+                     clear=drained["running"], leaked=num_leaked_blocks(cluster), recovery_s=add_s,
+                     note=f"tandem scale added {added.instance} in {add_s:.1f} s (its model load); under "
+                          f"{NUM_STREAMS} streams it held {drained['running']}, tandem drain --timeout-s 1 moved "
+                          f"{drained['num_moved']} ({int(num_moved)} completions, adding {added_s / num_moved:.2f} s "
+                          f"each on average) in {drained['seconds']:.1f} s; all {NUM_STREAMS} OK and equal to the "
+                          "uninterrupted run; recovery = the added worker's start")

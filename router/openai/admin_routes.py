@@ -1,0 +1,80 @@
+"""The router's admin routes on the API port, behind the API key like every other route:
+``GET /admin/workers`` (each worker: pool, name, healthy, draining), ``POST /admin/drain``
+(``{"worker": name, "timeout_s": 60}``: take a worker out without failing what it holds) and
+``POST /admin/scale`` (``{"prefill": N, "decode": M}`` or ``{"colocated": K}``, with an optional
+``drain_timeout_s``), answered once the change is done (router/pool_changes.py)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from aiohttp import web
+
+from tandem.router.openai.errors import APIError, invalid
+from tandem.router.openai.fields import json_kind
+from tandem.router.pool_changes import DEFAULT_DRAIN_TIMEOUT_S, PoolChanges
+from tandem.worker.api import Role
+
+
+def add_admin_routes(app: web.Application, changes: PoolChanges | None) -> None:
+    def needed() -> PoolChanges:
+        if changes is None:
+            raise APIError(501, "this router cannot change its workers (it was given them)", type="server_error")
+        return changes
+
+    async def workers(request: web.Request) -> web.Response:
+        return web.json_response({"workers": needed().describe()})
+
+    async def drain(request: web.Request) -> web.Response:
+        pools = needed()
+        body = await _body(request)
+        name = body.get("worker")
+        if not isinstance(name, str) or not name:
+            raise invalid("worker", f"must be a worker's name, got {json_kind(name)}")
+        try:
+            result = await pools.drain(name, _seconds(body, "timeout_s"))
+        except ValueError as e:
+            raise invalid("worker", str(e)) from None
+        return web.json_response({"instance": result.instance, "num_at_start": result.num_at_start,
+                                  "num_moved": result.num_moved, "seconds": round(result.seconds, 3)})
+
+    async def scale(request: web.Request) -> web.Response:
+        pools = needed()
+        body = await _body(request)
+        sizes: dict[Role, int] = {}
+        for role in Role:
+            size = body.get(role.value)
+            if size is None:
+                continue
+            if type(size) is not int or size < 1:
+                raise invalid(role.value, f"must be an integer >= 1, got {size!r}")
+            sizes[role] = size
+        if not sizes:
+            raise invalid(None, "give the size of at least one pool: prefill, decode or colocated")
+        try:
+            done = await pools.scale(sizes, _seconds(body, "drain_timeout_s"))
+        except ValueError as e:
+            raise invalid(None, str(e)) from None
+        return web.json_response({"changes": done, "workers": pools.describe()})
+
+    app.router.add_get("/admin/workers", workers)
+    app.router.add_post("/admin/drain", drain)
+    app.router.add_post("/admin/scale", scale)
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError:
+        raise invalid(None, "the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise invalid(None, f"the request body must be a JSON object, got {json_kind(body)}")
+    return body
+
+
+def _seconds(body: dict[str, Any], name: str) -> float:
+    value = body.get(name, DEFAULT_DRAIN_TIMEOUT_S)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise invalid(name, f"must be a number of seconds >= 0, got {value!r}")
+    return float(value)
