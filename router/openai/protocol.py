@@ -206,6 +206,9 @@ def _parse(kind: str, body: object, model_names: tuple[str, ...], request_id: st
     prompts: tuple[Prompt, ...] = ()
     if kind == COMPLETION:
         prompts = tuple(completion_prompts(given.get("prompt")))
+        for prompt in prompts:  # (each goes into a request later, built on demand: checked now)
+            if isinstance(prompt, str):
+                prompt.encode("utf-8")
     else:
         request.messages.messages.extend(chat_messages(given.get("messages")))
     template_kwargs = _template_kwargs(given.get("chat_template_kwargs")) if kind == CHAT else None
