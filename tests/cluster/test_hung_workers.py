@@ -16,10 +16,13 @@ import grpc
 import pytest
 import ray
 from fault_calls import decode_inventories, greedy, read_to_end, request, wait_until
+from mixed_streams import assert_equal_to, run_mix
 from reference import english_token_ids
 from worker_checks import assert_workers_empty, inventories, num_leaked_blocks
 
 pytestmark = pytest.mark.slow
+
+NUM_HUNG_STREAMS = 6
 
 
 def held_beyond_a_cut_write(cluster) -> dict[str, list[str]]:
@@ -107,22 +110,46 @@ def test_prefill_worker_hung_mid_transfer(clusters, tokenizer, fault_report):
 
 
 def test_decode_worker_hung_for_good_is_killed_and_restarted(clusters, tokenizer, fault_report):
-    """A decode worker that stays stopped: the router marks it down after unresponsive_after_s
-    and, past restart_hung_after_s, has it killed; Ray restarts it and it serves again. (The
-    bounds are shortened for the test: 15 s and 120 s by default.)"""
+    """A decode worker that stays stopped mid-stream: the router marks it down after
+    unresponsive_after_s, its streams move to the other decode worker (each equal to an
+    uninterrupted run: router/migration.py) and, past restart_hung_after_s, has it killed; Ray
+    restarts it and it serves again. (The bounds are shortened for the test: 15 s and 120 s by
+    default.)"""
     cluster = clusters["disaggregated"]
     backend = cluster.backend
-    victim = backend.decode[0]
     assert_workers_empty(cluster)
-    pid = ray.get(victim.handle.pid.remote())
     health = backend.health
     bounds = health.unresponsive_after_s, health.restart_hung_after_s
-    health.unresponsive_after_s, health.restart_hung_after_s = 2.0, 5.0
+    pool = concurrent.futures.ThreadPoolExecutor(NUM_HUNG_STREAMS)
+    reference = run_mix(cluster, tokenizer, pool, num_streams=NUM_HUNG_STREAMS)
+    assert_workers_empty(cluster, timeout=30)
+    stop: dict[str, Any] = {}
+
+    def stop_one(outs: list[dict[Any, Any]]) -> None:
+        running = {i.instance: i.num_running for i in cluster.run(inventories(backend)) if i.role.value == "decode"}
+        stop["victim"] = max(backend.decode, key=lambda w: running[w.instance])
+        stop["running"] = running[stop["victim"].instance]
+        stop["pid"] = ray.get(stop["victim"].handle.pid.remote())
+        health.unresponsive_after_s, health.restart_hung_after_s = 2.0, 5.0
+        os.kill(stop["pid"], signal.SIGSTOP)
+        stop["at"] = time.monotonic()
+        watcher.start()
+
+    def watch() -> None:
+        while stop["victim"].healthy and time.monotonic() - stop["at"] < 10:
+            time.sleep(0.05)
+        stop["down_s"] = time.monotonic() - stop["at"]
+
+    watcher = threading.Thread(target=watch, daemon=True)
+
     try:
-        os.kill(pid, signal.SIGSTOP)
-        stopped = time.monotonic()
-        wait_until(lambda: not victim.healthy, 10, "the stopped worker is marked down")
-        down_s = time.monotonic() - stopped
+        moved = run_mix(cluster, tokenizer, pool, before_kill=stop_one, num_streams=NUM_HUNG_STREAMS)
+        victim, pid, stopped = stop["victim"], stop["pid"], stop["at"]
+        assert_equal_to(reference, moved)
+        assert stop["running"] > 0
+        watcher.join(10)
+        down_s = stop["down_s"]
+        assert down_s < 10, "the stopped worker is marked down"
         # Meanwhile the other decode worker serves.
         assert greedy(cluster, english_token_ids(tokenizer, 20), 4)
 
@@ -135,15 +162,19 @@ def test_decode_worker_hung_for_good_is_killed_and_restarted(clusters, tokenizer
         wait_until(lambda: victim.healthy, 120, "the restarted worker is taken back")
         recovery_s = time.monotonic() - stopped
     finally:
+        pool.shutdown(cancel_futures=True)
         health.unresponsive_after_s, health.restart_hung_after_s = bounds
-        try:
-            os.kill(pid, signal.SIGCONT)  # should it still be there
-        except ProcessLookupError:
-            pass
+        if "pid" in stop:
+            try:
+                os.kill(stop["pid"], signal.SIGCONT)  # should it still be there
+            except ProcessLookupError:
+                pass
     assert_workers_empty(cluster, timeout=30)
     leaked = num_leaked_blocks(cluster)
     assert leaked == 0 and backend.is_ready()
-    fault_report.add("decode worker hung for good (SIGSTOP, never resumed)", injected=1, affected=0, clear=0,
-                     leaked=leaked, recovery_s=recovery_s,
-                     note=f"marked down {down_s:.1f} s after the stop (bound 2 s), killed by the router after 5 s "
-                          "of silence, restarted by Ray, serving again; the other decode worker served meanwhile")
+    fault_report.add("decode worker hung for good (SIGSTOP, never resumed)", injected=1, affected=stop["running"],
+                     clear=stop["running"], leaked=leaked, recovery_s=recovery_s,
+                     note=f"{NUM_HUNG_STREAMS} streams (greedy, seeded, n=2, json_schema, stop strings), the "
+                          f"{stop['running']} on it moved once it was marked down ({down_s:.1f} s after the stop, "
+                          "bound 2 s), all OK and equal to the uninterrupted run; killed by the router after 5 s "
+                          "of silence, restarted by Ray, serving again")
