@@ -141,7 +141,7 @@ class PoolChanges:
             for w in self.pool(role):
                 if w.instance == instance:
                     return role, w
-        names = ", ".join(w["instance"] for w in self.describe())  # type: ignore[misc]
+        names = ", ".join(w.instance for role in self.roles() for w in self.pool(role))
         raise ValueError(f"no worker is named {instance!r} (the workers: {names})")
 
     @staticmethod
