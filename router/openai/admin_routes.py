@@ -13,6 +13,7 @@ from aiohttp import web
 
 from tandem.router.openai.errors import APIError, invalid
 from tandem.router.openai.fields import json_kind
+from tandem.router.openai.utility_routes import json_body
 from tandem.router.pool_changes import DEFAULT_DRAIN_TIMEOUT_S, PoolChanges
 from tandem.worker.api import Role
 
@@ -28,7 +29,7 @@ def add_admin_routes(app: web.Application, changes: PoolChanges | None) -> None:
 
     async def drain(request: web.Request) -> web.Response:
         pools = needed()
-        body = await _body(request)
+        body = await json_body(request)
         name = body.get("worker")
         if not isinstance(name, str) or not name:
             raise invalid("worker", f"must be a worker's name, got {json_kind(name)}")
@@ -41,7 +42,7 @@ def add_admin_routes(app: web.Application, changes: PoolChanges | None) -> None:
 
     async def scale(request: web.Request) -> web.Response:
         pools = needed()
-        body = await _body(request)
+        body = await json_body(request)
         sizes: dict[Role, int] = {}
         for role in Role:
             size = body.get(role.value)
@@ -61,16 +62,6 @@ def add_admin_routes(app: web.Application, changes: PoolChanges | None) -> None:
     app.router.add_get("/admin/workers", workers)
     app.router.add_post("/admin/drain", drain)
     app.router.add_post("/admin/scale", scale)
-
-
-async def _body(request: web.Request) -> dict[str, Any]:
-    try:
-        body = await request.json()
-    except ValueError:
-        raise invalid(None, "the request body is not valid JSON") from None
-    if not isinstance(body, dict):
-        raise invalid(None, f"the request body must be a JSON object, got {json_kind(body)}")
-    return body
 
 
 def _seconds(body: dict[str, Any], name: str) -> float:

@@ -30,7 +30,7 @@ def add_utility_routes(app: web.Application, tokenizer: RouterTokenizer, limits:
     expected = None if metrics_token is None else f"Bearer {metrics_token}"
 
     async def tokenize(request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await json_body(request)
         if "messages" in body:
             tokens = _chat_tokens(body, tokenizer, limits, model_names)
         else:
@@ -45,7 +45,7 @@ def add_utility_routes(app: web.Application, tokenizer: RouterTokenizer, limits:
                                   "token_strs": None})
 
     async def detokenize(request: web.Request) -> web.Response:
-        body = await _json_body(request)
+        body = await json_body(request)
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < tokenizer.vocab_size for t in tokens):
             raise invalid("tokens", f"must be an array of token ids in [0, {tokenizer.vocab_size})")
@@ -72,7 +72,7 @@ def add_utility_routes(app: web.Application, tokenizer: RouterTokenizer, limits:
     app.router.add_get(METRICS_PATH, metrics)
 
 
-async def _json_body(request: web.Request) -> dict[str, Any]:
+async def json_body(request: web.Request) -> dict[str, Any]:
     try:
         body = await request.json()
     except ValueError:

@@ -18,6 +18,7 @@ from typing import Any
 
 from tandem.config import ModelConfig, gib_to_bytes
 from tandem.config.engine_options import ENGINE_DEFAULTS, MODEL_HELP
+from tandem.sim.console import say
 from tandem.sim.spec import ClusterSpec, PoolSpec, SimRequest, StepTimeModel
 
 logger = logging.getLogger(__name__)
@@ -188,18 +189,18 @@ def print_sim(report, spec: ClusterSpec) -> None:
     from tandem.sim.run import PHASES
 
     if report.decisions:
-        print("prefill decisions: " + ", ".join(f"{k} {n}" for k, n in report.decisions.items()))
-    print(f"{'time by phase (ms)':<24}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
+        say("prefill decisions: " + ", ".join(f"{k} {n}" for k, n in report.decisions.items()))
+    say(f"{'time by phase (ms)':<24}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
     fmt = lambda x: "-" if x is None else f"{x:.1f}"  # noqa: E731
     for phase in PHASES:
         s = report.breakdown[phase]
         if spec.mode == "colocated" and phase == "transfer":
             continue
-        print(f"  {phase:<22}" + "".join(f"{fmt(s[k]):>10}" for k in ("mean", "p50", "p90", "p99")))
+        say(f"  {phase:<22}" + "".join(f"{fmt(s[k]):>10}" for k in ("mean", "p50", "p90", "p99")))
     for name, w in report.workers.items():
-        print(f"  {name}: {w['steps']} steps, busy {w['busy']:.0%}, {w['preemptions']} preemptions, "
+        say(f"  {name}: {w['steps']} steps, busy {w['busy']:.0%}, {w['preemptions']} preemptions, "
               f"{w['prefix_hit_tokens']} prefix-hit tokens")
-    print(f"simulated {report.sim_s:.2f} s in {report.wall_s:.3f} s: {report.speed_factor:.0f}x real time")
+    say(f"simulated {report.sim_s:.2f} s in {report.wall_s:.3f} s: {report.speed_factor:.0f}x real time")
 
 
 def validate(args: argparse.Namespace) -> int:
@@ -227,13 +228,13 @@ def validate(args: argparse.Namespace) -> int:
         for threads, serving in found.items():
             fits[threads].meta["serving"] = {**serving, "from": os.path.abspath(args.calibrate)}
             fits[threads].to_json(fit_path(threads))
-            print(f"{threads} thread(s) per worker: a served step = {serving['scale']:g} x the step alone + "
+            say(f"{threads} thread(s) per worker: a served step = {serving['scale']:g} x the step alone + "
                   f"{serving['step_overhead_s'] * 1e3:g} ms (median error {serving['median_error']:.1%} on these runs)")
         return 0
     comparisons = compare_runs(results, shape, fit_for, token_ids)
-    print(table(comparisons))
+    say(table(comparisons))
     summary = error_summary(comparisons)
-    print(f"\n|error|: median {summary['median']:.1%}, max {summary['max']:.1%} over {summary['count']} values")
+    say(f"\n|error|: median {summary['median']:.1%}, max {summary['max']:.1%} over {summary['count']} values")
     return 0
 
 
@@ -254,10 +255,10 @@ def run(args: argparse.Namespace) -> int:
     else:
         assert spec.prefill is not None and spec.decode is not None  # disaggregated: both pools
         pools, some = [f"{spec.prefill.num_workers} prefill", f"{spec.decode.num_workers} decode"], spec.decode
-    print(f"\n== tandem simulate: {shape.name}, {' + '.join(pools)} worker(s), {some.num_kv_blocks} KV blocks of "
+    say(f"\n== tandem simulate: {shape.name}, {' + '.join(pools)} worker(s), {some.num_kv_blocks} KV blocks of "
           f"{some.block_size}, budget {some.max_num_batched_tokens} tokens, routing {spec.routing_policy}"
           + (f", disagg {spec.disagg_policy}" if spec.mode == "disaggregated" else "") + " ==")
-    print(f"steps: {about}; KV link {spec.link_bytes_per_s / 1e9:g} GB/s + {spec.link_latency_s * 1e6:g} us")
+    say(f"steps: {about}; KV link {spec.link_bytes_per_s / 1e9:g} GB/s + {spec.link_latency_s * 1e6:g} us")
     runs: list[dict[str, Any]] = []
     for rate, requests in workloads(args, shape):
         report = simulate(spec, requests, step_model, shape, slo, dtype)

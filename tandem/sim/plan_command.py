@@ -17,6 +17,7 @@ from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
+from tandem.sim.console import say
 from tandem.sim.plan_search import MEMORY_FRACTION, Candidate, Hardware, Outcome, PlanSearch, Settings
 
 logger = logging.getLogger(__name__)
@@ -224,48 +225,48 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:
         text = json.dumps(report, indent=2)
         if args.json == "-":
-            print(text)
+            say(text)
             return 0
         with open(args.json, "w", encoding="utf-8") as f:
             f.write(text)
     slo_text = ", ".join(f"{k} {v:g} ms" for k, v in slo.items())
-    print(f"\n== tandem plan --slo: {search.hw.shape.name} ({dtype}) on up to {search.settings.num_gpus} "
+    say(f"\n== tandem plan --slo: {search.hw.shape.name} ({dtype}) on up to {search.settings.num_gpus} "
           f"{search.hw.gpu.name}, {slo_text}, {search.settings.attainment:.0%} attainment ==")
-    print(f"workload: {search.workload.describe()}")
-    print("score: the highest request rate with the attainment met (simulated), per GPU of the configuration\n")
-    print("\n".join(table(outcomes, args.top)))
-    print(f"\nbest: {best.candidate.label()}: {best.max_rate:.2f} req/s on {best.candidate.gpus} GPU(s), "
+    say(f"workload: {search.workload.describe()}")
+    say("score: the highest request rate with the attainment met (simulated), per GPU of the configuration\n")
+    say("\n".join(table(outcomes, args.top)))
+    say(f"\nbest: {best.candidate.label()}: {best.max_rate:.2f} req/s on {best.candidate.gpus} GPU(s), "
           f"{best.score:.2f} req/s per GPU")
     if best.bound == "lower":
-        print(f"note: it passed every rate probed (a lower bound): at the last, the {len(search.workload.requests)} "
+        say(f"note: it passed every rate probed (a lower bound): at the last, the {len(search.workload.requests)} "
               "requests of a probe came as one burst, or --max-probes ran out; more --num-prompts may bound it")
     if ratio is not None and disagg is not None and colo is not None:
-        print(f"best disaggregated / best colocated, per GPU: {disagg.score:.2f} / {colo.score:.2f} = {ratio:.2f}x")
-    print(f"deployment: {copies} cop{'y' if copies == 1 else 'ies'} of it, {cluster.gpus} GPU(s), about "
+        say(f"best disaggregated / best colocated, per GPU: {disagg.score:.2f} / {colo.score:.2f} = {ratio:.2f}x")
+    say(f"deployment: {copies} cop{'y' if copies == 1 else 'ies'} of it, {cluster.gpus} GPU(s), about "
           f"{best.max_rate * copies:.2f} req/s")
     for check in checks:
-        print(f"  simulated so, routing {check['routing']}: {check['attainment']:.0%} within the SLO "
+        say(f"  simulated so, routing {check['routing']}: {check['attainment']:.0%} within the SLO "
               f"({'held' if check['passed'] else 'missed'})")
-    print(f"\n{shlex.join(argv)}\n\n# Helm (helm install ... -f deploy/helm/tandem/values-gpu.yaml -f this.yaml):")
-    print(yaml.safe_dump(helm, sort_keys=False).rstrip())
+    say(f"\n{shlex.join(argv)}\n\n# Helm (helm install ... -f deploy/helm/tandem/values-gpu.yaml -f this.yaml):")
+    say(yaml.safe_dump(helm, sort_keys=False).rstrip())
     if args.distserve:
         print_distserve(placements, ratio, colo, disagg)
-    print(f"\nsearched in {wall_s:.0f} s")
+    say(f"\nsearched in {wall_s:.0f} s")
     return 0
 
 
 def print_distserve(placements: dict[Candidate, Outcome], ratio: float | None, colo: Outcome | None,
                     disagg: Outcome | None) -> None:
     """The DistServe case beside DistServe's published figure."""
-    print("\n== DistServe case: OPT-13B class (Llama-2-13B shape), chatbot (ShareGPT-like, approximated), "
+    say("\n== DistServe case: OPT-13B class (Llama-2-13B shape), chatbot (ShareGPT-like, approximated), "
           "TTFT 250 ms / TPOT 100 ms at 90%, A100-80GB ==")
     if ratio is not None and disagg is not None and colo is not None:
-        print(f"this planner: best disaggregated {disagg.score:.2f} / best colocated {colo.score:.2f} req/s per GPU "
+        say(f"this planner: best disaggregated {disagg.score:.2f} / best colocated {colo.score:.2f} req/s per GPU "
               f"= {ratio:.2f}x")
     ds, vllm = (placements.get(c) for c in DISTSERVE_PLACEMENTS)
     if ds is not None and vllm is not None and vllm.score > 0:
-        print(f"DistServe's placement here (1 prefill TP2 + 1 decode TP1): {ds.score:.2f} req/s per GPU; "
+        say(f"DistServe's placement here (1 prefill TP2 + 1 decode TP1): {ds.score:.2f} req/s per GPU; "
               f"vLLM's (1 colocated TP1): {vllm.score:.2f}; = {ds.score / vllm.score:.2f}x")
-    print(DISTSERVE_PUBLISHED)
-    print("ours is a simulation of tandem's own scheduler (chunked prefill in the colocated baseline) with steps "
+    say(DISTSERVE_PUBLISHED)
+    say("ours is a simulation of tandem's own scheduler (chunked prefill in the colocated baseline) with steps "
           "priced by a spec-sheet roofline, not DistServe's system nor a measurement")

@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 from fault_calls import wait_until
 from reference import english_token_ids
+from worker_checks import inventories
 
 from tandem.proto import generation_pb2 as pb
 
@@ -85,3 +86,8 @@ def assert_equal_to(reference: list[dict[Any, Any]], outs: list[dict[Any, Any]])
     assert not failed, failed
     differ = [i for i, (a, b) in enumerate(zip(reference, outs)) if outputs(a) != outputs(b)]
     assert not differ, [(i, outputs(reference[i]), outputs(outs[i])) for i in differ[:2]]
+
+
+def decode_running(cluster) -> dict[str, int]:
+    """Sequences running on each decode worker now, by its name."""
+    return {i.instance: i.num_running for i in cluster.run(inventories(cluster.backend)) if i.role.value == "decode"}

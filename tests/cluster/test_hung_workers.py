@@ -16,7 +16,7 @@ import grpc
 import pytest
 import ray
 from fault_calls import decode_inventories, greedy, read_to_end, request, wait_until
-from mixed_streams import assert_equal_to, run_mix
+from mixed_streams import assert_equal_to, decode_running, run_mix
 from reference import english_token_ids
 from worker_checks import assert_workers_empty, inventories, num_leaked_blocks
 
@@ -126,7 +126,7 @@ def test_decode_worker_hung_for_good_is_killed_and_restarted(clusters, tokenizer
     stop: dict[str, Any] = {}
 
     def stop_one(outs: list[dict[Any, Any]]) -> None:
-        running = {i.instance: i.num_running for i in cluster.run(inventories(backend)) if i.role.value == "decode"}
+        running = decode_running(cluster)
         stop["victim"] = max(backend.decode, key=lambda w: running[w.instance])
         stop["running"] = running[stop["victim"].instance]
         stop["pid"] = ray.get(stop["victim"].handle.pid.remote())

@@ -17,9 +17,9 @@ import pytest
 import ray
 from fault_calls import assert_serves, request, wait_until
 from metrics_text import parse_samples, total
-from mixed_streams import NUM_STREAMS, assert_equal_to, outputs, run_mix
+from mixed_streams import NUM_STREAMS, assert_equal_to, decode_running, outputs, run_mix
 from reference import english_token_ids
-from worker_checks import assert_workers_empty, inventories, num_leaked_blocks
+from worker_checks import assert_workers_empty, num_leaked_blocks
 
 from tandem import cli
 
@@ -53,8 +53,7 @@ def assert_each_decode_worker_serves(cluster, tokenizer) -> None:
             calls.append(stub.Generate(request(english_token_ids(tokenizer, 16, skip=11 * i), 400), timeout=120))
             assert next(calls[-1]).token_ids
             time.sleep(0.3)  # the router's poller refreshes the loads
-        running = {i.instance: i.num_running for i in cluster.run(inventories(cluster.backend))
-                   if i.role.value == "decode"}
+        running = decode_running(cluster)
         assert sorted(running.values()) == [1, 1], running
     finally:
         for call in calls:
@@ -70,8 +69,7 @@ def test_decode_worker_killed_mid_stream_loses_no_request(clusters, tokenizer, r
         killed: dict[str, Any] = {}
 
         def kill(outs: list[dict[Any, Any]]) -> None:
-            running = {i.instance: i.num_running for i in cluster.run(inventories(backend))
-                       if i.role.value == "decode"}
+            running = decode_running(cluster)
             assert all(running.values()), running  # the streams are on both decode workers
             killed["victim"] = max(backend.decode, key=lambda w: running[w.instance])
             killed["running"] = running[killed["victim"].instance]
@@ -124,7 +122,7 @@ def test_a_decode_worker_added_then_drained_under_load_fails_nothing(clusters, t
     drained: dict[str, Any] = {}
 
     def drain(outs: list[dict[Any, Any]]) -> None:
-        running = {i.instance: i.num_running for i in cluster.run(inventories(backend)) if i.role.value == "decode"}
+        running = decode_running(cluster)
         assert running[added.instance] > 0, running  # least_loaded sent the new worker its share
         drained["running"] = running[added.instance]
         assert cli.main(["drain", added.instance, "--url", url, "--timeout-s", "1"]) == 0
