@@ -1,5 +1,5 @@
-"""`tandem drain` and `tandem scale`: a serving cluster's workers changed through its router's
-admin routes (router/openai/admin_routes.py), over HTTP with the API key."""
+"""`tandem drain`, `tandem scale` and `tandem restart`: a serving cluster's workers changed
+through its router's admin routes (router/openai/admin_routes.py), over HTTP with the admin key."""
 
 from __future__ import annotations
 
@@ -7,27 +7,40 @@ import argparse
 import json
 import logging
 import os
+import ssl
 import sys
 import urllib.error
 import urllib.request
 from typing import Any
 
+from tandem.router.auth import ADMIN_API_KEY_ENV
 from tandem.router.pool_changes import DEFAULT_DRAIN_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
 
-API_KEY_ENV = "TANDEM_API_KEY"
-
 
 def add_commands(commands: Any) -> None:
-    """Register drain and scale on the CLI's subcommands."""
-    p = commands.add_parser("drain", help="take a worker out of a serving cluster without failing a request")
-    p.add_argument("worker", help="the worker's name (GET /admin/workers lists them, e.g. decode-1)")
+    """Register drain, scale and restart on the CLI's subcommands."""
+    p = commands.add_parser("drain", help="take a worker (or every worker of a node) out of a serving cluster "
+                                          "without failing a request")
+    p.add_argument("worker", nargs="?", help="the worker's name (GET /admin/workers lists them, e.g. decode-1)")
+    p.add_argument("--node-ip", default=None, help="instead: every worker on the Ray node at this address "
+                                                   "(a Kubernetes preStop hook gives its pod's IP)")
+    p.add_argument("--replace", action="store_true",
+                   help="start a replacement in the same pool first, so the pool keeps its size")
     p.add_argument("--timeout-s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
                    help="how long its requests may take to finish before the rest move to other workers "
                         f"(default {DEFAULT_DRAIN_TIMEOUT_S:g})")
     _connection_args(p)
     p.set_defaults(func=drain)
+
+    p = commands.add_parser("restart", help="a rolling restart: each worker replaced in turn (a new one started, "
+                                            "then the old one drained)")
+    p.add_argument("workers", nargs="*", help="the workers to restart (default: every worker)")
+    p.add_argument("--drain-timeout-s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                   help=f"as tandem drain's --timeout-s, for each worker (default {DEFAULT_DRAIN_TIMEOUT_S:g})")
+    _connection_args(p)
+    p.set_defaults(func=restart)
 
     p = commands.add_parser("scale", help="bring a serving cluster's pools to these sizes (added workers join once "
                                           "loaded; removed ones are drained)")
@@ -41,11 +54,21 @@ def add_commands(commands: Any) -> None:
 
 def _connection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the router's HTTP API (default %(default)s)")
-    p.add_argument("--api-key", default=None, help=f"the router's API key (default: ${API_KEY_ENV})")
+    p.add_argument("--admin-api-key", default=None, help=f"the router's admin key (default: ${ADMIN_API_KEY_ENV})")
+    p.add_argument("--tls-ca", default=None, help="an https --url's CA certificate (PEM; default: the system's)")
 
 
 def drain(args: argparse.Namespace) -> int:
-    return _post(args, "/admin/drain", {"worker": args.worker, "timeout_s": args.timeout_s})
+    if (args.worker is None) == (args.node_ip is None):
+        sys.stderr.write("tandem drain: give a worker's name or --node-ip, not both\n")
+        return 2
+    where = {"worker": args.worker} if args.node_ip is None else {"node_ip": args.node_ip}
+    return _post(args, "/admin/drain", {**where, "replace": args.replace, "timeout_s": args.timeout_s})
+
+
+def restart(args: argparse.Namespace) -> int:
+    return _post(args, "/admin/restart", {**({"workers": args.workers} if args.workers else {}),
+                                          "drain_timeout_s": args.drain_timeout_s})
 
 
 def scale(args: argparse.Namespace) -> int:
@@ -55,12 +78,13 @@ def scale(args: argparse.Namespace) -> int:
 
 def _post(args: argparse.Namespace, path: str, body: dict[str, Any]) -> int:
     """POST body; the answer to stdout as JSON (exit 0), or the router's error to stderr (exit 1)."""
-    key = args.api_key or os.environ.get(API_KEY_ENV)
+    key = args.admin_api_key or os.environ.get(ADMIN_API_KEY_ENV)
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     request = urllib.request.Request(args.url.rstrip("/") + path, json.dumps(body).encode(), headers)
     try:
         # (a drain waits for its requests: no timeout of our own beyond theirs)
-        with urllib.request.urlopen(request) as response:
+        context = None if args.tls_ca is None else ssl.create_default_context(cafile=args.tls_ca)
+        with urllib.request.urlopen(request, context=context) as response:
             sys.stdout.write(json.dumps(json.load(response), indent=2) + "\n")
         return 0
     except urllib.error.HTTPError as e:

@@ -21,6 +21,8 @@ AUTH_TOKEN_ENV = "TANDEM_AUTH_TOKEN"
 """One key, of the tenant DEFAULT_TENANT."""
 API_KEYS_ENV = "TANDEM_API_KEYS"
 """Several keys, each naming its tenant: ``tenant=key,tenant=key`` (with AUTH_TOKEN_ENV too)."""
+ADMIN_API_KEY_ENV = "TANDEM_ADMIN_API_KEY"
+"""The admin key: the only key the admin routes (draining, scaling) take when tenants' keys are set."""
 DEFAULT_TENANT = "default"
 OPEN_SERVICES = ("/grpc.health.v1.Health/",)
 
@@ -73,6 +75,16 @@ def api_keys_from_env(api_key: str | None = None) -> ApiKeys | None:
     if token := api_key or auth_token_from_env():
         tenants[token] = DEFAULT_TENANT
     return ApiKeys(tenants) if tenants else None
+
+
+def admin_key_from_env(admin_key: str | None = None) -> str | None:
+    """The router's admin key: ``admin_key`` (``--admin-api-key``) or else $TANDEM_ADMIN_API_KEY."""
+    return admin_key or os.environ.get(ADMIN_API_KEY_ENV) or None
+
+
+def carries_key(authorization: str, key: str) -> bool:
+    """Whether an ``authorization`` header carries ``key`` (compared in constant time)."""
+    return hmac.compare_digest(authorization.encode("utf-8", "surrogateescape"), f"Bearer {key}".encode())
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):

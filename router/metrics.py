@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tandem.router.autoscale import SloWindow
 from tandem.router.disagg import DECISION_REASONS
 from tandem.worker.metric_buckets import REQUEST_SECONDS, TOKEN_LATENCY_SECONDS, TTFT_SECONDS, token_count_buckets
 
@@ -38,6 +39,8 @@ class RouterMetrics:
         self.model_name = model_name
         self.num_running = 0
         self.num_waiting = num_waiting
+        self.slo_window: SloWindow | None = None
+        """Where finished requests' TTFT and TPOT go for the autoscaler (None: no autoscaler)."""
         labels = ("model_name",)
 
         def histogram(name: str, documentation: str, buckets):
@@ -126,8 +129,12 @@ class RequestTimer:
     def finished(self, num_output_tokens: int) -> None:
         now = time.perf_counter()
         self.metrics.e2e.observe(now - self.arrival)
+        tpot = None
         if self.first_token is not None and num_output_tokens > 1:
-            self.metrics.tpot.observe((now - self.first_token) / (num_output_tokens - 1))
+            tpot = (now - self.first_token) / (num_output_tokens - 1)
+            self.metrics.tpot.observe(tpot)
+        if self.metrics.slo_window is not None and self.first_token is not None:
+            self.metrics.slo_window.record(time.monotonic(), self.first_token - self.arrival, tpot)
 
 
 class _RouterGauges(Collector):

@@ -1,8 +1,10 @@
 """Changing a serving cluster's pools: draining a worker out (no new requests; those it holds
 finish, or move to another worker at the drain's end: router/migration.py; then it exits for
-good), adding a worker (it joins routing once it has loaded the model), and scaling a pool
-to a size by doing either. Nothing a client sent fails: a drained worker's streams go on
-elsewhere, and a drain that would leave its pool without a worker is refused."""
+good), adding a worker (it joins routing once it has loaded the model), scaling a pool to a
+size by doing either, and replacing workers (a new one added, then the old one drained: a
+rolling restart, or a node taken down by Kubernetes' preStop hook). Nothing a client sent
+fails: a drained worker's streams go on elsewhere, and a drain that would leave its pool
+without a worker is refused."""
 
 from __future__ import annotations
 
@@ -95,6 +97,49 @@ class PoolChanges:
                        time.monotonic() - start, num_at_start - held, held)
         return DrainResult(instance, num_at_start, held, time.monotonic() - start)
 
+    async def replace(self, instance: str, drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> list[str]:
+        """A new worker in ``instance``'s pool (once it serves), then ``instance`` drained.
+        -> what it did, e.g. ["added decode-3", "drained decode-0"]."""
+        async with self._lock:
+            return await self._replace(instance, drain_timeout_s)
+
+    async def _replace(self, instance: str, drain_timeout_s: float) -> list[str]:
+        role, _ = self._find(instance)
+        added = await self._add(role)
+        await self._drain(instance, drain_timeout_s)
+        return [f"added {added.instance}", f"drained {instance}"]
+
+    async def restart(self, instances: list[str] | None = None,
+                      drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S) -> list[str]:
+        """A rolling restart: each worker of ``instances`` (None: every worker) replaced in turn,
+        so each pool keeps its size and never drops below it."""
+        async with self._lock:
+            names = instances if instances is not None else [
+                w.instance for role in self.roles() for w in self.pool(role)]
+            for name in names:
+                self._find(name)  # every name known before anything changes
+            done: list[str] = []
+            for name in names:
+                done += await self._replace(name, drain_timeout_s)
+            return done
+
+    async def drain_node(self, node_ip: str, timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+                         replace: bool = False) -> list[str]:
+        """Drain (or with ``replace``, replace) every worker on the Ray node at ``node_ip``: what
+        a node's preStop hook asks before Kubernetes stops it. -> what it did."""
+        async with self._lock:
+            workers = [w for role in self.roles() for w in self.pool(role)]
+            ips = await asyncio.gather(*(_node_ip(w) for w in workers))
+            names = [w.instance for w, ip in zip(workers, ips) if ip == node_ip]
+            done: list[str] = []
+            for name in names:
+                if replace:
+                    done += await self._replace(name, timeout_s)
+                else:
+                    await self._drain(name, timeout_s)
+                    done.append(f"drained {name}")
+            return done
+
     async def add(self, role: Role) -> WorkerState:
         """Start one worker in ``role``'s pool; it joins routing once it serves."""
         async with self._lock:
@@ -156,6 +201,14 @@ class PoolChanges:
     def _remove(self, role: Role, w: WorkerState) -> None:
         self.backend.remove_worker(role, w)
         _end(w)
+
+
+async def _node_ip(w: WorkerState) -> str | None:
+    """The address of the Ray node ``w`` runs on (None: it does not answer)."""
+    try:
+        return await asyncio.wait_for(w.handle.node_ip.remote(), 5.0)
+    except Exception:  # noqa: BLE001 - dead or stuck: not on any node that can be drained
+        return None
 
 
 def _end(w: WorkerState) -> None:

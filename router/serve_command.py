@@ -18,7 +18,14 @@ from tandem.kvtransfer.connectors.registry import kv_transports
 from tandem.kvtransfer.curve import SECRET_ENV
 from tandem.kvtransfer.path_choice import ALLOW_UNENCRYPTED_FLAG, PAIR_PATHS
 from tandem.model.generation_defaults import GENERATION_CONFIG_CHOICES_HELP
-from tandem.router.auth import API_KEYS_ENV, AUTH_TOKEN_ENV, api_keys_from_env
+from tandem.router.auth import (
+    ADMIN_API_KEY_ENV,
+    API_KEYS_ENV,
+    AUTH_TOKEN_ENV,
+    admin_key_from_env,
+    api_keys_from_env,
+)
+from tandem.router.autoscale import AutoscaleConfig, SloWindow, parse_pool_bounds
 from tandem.router.disagg import DEFAULT_MAX_LOCAL_STALL_S, DISAGG_POLICIES
 from tandem.router.limits import add_limit_args, limits_from_args
 from tandem.router.metrics_endpoint import DEFAULT_METRICS_PORT, METRICS_TOKEN_ENV
@@ -26,6 +33,7 @@ from tandem.router.placement import add_placement_args, placement_options
 from tandem.router.policy import POLICIES
 from tandem.router.pool_stats import log_pool_stats
 from tandem.router.tls import TLSFiles
+from tandem.worker.api import Role
 from tandem.worker.step_priority import SERVING_NICENESS, lower_threads
 
 logger = logging.getLogger(__name__)
@@ -70,6 +78,15 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key", default=None,
                         help=f"calls must carry `authorization: Bearer <key>` with this key (as ${AUTH_TOKEN_ENV}; "
                              f"${API_KEYS_ENV} adds keys naming tenants)")
+    parser.add_argument("--admin-api-key", default=None,
+                        help=f"the only key the admin routes (tandem drain, scale, restart) take (default: "
+                             f"${ADMIN_API_KEY_ENV}); without it they are open where no API key is set, else off")
+    parser.add_argument("--autoscale", action="append", default=[], metavar="POOL=MIN:MAX",
+                        help="scale this pool between MIN and MAX workers from its queues, KV use and SLO "
+                             "attainment, e.g. --autoscale decode=1:4 (repeat per pool; default: fixed pools)")
+    parser.add_argument("--autoscale-slo", nargs=2, type=float, default=[4000.0, 200.0], metavar=("TTFT_MS", "TPOT_MS"),
+                        help="the SLO the autoscaler keeps: time to first token (the prefill pool's) and per "
+                             "output token (the decode pool's), in ms (default 4000 200)")
     parser.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                         help="the chat template to render messages with: a Jinja file, or the template itself "
                              "(default: the model's)")
@@ -156,10 +173,12 @@ def run(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace) -> int:
     import ray
 
+    from tandem.router.autoscaler import Autoscaler
     from tandem.router.cluster import ClusterConfig, start_cluster, stop_cluster
     from tandem.router.server import bound_port, drain, http_port, metrics_port, serve
 
     limits = limits_from_args(args)  # refuse bad limits (and TLS files) before any worker starts
+    autoscale = autoscale_config_of(args)
     tls = TLSFiles.of(args.tls_certfile, args.tls_keyfile)
     chat_template = read_chat_template(args.chat_template)
     prefill_tp, decode_tp = pool_tp(args)
@@ -187,7 +206,15 @@ async def _serve(args: argparse.Namespace) -> int:
     server = await serve(backend, args.host, args.port, metrics_port=args.metrics_port, auth_token=keys,
                         limits=limits, http_port=None if args.http_port < 0 else args.http_port, tls=tls,
                         metrics_token=os.environ.get(METRICS_TOKEN_ENV) or None,
-                        served_model_names=args.served_model_name, chat_template=chat_template)
+                        served_model_names=args.served_model_name, chat_template=chat_template,
+                        admin_key=admin_key_from_env(args.admin_api_key))
+    autoscaler = None
+    if autoscale is not None:
+        assert backend.pool_changes is not None and backend.metrics is not None  # start_cluster's, serve's
+        autoscaler = Autoscaler(backend.pool_changes, autoscale,
+                                SloWindow(args.autoscale_slo[0] / 1000, args.autoscale_slo[1] / 1000))
+        backend.metrics.slo_window = autoscaler.slo
+        autoscaler.start()
     scheme = "http" if tls is None else "https"
     where = f"{args.host}:{bound_port(server)}"
     print(f"tandem: serving {backend.tokenizer_spec.model_name} on {where} (gRPC tandem.v1.Generation)"
@@ -207,8 +234,23 @@ async def _serve(args: argparse.Namespace) -> int:
     await stop.wait()
     print("tandem: draining...", file=sys.stderr, flush=True)
     stats.cancel()
+    if autoscaler is not None:
+        await autoscaler.stop()
     await drain(server, grace=5.0)
     stop_cluster(backend)
     ray.shutdown()
     print("tandem: stopped", file=sys.stderr, flush=True)
     return 0
+
+
+
+def autoscale_config_of(args: argparse.Namespace) -> AutoscaleConfig | None:
+    """What --autoscale asks for (None without it); ValueError for bad bounds or a pool the
+    cluster will not have."""
+    if not args.autoscale:
+        return None
+    bounds = dict(parse_pool_bounds(text) for text in args.autoscale)
+    pools = {Role.COLOCATED} if args.colocated else {Role.PREFILL, Role.DECODE}
+    if other := [role.value for role in bounds if role not in pools]:
+        raise ValueError(f"--autoscale {other[0]}=...: this cluster has no {other[0]} pool")
+    return AutoscaleConfig(bounds)

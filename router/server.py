@@ -65,7 +65,8 @@ async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
                 auth_token: str | ApiKeys | None = None, health_poll_s: float = HEALTH_POLL_S,
                 limits: RequestLimits | None = None, http_port: int | None = None,
                 tls: TLSFiles | None = None, metrics_token: str | None = None,
-                served_model_names: Sequence[str] | None = None, chat_template: str | None = None) -> grpc.aio.Server:
+                served_model_names: Sequence[str] | None = None, chat_template: str | None = None,
+                admin_key: str | None = None) -> grpc.aio.Server:
     """Start the router on ``host:port`` (loopback unless told otherwise; port 0 picks a free
     one, see ``bound_port``) -> the started server. Health says NOT_SERVING until
     ``backend.is_ready()``, then follows it; ``drain(server)`` is the way to stop.
@@ -82,7 +83,8 @@ async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
     metrics_token: scrapes of ``/metrics`` must carry ``Authorization: Bearer <metrics_token>``.
     served_model_names: the names the OpenAI API answers to (the first is the one it reports,
     and the metrics' model_name; default: the model's). chat_template: render chat messages
-    with this template instead of the model's.
+    with this template instead of the model's. admin_key: the only key the admin routes
+    (draining, scaling: router/openai/admin_routes.py) take.
     """
     if tokenizer is None:
         spec = backend.tokenizer_spec
@@ -122,7 +124,8 @@ async def serve(backend: Backend, host: str = "127.0.0.1", port: int = 50051, *,
         if http_port is not None:
             openai_endpoint = await start_openai_endpoint(backend, tokenizer, metrics, limits, host, http_port, keys,
                                                           ssl_context=None if tls is None else tls.ssl_context(),
-                                                          model_names=model_names, metrics_token=metrics_token)
+                                                          model_names=model_names, metrics_token=metrics_token,
+                                                          admin_key=admin_key)
         await server.start()
         await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
     except BaseException:

@@ -267,7 +267,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from tandem.router import admin_command
 
-    admin_command.add_commands(commands)  # tandem drain, tandem scale
+    admin_command.add_commands(commands)  # tandem drain, scale, restart
 
     p = commands.add_parser("download", help="fetch a hub model into the local Hugging Face cache (what workers load)")
     p.add_argument("model", help="a Hugging Face hub id (org/name)")

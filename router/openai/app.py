@@ -17,11 +17,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from tandem.router.auth import ApiKeys
+from tandem.router.auth import ApiKeys, carries_key
 from tandem.router.backend import Backend
 from tandem.router.limits import RequestLimits
 from tandem.router.metrics import RouterMetrics
-from tandem.router.openai.admin_routes import add_admin_routes
+from tandem.router.openai.admin_routes import ADMIN_PREFIX, add_admin_routes
 from tandem.router.openai.errors import APIError
 from tandem.router.openai.generation import TENANT_KEY, Generation
 from tandem.router.openai.protocol import CHAT, COMPLETION
@@ -60,7 +60,7 @@ async def start_openai_endpoint(backend: Backend, tokenizer: RouterTokenizer, me
                                 auth_token: str | ApiKeys | None = None, *, grace_s: float = STOP_GRACE_S,
                                 ssl_context: ssl.SSLContext | None = None,
                                 model_names: Sequence[str] | None = None,
-                                metrics_token: str | None = None) -> OpenAIEndpoint:
+                                metrics_token: str | None = None, admin_key: str | None = None) -> OpenAIEndpoint:
     """Serve the OpenAI-compatible API on host:port (0: a free port) on the running loop.
 
     Requests share the gRPC API's admission bound (``metrics.num_running`` against
@@ -68,14 +68,15 @@ async def start_openai_endpoint(backend: Backend, tokenizer: RouterTokenizer, me
     ``Authorization: Bearer`` key (or one of the keys) every route but /health needs (None: open). grace_s:
     how long stop() waits for running requests. ssl_context: HTTPS (None: HTTP). model_names:
     the names requests may give as ``model`` (the first is reported; default: the tokenizer's
-    model name). metrics_token: what /metrics scrapes must carry (None: open). A busy port
-    raises OSError.
+    model name). metrics_token: what /metrics scrapes must carry (None: open). admin_key: the
+    only key the admin routes take (None: they take none, and are open only where no key is
+    set at all). A busy port raises OSError.
     """
     if auth_token is not None and not auth_token:
         raise ValueError("the auth token must not be empty")
     generation = Generation(backend, tokenizer, metrics, limits, model_names)
     open_paths = OPEN_PATHS + ((METRICS_PATH,) if metrics_token else ())
-    app = _application(generation, backend, ApiKeys.of(auth_token), limits.max_body_bytes, open_paths)
+    app = _application(generation, backend, ApiKeys.of(auth_token), admin_key, limits.max_body_bytes, open_paths)
     add_utility_routes(app, tokenizer, limits, generation.model_names, metrics.registry, metrics_token)
     add_admin_routes(app, getattr(backend, "pool_changes", None))
     # handler_cancellation: a client that disconnects cancels its handler at once, wherever
@@ -93,9 +94,11 @@ async def start_openai_endpoint(backend: Backend, tokenizer: RouterTokenizer, me
     return OpenAIEndpoint(runner, bound)
 
 
-def _application(generation: Generation, backend: Backend, keys: ApiKeys | None, client_max_size: int,
-                 open_paths: tuple[str, ...]) -> web.Application:
-    middlewares: list[Middleware] = [_errors] + ([_auth(keys, open_paths)] if keys else [])
+def _application(generation: Generation, backend: Backend, keys: ApiKeys | None, admin_key: str | None,
+                 client_max_size: int, open_paths: tuple[str, ...]) -> web.Application:
+    middlewares: list[Middleware] = [_errors, _admin_auth(admin_key, keys)]
+    if keys:
+        middlewares.append(_auth(keys, open_paths))
     app = web.Application(middlewares=middlewares, client_max_size=client_max_size)
     created = int(time.time())
     names = generation.model_names
@@ -154,7 +157,7 @@ async def _errors(request: web.Request, handler: Handler) -> web.StreamResponse:
 def _auth(keys: ApiKeys, open_paths: tuple[str, ...]) -> Middleware:
     @web.middleware
     async def auth(request: web.Request, handler: Handler) -> web.StreamResponse:
-        if request.path in open_paths:
+        if request.path in open_paths or request.path.startswith(ADMIN_PREFIX):  # (those: _admin_auth's)
             return await handler(request)
         given = request.headers.get("Authorization", "")
         tenant = keys.tenant_of(given)
@@ -167,3 +170,27 @@ def _auth(keys: ApiKeys, open_paths: tuple[str, ...]) -> Middleware:
                        code="invalid_api_key")
 
     return auth
+
+
+def _admin_auth(admin_key: str | None, keys: ApiKeys | None) -> Middleware:
+    """The admin routes take only the admin key; with no key set at all (a router on loopback
+    for one user), they are as open as every other route."""
+    @web.middleware
+    async def admin_auth(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if not request.path.startswith(ADMIN_PREFIX) or (admin_key is None and keys is None):
+            return await handler(request)
+        given = request.headers.get("Authorization", "")
+        if admin_key is not None and carries_key(given, admin_key):
+            return await handler(request)
+        logger.warning("refused %s %s: %s", request.method, request.path[:200],
+                       "no admin key set" if admin_key is None else "not the admin key")
+        if admin_key is None:
+            raise APIError(403, "the admin routes are off: start the router with --admin-api-key to use them",
+                           code="admin_key_not_set")
+        if keys is not None and keys.tenant_of(given) is not None:
+            raise APIError(403, "this API key may not change the cluster's workers: send the admin key",
+                           code="not_admin_key")
+        raise APIError(401, "Incorrect admin key provided: send 'Authorization: Bearer <admin key>'",
+                       code="invalid_api_key")
+
+    return admin_auth

@@ -60,6 +60,11 @@ class WorkerHost:
         return os.getpid()
 
     @ray.method(concurrency_group="control")
+    def node_ip(self) -> str:
+        """The address of the Ray node this actor runs on (a node's drain finds its workers by it)."""
+        return ray.util.get_node_ip_address()
+
+    @ray.method(concurrency_group="control")
     async def heartbeat(self) -> float:
         """Seconds since the worker's engine loop last went round. NOTE: in a concurrency
         group of its own, so that a flood of request calls (which take every slot of the

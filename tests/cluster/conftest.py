@@ -7,13 +7,19 @@ themselves (--disagg-policy never)."""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from dataclasses import replace
+from pathlib import Path
+from typing import Any
 
+import grpc
 import pytest
 import ray
 from fault_calls import HandoffTraces, read_handoff_traces
+from mixed_streams import NUM_STREAMS, run_mix
 from running_cluster import SameWorkers, running_clusters
+from worker_checks import assert_workers_empty
 
 from tandem.config import KVTransferConfig, WorkerConfig
 from tandem.router.cluster import ClusterConfig
@@ -21,6 +27,19 @@ from tandem.router.cluster import ClusterConfig
 # The float path (quantization none): its greedy output is token-exact with transformers.
 WORKER = WorkerConfig.build(kv_cache_memory_gib=0.1, max_num_batched_tokens=256, num_threads=1, quantization="none",
                             fault_injection=True)
+
+
+LAST_MODULE = "test_pool_changes_cluster.py"
+"""It replaces the disaggregated cluster's workers, which the "local" router holds by handle."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """LAST_MODULE's tests after every other cluster test (the other folders' keep their place)."""
+    mine = [item for item in items if item.path.name == LAST_MODULE]
+    rest = [item for item in items if item.path.name != LAST_MODULE]
+    here = Path(__file__).parent
+    after = max((k for k, item in enumerate(rest) if item.path.parent == here), default=len(rest) - 1)
+    items[:] = rest[:after + 1] + mine + rest[after + 1:]
 
 
 @pytest.fixture(scope="session")
@@ -60,3 +79,16 @@ def record_handoff_traces(request, handoff_traces):
     yield
     if any(item.module is request.module and "clusters" in item.fixturenames for item in request.session.items):
         read_handoff_traces(request.getfixturevalue("clusters")["disaggregated"], handoff_traces)
+
+
+@pytest.fixture(scope="session")
+def reference(clusters, tokenizer) -> list[dict[Any, Any]]:
+    """The mix (mixed_streams.py) run uninterrupted on the disaggregated cluster: what every
+    run that moves streams must equal."""
+    cluster = clusters["disaggregated"]
+    assert_workers_empty(cluster)
+    with concurrent.futures.ThreadPoolExecutor(NUM_STREAMS) as pool:
+        outs = run_mix(cluster, tokenizer, pool)
+    assert all(o["code"] == grpc.StatusCode.OK for o in outs), [o.get("details") for o in outs]
+    assert_workers_empty(cluster, timeout=30)
+    return outs

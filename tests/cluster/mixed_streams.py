@@ -1,10 +1,13 @@
 """Sixteen streaming requests of every kind a migration must carry (greedy, seeded sampling,
-n=2, a JSON schema, stop strings), run on a cluster and compared per completion: what the
-cluster fault tests that move streams share (test_migration_cluster.py, test_hung_workers.py)."""
+n=2, a JSON schema, stop strings), run on a cluster at once or at a steady rate, and compared
+per completion: what the cluster fault tests that move streams share (test_migration_cluster.py,
+test_hung_workers.py, test_pool_changes_cluster.py)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import threading
 import time
 from typing import Any
 
@@ -91,3 +94,49 @@ def assert_equal_to(reference: list[dict[Any, Any]], outs: list[dict[Any, Any]])
 def decode_running(cluster) -> dict[str, int]:
     """Sequences running on each decode worker now, by its name."""
     return {i.instance: i.num_running for i in cluster.run(inventories(cluster.backend)) if i.role.value == "decode"}
+
+
+class SteadyLoad:
+    """The mix's requests sent one by one at ``rate_per_s`` from a thread, request k being
+    mixed_request(k % NUM_STREAMS), until stop(): the load pool changes run under."""
+
+    def __init__(self, cluster, tokenizer, rate_per_s: float) -> None:
+        self.stub = cluster.stub()
+        self.tokenizer = tokenizer
+        self.period_s = 1 / rate_per_s
+        self.outs: list[dict[Any, Any]] = []
+        self._pool = concurrent.futures.ThreadPoolExecutor(64)
+        self._futures: list[concurrent.futures.Future] = []
+        self._stop = threading.Event()
+        self._sender = threading.Thread(target=self._send, daemon=True)
+
+    def __enter__(self) -> SteadyLoad:
+        self._sender.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _send(self) -> None:
+        start = time.monotonic()
+        while not self._stop.is_set():
+            k = len(self.outs)
+            request = mixed_request(self.tokenizer, k % NUM_STREAMS)
+            request.request_id = f"steady-{k}"
+            self.outs.append({})
+            self._futures.append(self._pool.submit(read, self.stub.Generate(request, timeout=300), self.outs[k]))
+            self._stop.wait(max(0.0, start + (k + 1) * self.period_s - time.monotonic()))
+
+    def stop(self) -> list[dict[Any, Any]]:
+        """Send no more; -> every request's outputs, once each has ended."""
+        self._stop.set()
+        self._sender.join(timeout=30)
+        for f in self._futures:
+            f.result(timeout=300)
+        self._pool.shutdown()
+        return self.outs
+
+
+def assert_steady_equal(reference: list[dict[Any, Any]], outs: list[dict[Any, Any]]) -> None:
+    """A SteadyLoad's requests all OK and each equal to its mix request's uninterrupted run."""
+    assert_equal_to([reference[k % NUM_STREAMS] for k in range(len(outs))], outs)

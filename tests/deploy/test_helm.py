@@ -131,12 +131,14 @@ def token_env(docs: list[dict]) -> dict:
 
 
 def api_secrets(docs: list[dict]) -> list[dict]:
-    """The API token's Secrets (not Ray's, not the KV sockets')."""
-    return [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] not in (RAY_AUTH_SECRET, KV_SECRET)]
+    """The API token's Secrets (not Ray's, not the KV sockets', not the admin key's)."""
+    return [d for d in docs if d["kind"] == "Secret"
+            and d["metadata"]["name"] not in (RAY_AUTH_SECRET, KV_SECRET, ADMIN_SECRET)]
 
 
 RAY_AUTH_SECRET = f"{RELEASE}-tandem-ray-auth"
 KV_SECRET = f"{RELEASE}-tandem-kv-secret"
+ADMIN_SECRET = f"{RELEASE}-tandem-admin"
 
 
 def ray_auth_envs(docs: list[dict]) -> dict[str, dict]:
@@ -165,11 +167,12 @@ def test_ray_token_auth_on_every_ray_process():
     given = find_ray_secret(render({"ray": {"auth": {"token": "ray-s3cret"}}}))
     assert base64.b64decode(given["data"]["token"]) == b"ray-s3cret"
     mine = render({"ray": {"auth": {"existingSecret": "my-ray", "existingSecretKey": "t"}}})
-    assert not [d for d in mine if d["kind"] == "Secret"]
+    assert not [d for d in mine if d["kind"] == "Secret" and d["metadata"]["name"] != ADMIN_SECRET]
     assert {str(e) for e in ray_auth_envs(mine).values()} == {
         str({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": {"secretKeyRef": {"name": "my-ray", "key": "t"}}})}
     off = render({"ray": {"auth": {"enabled": False}}})
-    assert not any(ray_auth_envs(off).values()) and not [d for d in off if d["kind"] == "Secret"]
+    assert not any(ray_auth_envs(off).values())
+    assert not [d for d in off if d["kind"] == "Secret" and d["metadata"]["name"] != ADMIN_SECRET]
 
 
 def kv_secret_envs(docs: list[dict]) -> dict[str, dict]:

@@ -58,7 +58,8 @@ def test_router_defaults():
     assert {p["name"]: (p["port"], p["targetPort"], p["appProtocol"]) for p in svc["spec"]["ports"]} == {
         "grpc": (50051, "grpc", "grpc"), "metrics": (9464, "metrics", "http"), "http": (8000, "http", "http")}
     assert not [d for d in docs if d["kind"] == "ServiceMonitor"]
-    assert [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"] == ["demo-tandem-ray-auth"]  # Ray's only
+    secrets = [d["metadata"]["name"] for d in docs if d["kind"] == "Secret"]
+    assert secrets == ["demo-tandem-admin", "demo-tandem-ray-auth"]  # the admin key's and Ray's only
 
 
 def test_router_args_parse_as_tandem_serve(rendered):

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import openai
 
+from tandem.router.auth import ApiKeys
 from tandem.router.limits import RequestLimits
 from tandem.router.metrics import RouterMetrics
 from tandem.router.openai.app import OpenAIEndpoint, start_openai_endpoint
@@ -45,13 +46,14 @@ class Served:
 
 @contextlib.asynccontextmanager
 async def openai_serving(backend, *, limits: RequestLimits | None = None,
-                         auth_token: str | None = None, model_names: list[str] | None = None) -> AsyncIterator[Served]:
+                         auth_token: str | ApiKeys | None = None, model_names: list[str] | None = None,
+                         admin_key: str | None = None) -> AsyncIterator[Served]:
     """start_openai_endpoint on 127.0.0.1, port 0, on the running loop; stopped after."""
     tokenizer = backend.tokenizer
     metrics = RouterMetrics(tokenizer.spec.model_name, tokenizer.max_model_len)
     endpoint = await start_openai_endpoint(backend, tokenizer, metrics, limits or RequestLimits(), "127.0.0.1", 0,
-                                           auth_token, grace_s=0.5, model_names=model_names)
+                                           auth_token, grace_s=0.5, model_names=model_names, admin_key=admin_key)
     try:
-        yield Served(endpoint, metrics, auth_token or "unused")
+        yield Served(endpoint, metrics, auth_token if isinstance(auth_token, str) else "unused")
     finally:
         await endpoint.stop()

@@ -53,9 +53,7 @@ def test_openai_tenants_get_their_own_salts(router_tokenizer):
     backend = FakeBackend(router_tokenizer)
 
     async def body():
-        # openai_harness types auth_token as one token (str); start_openai_endpoint, which it is passed
-        # to, takes ApiKeys too. When the harness says so, this ignore goes (warn_unused_ignores).
-        async with openai_serving(backend, auth_token=KEYS) as served:  # type: ignore[arg-type]
+        async with openai_serving(backend, auth_token=KEYS) as served:
             for key, salt in CALLS:
                 async with served.async_client(api_key=key) as client:
                     await client.completions.create(model=MODEL, prompt="hi", max_tokens=2,

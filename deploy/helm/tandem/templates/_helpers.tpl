@@ -99,6 +99,19 @@ app.kubernetes.io/part-of: tandem
 {{- if .Values.auth.existingSecret }}{{ .Values.auth.existingSecretKey | default "token" }}{{ else }}token{{ end }}
 {{- end }}
 
+{{/* The admin key's Secret, and the env entry that gives it (router and worker pods). */}}
+{{- define "tandem.adminSecretName" -}}
+{{- .Values.admin.existingSecret | default (include "tandem.componentName" (dict "root" . "component" "admin")) }}
+{{- end }}
+
+{{- define "tandem.adminEnv" -}}
+- name: TANDEM_ADMIN_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "tandem.adminSecretName" . }}
+      key: {{ if .Values.admin.existingSecret }}{{ .Values.admin.existingSecretKey | default "key" }}{{ else }}key{{ end }}
+{{- end }}
+
 {{/* Pod-level settings shared by every pod: (dict "root" $ "pool" <values with nodeSelector...>). */}}
 {{- define "tandem.podCommon" -}}
 automountServiceAccountToken: false
