@@ -31,7 +31,7 @@ def add_commands(commands: Any) -> None:
     p.add_argument("--timeout-s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
                    help="how long its requests may take to finish before the rest move to other workers "
                         f"(default {DEFAULT_DRAIN_TIMEOUT_S:g})")
-    _connection_args(p)
+    connection_args(p)
     p.set_defaults(func=drain)
 
     p = commands.add_parser("restart", help="a rolling restart: each worker replaced in turn (a new one started, "
@@ -39,7 +39,7 @@ def add_commands(commands: Any) -> None:
     p.add_argument("workers", nargs="*", help="the workers to restart (default: every worker)")
     p.add_argument("--drain-timeout-s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
                    help=f"as tandem drain's --timeout-s, for each worker (default {DEFAULT_DRAIN_TIMEOUT_S:g})")
-    _connection_args(p)
+    connection_args(p)
     p.set_defaults(func=restart)
 
     p = commands.add_parser("scale", help="bring a serving cluster's pools to these sizes (added workers join once "
@@ -48,11 +48,11 @@ def add_commands(commands: Any) -> None:
         p.add_argument(f"--{pool}", type=int, default=None, metavar="N", help=f"{pool} workers wanted")
     p.add_argument("--drain-timeout-s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
                    help=f"as tandem drain's --timeout-s, for each worker removed (default {DEFAULT_DRAIN_TIMEOUT_S:g})")
-    _connection_args(p)
+    connection_args(p)
     p.set_defaults(func=scale)
 
 
-def _connection_args(p: argparse.ArgumentParser) -> None:
+def connection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the router's HTTP API (default %(default)s)")
     p.add_argument("--admin-api-key", default=None, help=f"the router's admin key (default: ${ADMIN_API_KEY_ENV})")
     p.add_argument("--tls-ca", default=None, help="an https --url's CA certificate (PEM; default: the system's)")
