@@ -28,7 +28,7 @@ def add_commands(commands: Any) -> None:
                                                    "(a Kubernetes preStop hook gives its pod's IP)")
     p.add_argument("--replace", action="store_true",
                    help="start a replacement in the same pool first, so the pool keeps its size")
-    p.add_argument("--timeout-s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+    p.add_argument("--timeout-s", "--drain-timeout-s", dest="timeout_s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
                    help="how long its requests may take to finish before the rest move to other workers "
                         f"(default {DEFAULT_DRAIN_TIMEOUT_S:g})")
     connection_args(p)

@@ -28,7 +28,7 @@ def add_command(commands: Any) -> None:
     p.add_argument("--node-ip", default=None,
                    help="this node's address as Ray knows it (default: ray.util.get_node_ip_address())")
     p.add_argument("--replace", action="store_true", help="start a replacement for each worker first")
-    p.add_argument("--timeout-s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+    p.add_argument("--timeout-s", "--drain-timeout-s", dest="timeout_s", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
                    help=f"as tandem drain's --timeout-s (default {DEFAULT_DRAIN_TIMEOUT_S:g})")
     admin_command.connection_args(p)
     p.set_defaults(func=node_run)

@@ -88,15 +88,15 @@ def test_decode_scaled_1_to_2_to_1_under_load(clusters, tokenizer, reference, fa
 
 def test_the_autoscaler_adds_a_decode_worker_under_load_and_drains_it_when_idle(clusters, tokenizer, reference):
     """decode=1:2, an SLO of 1 ms per output token (missed by every request: pressure): a worker
-    is added once the pressure has held 1 s; once the load is gone and the window empty, the
-    pool idles 4 s and the autoscaler drains the worker it added."""
+    is added once the pressure has held 1 s; once the load is gone and the window (2 s) empty,
+    the pool idles 2 s and the autoscaler drains the worker it added."""
     cluster = clusters["disaggregated"]
     backend = cluster.backend
     [original] = [w.instance for w in backend.decode]
-    config = AutoscaleConfig({Role.DECODE: PoolBounds(1, 2)}, up_after_s=1, down_after_s=4, cooldown_s=2)
+    config = AutoscaleConfig({Role.DECODE: PoolBounds(1, 2)}, up_after_s=1, down_after_s=2, cooldown_s=2)
 
     async def start() -> Autoscaler:
-        scaler = Autoscaler(backend.pool_changes, config, SloWindow(60.0, 0.001, window_s=3), every_s=0.5,
+        scaler = Autoscaler(backend.pool_changes, config, SloWindow(60.0, 0.001, window_s=2), every_s=0.5,
                             drain_timeout_s=5)
         backend.metrics.slo_window = scaler.slo
         scaler.start()
