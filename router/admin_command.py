@@ -6,14 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import ssl
 import sys
 import urllib.error
 import urllib.request
 from typing import Any
 
-from tandem.router.auth import ADMIN_API_KEY_ENV
+from tandem.router.auth import ADMIN_API_KEY_ENV, AUTH_TOKEN_ENV, admin_key_from_env
 from tandem.router.pool_changes import DEFAULT_DRAIN_TIMEOUT_S
 
 logger = logging.getLogger(__name__)
@@ -54,7 +53,8 @@ def add_commands(commands: Any) -> None:
 
 def connection_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--url", default="http://127.0.0.1:8000", help="the router's HTTP API (default %(default)s)")
-    p.add_argument("--admin-api-key", default=None, help=f"the router's admin key (default: ${ADMIN_API_KEY_ENV})")
+    p.add_argument("--admin-api-key", default=None,
+                   help=f"the router's admin key (default: ${ADMIN_API_KEY_ENV}, else ${AUTH_TOKEN_ENV})")
     p.add_argument("--tls-ca", default=None, help="an https --url's CA certificate (PEM; default: the system's)")
 
 
@@ -78,7 +78,7 @@ def scale(args: argparse.Namespace) -> int:
 
 def _post(args: argparse.Namespace, path: str, body: dict[str, Any]) -> int:
     """POST body; the answer to stdout as JSON (exit 0), or the router's error to stderr (exit 1)."""
-    key = args.admin_api_key or os.environ.get(ADMIN_API_KEY_ENV)
+    key = admin_key_from_env(args.admin_api_key)
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     request = urllib.request.Request(args.url.rstrip("/") + path, json.dumps(body).encode(), headers)
     try:

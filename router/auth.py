@@ -22,7 +22,7 @@ AUTH_TOKEN_ENV = "TANDEM_AUTH_TOKEN"
 API_KEYS_ENV = "TANDEM_API_KEYS"
 """Several keys, each naming its tenant: ``tenant=key,tenant=key`` (with AUTH_TOKEN_ENV too)."""
 ADMIN_API_KEY_ENV = "TANDEM_ADMIN_API_KEY"
-"""The admin key: the only key the admin routes (draining, scaling) take when tenants' keys are set."""
+"""The admin key: the only key the admin routes (draining, scaling) take."""
 DEFAULT_TENANT = "default"
 OPEN_SERVICES = ("/grpc.health.v1.Health/",)
 
@@ -77,9 +77,11 @@ def api_keys_from_env(api_key: str | None = None) -> ApiKeys | None:
     return ApiKeys(tenants) if tenants else None
 
 
-def admin_key_from_env(admin_key: str | None = None) -> str | None:
-    """The router's admin key: ``admin_key`` (``--admin-api-key``) or else $TANDEM_ADMIN_API_KEY."""
-    return admin_key or os.environ.get(ADMIN_API_KEY_ENV) or None
+def admin_key_from_env(admin_key: str | None = None, api_key: str | None = None) -> str | None:
+    """The router's admin key: ``admin_key`` (``--admin-api-key``), else $TANDEM_ADMIN_API_KEY,
+    else the operator's own API key (``api_key``: ``--api-key``, else $TANDEM_AUTH_TOKEN), never
+    a tenant's key from $TANDEM_API_KEYS. None: no admin key."""
+    return admin_key or os.environ.get(ADMIN_API_KEY_ENV) or api_key or auth_token_from_env()
 
 
 def carries_key(authorization: str, key: str) -> bool:

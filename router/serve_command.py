@@ -80,7 +80,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                              f"${API_KEYS_ENV} adds keys naming tenants)")
     parser.add_argument("--admin-api-key", default=None,
                         help=f"the only key the admin routes (tandem drain, scale, restart) take (default: "
-                             f"${ADMIN_API_KEY_ENV}); without it they are open where no API key is set, else off")
+                             f"${ADMIN_API_KEY_ENV}, else --api-key's key, never a tenant's from ${API_KEYS_ENV}); "
+                             "without any, they are open where no API key is set, else off")
     parser.add_argument("--autoscale", action="append", default=[], metavar="POOL=MIN:MAX",
                         help="scale this pool between MIN and MAX workers from its queues, KV use and SLO "
                              "attainment, e.g. --autoscale decode=1:4 (repeat per pool; default: fixed pools)")
@@ -207,7 +208,7 @@ async def _serve(args: argparse.Namespace) -> int:
                         limits=limits, http_port=None if args.http_port < 0 else args.http_port, tls=tls,
                         metrics_token=os.environ.get(METRICS_TOKEN_ENV) or None,
                         served_model_names=args.served_model_name, chat_template=chat_template,
-                        admin_key=admin_key_from_env(args.admin_api_key))
+                        admin_key=admin_key_from_env(args.admin_api_key, args.api_key))
     autoscaler = None
     if autoscale is not None:
         assert backend.pool_changes is not None and backend.metrics is not None  # start_cluster's, serve's

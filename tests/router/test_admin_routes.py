@@ -14,7 +14,7 @@ from fake_backend import FakeBackend
 from openai_harness import openai_serving
 from recorded_changes import ADMIN_KEY, RecordedChanges
 
-from tandem.router.auth import ApiKeys
+from tandem.router.auth import ADMIN_API_KEY_ENV, API_KEYS_ENV, AUTH_TOKEN_ENV, ApiKeys, admin_key_from_env
 from tandem.worker.api import Role
 
 TENANT_KEY = "tenant-key"
@@ -113,3 +113,18 @@ def test_a_bad_body_is_a_400_naming_its_field(router_tokenizer, path, body, fiel
     status, answer = answers[0]
     assert status == 400 and answer["error"]["param"] == field_name, answer
     assert changes.calls == ([("drain", "nobody", 60.0)] if body == {"worker": "nobody"} else [])
+
+
+def test_the_admin_key_is_the_operators_never_a_tenants(monkeypatch):
+    """--admin-api-key, else $TANDEM_ADMIN_API_KEY, else the operator's own --api-key (or
+    $TANDEM_AUTH_TOKEN); the tenants' keys in $TANDEM_API_KEYS never."""
+    for name in (ADMIN_API_KEY_ENV, AUTH_TOKEN_ENV):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(API_KEYS_ENV, "acme=tenant-key")
+    assert admin_key_from_env() is None
+    monkeypatch.setenv(AUTH_TOKEN_ENV, "operator-token")
+    assert admin_key_from_env() == "operator-token"
+    assert admin_key_from_env(api_key="operator-key") == "operator-key"
+    monkeypatch.setenv(ADMIN_API_KEY_ENV, "env-admin")
+    assert admin_key_from_env(api_key="operator-key") == "env-admin"
+    assert admin_key_from_env("flag-admin", "operator-key") == "flag-admin"

@@ -16,7 +16,7 @@ from fake_backend import FakeBackend
 from openai_harness import openai_serving
 from recorded_changes import ADMIN_KEY, RecordedChanges
 
-from tandem.router.auth import ADMIN_API_KEY_ENV
+from tandem.router.auth import ADMIN_API_KEY_ENV, AUTH_TOKEN_ENV
 
 # The node's command: says it is up, and on SIGTERM writes when it got it and exits 7.
 NODE = ("import signal, sys, time\n"
@@ -73,7 +73,7 @@ def test_sigterm_drains_the_nodes_workers_before_the_node_stops(router_tokenizer
 def test_a_refused_drain_still_stops_the_node(router_tokenizer, tmp_path: Path):
     """No admin key given: the router refuses (401), and the node stops all the same."""
     changes = RecordedChanges()
-    env = {k: v for k, v in os.environ.items() if k != ADMIN_API_KEY_ENV}
+    env = {k: v for k, v in os.environ.items() if k not in (ADMIN_API_KEY_ENV, AUTH_TOKEN_ENV)}
     code, stderr = terminated_node(router_tokenizer, changes, "--node-ip", "10.1.2.3", stopped=tmp_path / "stopped",
                                    env=env)
     assert code == 7 and changes.calls == []
