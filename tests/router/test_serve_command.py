@@ -13,6 +13,8 @@ from tandem.cli import add_engine_args, engine_kwargs
 from tandem.config import EngineConfig, KVTransferConfig, WorkerConfig
 from tandem.config.engine_options import ENGINE_DEFAULTS, engine_options_from_args
 from tandem.router import serve_command
+from tandem.router.autoscale import PoolBounds
+from tandem.worker.api import Role
 
 
 def _serve_args(*argv: str) -> argparse.Namespace:
@@ -84,3 +86,16 @@ def test_swap_space_and_preemption_mode_reach_every_worker():
     assert (engine["swap_space_gib"], engine["preemption_mode"]) == (2.0, "recompute")
     with pytest.raises(SystemExit):  # argparse's error, before any worker starts
         _serve_args("--preemption-mode", "sometimes")
+
+
+def test_autoscale_bounds_are_checked_against_the_cluster_before_any_worker_starts():
+    assert serve_command.autoscale_config_of(_serve_args()) is None
+    config = serve_command.autoscale_config_of(_serve_args("--autoscale", "decode=1:4", "--autoscale", "prefill=2:3"))
+    assert config is not None and dict(config.bounds) == {Role.DECODE: PoolBounds(1, 4),
+                                                          Role.PREFILL: PoolBounds(2, 3)}
+    with pytest.raises(ValueError, match="this cluster has no colocated pool"):
+        serve_command.autoscale_config_of(_serve_args("--autoscale", "colocated=1:2"))
+    with pytest.raises(ValueError, match="this cluster has no decode pool"):
+        serve_command.autoscale_config_of(_serve_args("--colocated", "1", "--autoscale", "decode=1:2"))
+    with pytest.raises(ValueError, match="min <= max"):
+        serve_command.autoscale_config_of(_serve_args("--autoscale", "decode=3:2"))
