@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from tandem.router.autoscale import SloWindow
 from tandem.router.disagg import DECISION_REASONS
+from tandem.worker.api import Role
 from tandem.worker.metric_buckets import REQUEST_SECONDS, TOKEN_LATENCY_SECONDS, TTFT_SECONDS, token_count_buckets
 
 # Refusals before any worker ran the request, by status: tandem_request_rejected_total's reasons.
@@ -30,6 +31,7 @@ REJECTION_REASONS = {
 STATUS_CODES = (grpc.StatusCode.OK, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED,
                 grpc.StatusCode.INTERNAL, *REJECTION_REASONS)
 
+POOLS = tuple(role.value for role in Role)
 
 class RouterMetrics:
     def __init__(self, model_name: str, max_model_len: int, registry: CollectorRegistry | None = None,
@@ -76,6 +78,9 @@ class RouterMetrics:
         self.prefill_decisions = counter("tandem_prefill_decisions", "Where each prompt was prefilled "
                                          "(remote: the prefill pool; local: its decode worker), and why.",
                                          "where", "reason")
+        self.pool_changes = counter("tandem_pool_changes", "Workers added to a pool or drained out of it (tandem "
+                                    "scale, drain and restart, the autoscaler, a node's preStop hook).", "pool",
+                                    "change")
         self.registry.register(_RouterGauges(self))
         # Every series from the start at 0, so that rate() and dashboards see them before the first event.
         for reason in ("stop", "length", "abort"):
@@ -86,6 +91,9 @@ class RouterMetrics:
             self._rejected.labels(model_name, reason)
         for where, reason in DECISION_REASONS:
             self.prefill_decisions.labels(model_name, where.value, reason)
+        for pool in POOLS:
+            for change in ("added", "drained"):
+                self.pool_changes.labels(model_name, pool, change)
 
     def start_request(self) -> RequestTimer:
         return RequestTimer(self)

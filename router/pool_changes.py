@@ -93,6 +93,7 @@ class PoolChanges:
         while await self._num_held(w) and time.monotonic() - start < timeout_s + 10:
             await asyncio.sleep(_POLL_S)  # the moved requests' aborts land
         self._remove(role, w)
+        self._count(role, "drained")
         logger.warning("drained %s in %.1f s: %d requests finished there, %d moved", instance,
                        time.monotonic() - start, num_at_start - held, held)
         return DrainResult(instance, num_at_start, held, time.monotonic() - start)
@@ -158,6 +159,7 @@ class PoolChanges:
             _end(w)
             raise
         self.backend.add_worker(role, w)
+        self._count(role, "added")
         logger.warning("worker %s joined the %s pool", instance, role.value)
         return w
 
@@ -188,6 +190,10 @@ class PoolChanges:
                     return role, w
         names = ", ".join(w.instance for role in self.roles() for w in self.pool(role))
         raise ValueError(f"no worker is named {instance!r} (the workers: {names})")
+
+    def _count(self, role: Role, change: str) -> None:
+        if self.backend.metrics is not None:  # (set by the server that serves this backend)
+            self.backend.metrics.pool_changes.labels(self.backend.metrics.model_name, role.value, change).inc()
 
     @staticmethod
     async def _num_held(w: WorkerState) -> int:

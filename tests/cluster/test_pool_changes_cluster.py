@@ -39,6 +39,13 @@ def migrations(cluster) -> tuple[float, float]:
             total(samples, "tandem_request_migration_seconds_sum"))
 
 
+def decode_changes(cluster) -> tuple[float, float]:
+    """tandem_pool_changes_total of the decode pool so far: (added, drained)."""
+    samples = parse_samples(cluster.scrape())
+    name = "tandem_pool_changes_total"
+    return total(samples, name, pool="decode", change="added"), total(samples, name, pool="decode", change="drained")
+
+
 def assert_ended_for_good(handle) -> None:
     with pytest.raises(ray.exceptions.RayActorError):  # Ray did not restart it
         ray.get(handle.heartbeat.remote(), timeout=30)
@@ -55,6 +62,7 @@ def test_decode_scaled_1_to_2_to_1_under_load(clusters, tokenizer, reference, fa
     cluster = clusters["disaggregated"]
     backend = cluster.backend
     url = cluster.openai_url().removesuffix("/v1")
+    changes_before = decode_changes(cluster)
     admin(capsys, "drain", backend.decode[-1].instance, "--url", url, "--timeout-s", "5")  # the row starts at 1
     assert len(backend.decode) == 1
     capsys.readouterr()
@@ -75,6 +83,7 @@ def test_decode_scaled_1_to_2_to_1_under_load(clusters, tokenizer, reference, fa
     assert drained["num_moved"] > 0 and num_moved >= drained["num_moved"], (drained, num_moved)
     assert len(backend.decode) == 1 and added not in backend.workers
     assert_ended_for_good(added.handle)
+    assert [b - a for a, b in zip(changes_before, decode_changes(cluster))] == [1, 2]  # added 1, drained 2
     assert_workers_empty(cluster, timeout=30)
     held = drained["num_at_start"]
     fault_report.add("decode scaled 1 -> 2 -> 1 under load", injected=2, affected=held, clear=held,
