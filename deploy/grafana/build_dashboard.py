@@ -83,6 +83,13 @@ def overview() -> list[dict]:
             target(sum_rate("tandem_request_rejected_total", s, by="reason"), "{{reason}}"),
         ], unit="reqps"),
         worker_up_stat("1 when the worker answered the router's last scrape and is healthy."),
+        timeseries("Moves and pool changes",
+                   "Streams moved to another worker after theirs died, hung or was drained (per completion), "
+                   "buffered requests run again, and workers added to or drained out of each pool, per second.", [
+            target(sum_rate("tandem_request_migration_seconds_count", s), "streams moved"),
+            target(sum_rate("tandem_request_reruns_total", s), "buffered reruns"),
+            target(sum_rate("tandem_pool_changes_total", s, by="pool, change"), "{{pool}} {{change}}"),
+        ]),
         timeseries("Request length", "Prompt and output tokens of finished requests.", [
             target(quantile(q, f"tandem_request_{kind}_tokens", s), f"{kind} p{round(q * 100)}")
             for kind in ("prompt", "generation") for q in (0.5, 0.99)
