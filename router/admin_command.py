@@ -19,7 +19,8 @@ logger = logging.getLogger(__name__)
 
 
 def add_commands(commands: Any) -> None:
-    """Register drain, scale and restart on the CLI's subcommands."""
+    """Register drain, scale, restart and node-run on the CLI's subcommands."""
+    from tandem.router import node_command  # (it builds on this module)
     p = commands.add_parser("drain", help="take a worker (or every worker of a node) out of a serving cluster "
                                           "without failing a request")
     p.add_argument("worker", nargs="?", help="the worker's name (GET /admin/workers lists them, e.g. decode-1)")
@@ -49,6 +50,8 @@ def add_commands(commands: Any) -> None:
                    help=f"as tandem drain's --timeout-s, for each worker removed (default {DEFAULT_DRAIN_TIMEOUT_S:g})")
     connection_args(p)
     p.set_defaults(func=scale)
+
+    node_command.add_command(commands)
 
 
 def connection_args(p: argparse.ArgumentParser) -> None:

@@ -265,10 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-server-name", default=None, help="the name the router's certificate carries")
     p.set_defaults(func=health)
 
-    from tandem.router import admin_command, node_command
+    from tandem.router import admin_command
 
-    admin_command.add_commands(commands)  # tandem drain, scale, restart
-    node_command.add_command(commands)  # tandem node-run
+    admin_command.add_commands(commands)  # tandem drain, scale, restart, node-run
 
     p = commands.add_parser("download", help="fetch a hub model into the local Hugging Face cache (what workers load)")
     p.add_argument("model", help="a Hugging Face hub id (org/name)")
