@@ -3,6 +3,8 @@ corrupted in transit: that request fails with a clear reason, the rest go on."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from kv_pools import random_pool, token_rows
@@ -70,6 +72,10 @@ def test_a_corrupted_layer_fails_only_its_request(fault_report):
         event = receiver.get_event(5)
         assert event is not None
         assert (event.request_id, event.status) == ("bad", TransferStatus.FAILED) and "checksum" in event.reason
+        # (counted on the receiver's I/O thread just after it failed the request and told both)
+        deadline = time.monotonic() + 5
+        while receiver.dropped["checksum"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert receiver.dropped["checksum"] == 1 and receiver.num_pending == 0
         # The receiver goes on: the next request, checksummed and intact, completes.
         raw.handed(receiver.expect("next", DST_BLOCKS, NUM_TOKENS))
