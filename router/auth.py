@@ -55,10 +55,9 @@ class ApiKeys:
     def tenant_of(self, authorization: str | bytes) -> str | None:
         """The tenant whose key an ``authorization`` header carries (None: no valid key).
         Every key is compared, in constant time each."""
-        given = authorization.encode("utf-8", "surrogateescape") if isinstance(authorization, str) else authorization
         found = None
         for key, tenant in self.tenants.items():
-            if hmac.compare_digest(given, f"Bearer {key}".encode()):
+            if carries_key(authorization, key):
                 found = tenant
         return found
 
@@ -84,9 +83,10 @@ def admin_key_from_env(admin_key: str | None = None, api_key: str | None = None)
     return admin_key or os.environ.get(ADMIN_API_KEY_ENV) or api_key or auth_token_from_env()
 
 
-def carries_key(authorization: str, key: str) -> bool:
+def carries_key(authorization: str | bytes, key: str) -> bool:
     """Whether an ``authorization`` header carries ``key`` (compared in constant time)."""
-    return hmac.compare_digest(authorization.encode("utf-8", "surrogateescape"), f"Bearer {key}".encode())
+    given = authorization.encode("utf-8", "surrogateescape") if isinstance(authorization, str) else authorization
+    return hmac.compare_digest(given, f"Bearer {key}".encode())
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):

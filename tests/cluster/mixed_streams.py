@@ -13,6 +13,7 @@ from typing import Any
 
 import grpc
 from fault_calls import wait_until
+from metrics_text import parse_samples, total
 from reference import english_token_ids
 from worker_checks import inventories
 
@@ -140,3 +141,10 @@ class SteadyLoad:
 def assert_steady_equal(reference: list[dict[Any, Any]], outs: list[dict[Any, Any]]) -> None:
     """A SteadyLoad's requests all OK and each equal to its mix request's uninterrupted run."""
     assert_equal_to([reference[k % NUM_STREAMS] for k in range(len(outs))], outs)
+
+
+def migrations(cluster) -> tuple[float, float]:
+    """tandem_request_migration_seconds' count and sum so far (what moving streams added)."""
+    samples = parse_samples(cluster.scrape())
+    return (total(samples, "tandem_request_migration_seconds_count"),
+            total(samples, "tandem_request_migration_seconds_sum"))

@@ -15,19 +15,11 @@ from typing import Any
 import pytest
 import ray
 from fault_calls import request, wait_until
-from metrics_text import parse_samples, total
-from mixed_streams import NUM_STREAMS, assert_equal_to, decode_running, outputs, run_mix
+from mixed_streams import NUM_STREAMS, assert_equal_to, decode_running, migrations, outputs, run_mix
 from reference import english_token_ids
 from worker_checks import assert_workers_empty, num_leaked_blocks
 
 pytestmark = pytest.mark.slow
-
-def migrations(cluster) -> tuple[float, float]:
-    """tandem_request_migration_seconds' count and sum so far."""
-    samples = parse_samples(cluster.scrape())
-    return (total(samples, "tandem_request_migration_seconds_count"),
-            total(samples, "tandem_request_migration_seconds_sum"))
-
 
 def assert_each_decode_worker_serves(cluster, tokenizer) -> None:
     """Two long greedy streams, one after the other, land one on each decode worker and decode."""

@@ -17,7 +17,7 @@ import pytest
 import ray
 from fault_calls import wait_until
 from metrics_text import parse_samples, total
-from mixed_streams import SteadyLoad, assert_steady_equal, decode_running
+from mixed_streams import SteadyLoad, assert_steady_equal, decode_running, migrations
 from worker_checks import assert_workers_empty, num_leaked_blocks
 
 from tandem import cli
@@ -30,13 +30,6 @@ pytestmark = pytest.mark.slow
 ROLLING_RESTART_S = float(os.environ.get("TANDEM_ROLLING_RESTART_S", "0"))
 """How long the rolling restart's load lasts at least (the fault table's full row: 120); by
 default, as long as the restart takes, and 3 s more."""
-
-
-def migrations(cluster) -> tuple[float, float]:
-    """tandem_request_migration_seconds' count and sum so far."""
-    samples = parse_samples(cluster.scrape())
-    return (total(samples, "tandem_request_migration_seconds_count"),
-            total(samples, "tandem_request_migration_seconds_sum"))
 
 
 def decode_changes(cluster) -> tuple[float, float]:
