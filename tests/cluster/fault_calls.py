@@ -42,10 +42,12 @@ async def awaited(ref):
     return await ref
 
 
-def wait_until(predicate, timeout: float, what: str) -> float:
+def wait_until(predicate, timeout: float, what: str, state=None) -> float:
+    """Poll predicate until true; past timeout fail naming `what` and, if given, state()."""
     start = time.monotonic()
     while not predicate():
-        assert time.monotonic() - start < timeout, f"not within {timeout} s: {what}"
+        assert time.monotonic() - start < timeout, \
+            f"not within {timeout} s: {what}" + ("" if state is None else f" ({state()})")
         time.sleep(0.05)
     return time.monotonic() - start
 
