@@ -21,10 +21,16 @@ logger = logging.getLogger(__name__)
 CACHE_ENV = "TANDEM_CACHE_DIR"
 
 
+def cache_root() -> str | None:
+    """tandem's cache folder: $TANDEM_CACHE_DIR, else ~/.cache/tandem (None: set empty, caching off)."""
+    root = os.environ.get(CACHE_ENV, os.path.join(os.path.expanduser("~"), ".cache", "tandem"))
+    return root or None
+
+
 def cache_dir_for(source: ModelSource) -> str | None:
     """Where the converted copy of a GGUF source lives (None: not GGUF, or caching is off)."""
-    root = os.environ.get(CACHE_ENV, os.path.join(os.path.expanduser("~"), ".cache", "tandem"))
-    if source.gguf_file is None or root == "":
+    root = cache_root()
+    if source.gguf_file is None or root is None:
         return None
     path = os.path.join(source.path, source.gguf_file)
     stat = os.stat(path)

@@ -4,6 +4,7 @@ per output channel, re-quantized from the blocks' values), anything else as floa
 
 from __future__ import annotations
 
+from tandem.model.gguf_index import gguf_index
 from tandem.model.gguf_q4 import gguf_path
 from tandem.model.gptq_awq import is_quantized_checkpoint
 from tandem.model.source import ModelSource
@@ -25,7 +26,5 @@ def resolve_quantization(name: str | None, source: ModelSource | None) -> str | 
     path = gguf_path(source)
     if path is None or (source is not None and is_quantized_checkpoint(source)):
         return None
-    from gguf import GGUFReader
-
-    types = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
-    return FORMAT_OF_GGML_TYPE.get(types.get(PROBE_TENSOR, ""))
+    probe = gguf_index(path).tensors.get(PROBE_TENSOR)
+    return None if probe is None else FORMAT_OF_GGML_TYPE.get(probe.type_name)

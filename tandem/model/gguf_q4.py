@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from tandem.model.gguf_index import gguf_index
 from tandem.model.int4 import Int4Weight, pack_int4, quantize_int4
 from tandem.model.quantization import Weight, quantize_lm_head, with_cpu_pack
 
@@ -77,24 +78,18 @@ class Q4File:
     """The Q4_1 tensors of one GGUF file, by name (the file is memory-mapped, read lazily)."""
 
     def __init__(self, path: str) -> None:
-        from gguf import GGMLQuantizationType, GGUFReader
-
         self.path = path
-        reader = GGUFReader(path)
-        field = reader.fields["general.architecture"]
-        self.architecture = bytes(field.parts[field.data[0]]).decode()
-        self.types = {t.name: t.tensor_type.name for t in reader.tensors}
-        self._tensors = {t.name: t for t in reader.tensors if t.tensor_type == GGMLQuantizationType.Q4_1}
+        self.index = gguf_index(path)
+        self.types = self.index.types()
 
     def has(self, *names: str) -> bool:
-        return all(n in self._tensors for n in names)
+        return all(self.types.get(n) == "Q4_1" for n in names)
 
     def int4(self, name: str, num_heads: int | None = None) -> Int4Weight:
         """Tensor ``name`` as Int4Weight; num_heads: undo the q/k permutation with that many heads."""
-        t = self._tensors[name]
-        in_features, out_features = (int(n) for n in t.shape)  # GGUF lists the fastest dimension first
-        w = int4_from_q4_1_blocks(t.data, out_features, in_features)
-        if num_heads is not None and self.architecture in PERMUTED_ARCHITECTURES:
+        in_features, out_features = self.index.tensors[name].shape  # GGUF lists the fastest dimension first
+        w = int4_from_q4_1_blocks(self.index.raw(name), out_features, in_features)
+        if num_heads is not None and self.index.architecture in PERMUTED_ARCHITECTURES:
             w = unpermute_rows(w, num_heads)
         return w
 
