@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from fault_report import FaultReport
+from mypy_run import MYPY_RUN, MypyRun
 
 from tandem import LLM
 from tandem.model.loader import LoadedModel, load_hf_model, loaded_from_hf_model
@@ -68,3 +69,15 @@ def pytest_terminal_summary(terminalreporter, config) -> None:
         terminalreporter.section("faults injected (every row: 0 blocks leaked, each request a clear status)")
         for line in report.table():
             terminalreporter.write_line(line)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start test_lint.py's mypy run now, niced (see mypy_run.py)."""
+    if any(item.name == "test_mypy_finds_nothing" for item in session.items):
+        session.config.stash[MYPY_RUN] = MypyRun.start(niceness=10)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    mypy = session.config.stash.get(MYPY_RUN, None)
+    if mypy is not None:
+        mypy.stop()
