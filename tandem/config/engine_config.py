@@ -5,6 +5,7 @@ worked out by EngineConfig.build before construction. Torch-free, like model_con
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -77,6 +78,10 @@ class EngineConfig:
     max_cudagraph_capture_size: int = 512
     """The largest decode batch captured as a CUDA graph (vLLM's name and default); larger
     batches run eagerly. Only the buckets up to max_num_seqs' are captured."""
+    kv_offload_disk_bytes: int = 0
+    """The disk tier's capacity for evicted prefix blocks (0: none; tandem/kvcache/disk_tier.py)."""
+    kv_offload_dir: str | None = None
+    """The disk tier's folder (resolved when kv_offload_disk_bytes > 0, else None)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -140,6 +145,8 @@ class EngineConfig:
         reserve_whole_prompts: bool = False,
         enforce_eager: bool = DEFAULTS["enforce_eager"],
         max_cudagraph_capture_size: int = 512,
+        kv_offload_disk_gib: float = DEFAULTS["kv_offload_disk_gib"],
+        kv_offload_dir: str | None = DEFAULTS["kv_offload_dir"],
     ) -> EngineConfig:
         """The defaults of the engine options are tandem.config.engine_options' (the CLI flags' too).
         device, dtype and kv_cache_dtype may be ``auto`` (resolved here: see tandem/config/device.py and
@@ -177,6 +184,14 @@ class EngineConfig:
         require(prompt_lookup_min >= 1, "prompt_lookup_min", prompt_lookup_min, ">= 1")
         require(prompt_lookup_max >= prompt_lookup_min, "prompt_lookup_max", prompt_lookup_max,
                  f">= prompt_lookup_min ({prompt_lookup_min})")
+        require(kv_offload_disk_gib >= 0, "kv_offload_disk_gib", kv_offload_disk_gib, ">= 0")
+        require(kv_offload_disk_gib == 0 or tp == 1, "kv_offload_disk_gib", kv_offload_disk_gib,
+                "0 with tensor_parallel_size > 1 (each rank's share of a block is not offloaded yet)")
+        require(kv_offload_disk_gib == 0 or enable_prefix_caching, "kv_offload_disk_gib", kv_offload_disk_gib,
+                "0 without enable_prefix_caching (offloaded blocks are found by their prefix hashes)")
+        if kv_offload_disk_gib > 0 and kv_offload_dir is None:
+            root = os.environ.get("TANDEM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tandem")
+            kv_offload_dir = os.path.join(root, "kv-offload")
         # NOTE: swapped blocks never outnumber the device pool, so more host blocks go unused.
         num_swap_blocks = min(num_swap_blocks, num_kv_blocks)
 
@@ -219,4 +234,6 @@ class EngineConfig:
             reserve_whole_prompts=reserve_whole_prompts,
             enforce_eager=enforce_eager,
             max_cudagraph_capture_size=max_cudagraph_capture_size,
+            kv_offload_disk_bytes=gib_to_bytes(kv_offload_disk_gib),
+            kv_offload_dir=kv_offload_dir if kv_offload_disk_gib > 0 else None,
         )

@@ -114,6 +114,13 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "draft tokens per decode step by prompt lookup (default 0: off)", metavar="K"),
     EngineOption("enable_prefix_caching", bool, True,
                  "reuse the KV blocks of prompt prefixes already computed (default: on)"),
+    EngineOption("kv_offload_disk_gib", float, 0.0,
+                 "disk space for prefix blocks the KV pool evicts, in GiB: they are written there off the step's "
+                 "path and loaded back instead of recomputed (default 0: evicted blocks are forgotten)"),
+    EngineOption("kv_offload_dir", str, None,
+                 "where --kv-offload-disk-gib keeps its files; workers of one model sharing it on one host reuse "
+                 "each other's prefixes (default: $TANDEM_CACHE_DIR/kv-offload, else ~/.cache/tandem/kv-offload)",
+                 metavar="DIR"),
     EngineOption("tensor_parallel_size", int, 1,
                  "tensor-parallel ranks of each engine, one device each (under tandem serve: every worker of "
                  "both pools, unless --prefill-tp / --decode-tp say otherwise) (default %(default)s)",

@@ -11,13 +11,15 @@ from typing import Sequence as Seq
 
 from tandem.engine.sequence import Sequence
 from tandem.kvcache.block_hash import hash_block, root_hash
+from tandem.kvcache.prefix_tier import PrefixTier
 
 
 class BlockManager:
     """Fixed-size KV blocks shared by reference count.
 
     Free blocks wait in LRU order; a free block that still holds a full, hashed block
-    stays findable by its hash until it is handed out again (prefix caching).
+    stays findable by its hash until it is handed out again (prefix caching), and then,
+    with a tier, goes there and is found there next (prefix_tier.py).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
@@ -29,6 +31,8 @@ class BlockManager:
         self.cached_block_ids: dict[bytes, int] = {}
         # NOTE: insertion order is eviction order: the least recently freed block goes first.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.tier: PrefixTier | None = None
+        """Where evicted prefix blocks go, and prefix lookups look next (None: forgotten)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -57,10 +61,37 @@ class BlockManager:
         for i in range(num_full):
             parent = hash_block(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             block_id = self.cached_block_ids.get(parent)
+            if block_id is None and self.tier is not None:
+                block_id = self._restore(parent, block_ids)
             if block_id is None:
                 break
             block_ids.append(block_id)
         return block_ids
+
+    def _restore(self, block_hash: bytes, hit_ids: list[int]) -> int | None:
+        """Load ``block_hash`` from the tier into a free block, cached as if never evicted
+        (no owner, most recently freed). -> its id, or None (not there, or no free block
+        beyond the prefix ``hit_ids`` found so far, which must stay)."""
+        assert self.tier is not None
+        if not self.tier.holds(block_hash):
+            return None
+        # NOTE: the hits found so far go to the back of the line first, or taking a block
+        # for this one could evict them.
+        idle_hits = [b for b in hit_ids if self.ref_counts[b] == 0]
+        if len(self.free_block_ids) <= len(idle_hits):
+            return None
+        for b in idle_hits:
+            self.free_block_ids.move_to_end(b)
+        block_id = self._take_free_block()
+        self.ref_counts[block_id] = 0
+        if not self.tier.load(block_hash, block_id):
+            self.free_block_ids[block_id] = None  # first in line again: it holds nothing
+            self.free_block_ids.move_to_end(block_id, last=False)
+            return None
+        self.free_block_ids[block_id] = None
+        self.block_hash[block_id] = block_hash
+        self.cached_block_ids[block_hash] = block_id
+        return block_id
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the hashes of ``seq``'s blocks that became full and computed."""
@@ -166,6 +197,8 @@ class BlockManager:
         block_id, _ = self.free_block_ids.popitem(last=False)
         old_hash = self.block_hash[block_id]
         if old_hash is not None:  # evict: its contents are about to be overwritten
+            if self.tier is not None:
+                self.tier.offload(block_id, old_hash)
             del self.cached_block_ids[old_hash]
             self.block_hash[block_id] = None
         self.ref_counts[block_id] = 1

@@ -1,0 +1,29 @@
+"""The engine's KV tiers, built from its config: what its pool evicts goes there (see
+tandem/kvcache/prefix_tier.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tandem.config import EngineConfig
+from tandem.kvcache.disk_tier import DiskTier, layout_key
+from tandem.model.fingerprint import model_fingerprint
+from tandem.model.llama import LlamaModel
+from tandem.model.loaded import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+
+def disk_tier_for(config: EngineConfig, model: LlamaModel, kv_cache: torch.Tensor) -> DiskTier:
+    """The disk tier of ``config`` over pool ``kv_cache``. Its files are shared only with pools
+    whose KV is interchangeable: the same weights to the byte (their fingerprint), KV dtype
+    and block shape."""
+    assert config.kv_offload_dir is not None
+    fingerprint = model_fingerprint(LoadedModel(config.model, model.weights, None))
+    key = layout_key(fingerprint, config.kv_cache_dtype_name, tuple(kv_cache[:, :, 0].shape))
+    tier = DiskTier(kv_cache, config.kv_offload_dir, config.kv_offload_disk_bytes, key)
+    logger.info("KV disk tier: %s, %.2f GiB (%d blocks of %d KiB)", tier.directory,
+                config.kv_offload_disk_bytes / 2**30, tier.capacity_blocks, tier.block_bytes // 1024)
+    return tier

@@ -1,0 +1,184 @@
+"""The disk tier: evicted prefix blocks as files, one per block, named by the block's hash.
+
+Layout: ``DIR/<layout key>/<hash hex>.kv``. The layout key covers what makes two pools' KV
+interchangeable (the model and its weights' format, the KV dtype, block size and shape), so
+workers of one model on one host that share DIR share what any of them computed, and a pool
+of another model never reads them. A file is a header (magic, the block's hash, the payload's
+length and its BLAKE2b checksum) and the block's KV bytes; it is written whole under another
+name, then renamed, so a reader sees all of it or none. A file whose header or checksum does
+not match (a flipped byte, a truncated write) is deleted and the block recomputed.
+
+Offloads copy the block out of the pool at once (it is about to be reused) and write on a
+thread of their own; a block still queued there loads from its copy. The tier keeps to its
+capacity by deleting its least recently used files (files other workers wrote count once
+this worker has seen them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import queue
+import struct
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+
+import torch
+
+from tandem.kvcache.prefix_tier import TierCounters
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"TKVB0001"
+HEADER = struct.Struct("<8s16sQ16s")
+"""magic, block hash, payload bytes, payload checksum (BLAKE2b-128)."""
+
+
+def layout_key(*parts: object) -> str:
+    """A short stable name for what makes KV interchangeable (e.g. model, format, dtype, shape)."""
+    return hashlib.blake2b("|".join(map(str, parts)).encode(), digest_size=8).hexdigest()
+
+
+def checksum(payload: bytes | memoryview) -> bytes:
+    return hashlib.blake2b(payload, digest_size=16).digest()
+
+
+class DiskTier:
+    """A PrefixTier over files in ``directory`` (see the module docstring).
+
+    kv_cache: the pool, [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    def __init__(self, kv_cache: torch.Tensor, directory: str, capacity_bytes: int, key: str) -> None:
+        self.kv_cache = kv_cache
+        self.directory = os.path.join(directory, key)
+        os.makedirs(self.directory, exist_ok=True)
+        block = kv_cache[:, :, 0]
+        self.block_bytes = block.numel() * block.element_size()
+        self.capacity_blocks = max(capacity_bytes // (self.block_bytes + HEADER.size), 0)
+        self.counters = TierCounters()
+        self._lock = threading.Lock()
+        self._pending: dict[bytes, torch.Tensor] = {}
+        """Copies waiting for the writer (guarded by _lock)."""
+        self._lru: OrderedDict[bytes, None] = OrderedDict()
+        """Files this worker knows of, least recently used first (guarded by _lock)."""
+        self._queue: queue.Queue[bytes | None] = queue.Queue()
+        self._writer = threading.Thread(target=self._write_loop, name="kv-disk-tier", daemon=True)
+        self._writer.start()
+
+    def path_of(self, block_hash: bytes) -> str:
+        return os.path.join(self.directory, block_hash.hex() + ".kv")
+
+    # -- PrefixTier ---------------------------------------------------------------------
+
+    def holds(self, block_hash: bytes) -> bool:
+        with self._lock:
+            if block_hash in self._pending:
+                return True
+        return os.path.exists(self.path_of(block_hash))
+
+    def offload(self, block_id: int, block_hash: bytes) -> None:
+        if self.capacity_blocks == 0:
+            return
+        with self._lock:
+            if block_hash in self._pending or block_hash in self._lru:
+                if block_hash in self._lru:
+                    self._lru.move_to_end(block_hash)
+                return
+        copy = self.kv_cache[:, :, block_id].to("cpu", copy=True)  # [num_layers, 2, block_size, heads, head_dim]
+        with self._lock:
+            self._pending[block_hash] = copy
+        self._queue.put(block_hash)
+
+    def load(self, block_hash: bytes, block_id: int) -> bool:
+        started = time.perf_counter()
+        with self._lock:
+            copy = self._pending.get(block_hash)
+        if copy is None:
+            copy = self._read(block_hash)
+            if copy is None:
+                return False
+        self.kv_cache[:, :, block_id].copy_(copy)
+        with self._lock:
+            self._lru[block_hash] = None
+            self._lru.move_to_end(block_hash)
+        c = self.counters
+        c.num_loaded_blocks += 1
+        c.num_loaded_bytes += self.block_bytes
+        c.load_seconds += time.perf_counter() - started
+        return True
+
+    def flush(self) -> None:
+        """Return once every offload queued so far is on disk (or failed)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._writer.join(timeout=30)
+
+    # -- files ----------------------------------------------------------------------------
+
+    def _read(self, block_hash: bytes) -> torch.Tensor | None:
+        path = self.path_of(block_hash)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        ok = len(data) == HEADER.size + self.block_bytes
+        if ok:
+            magic, stored_hash, length, digest = HEADER.unpack_from(data)
+            payload = memoryview(data)[HEADER.size:]
+            ok = (magic == MAGIC and stored_hash == block_hash and length == self.block_bytes
+                  and checksum(payload) == digest)
+        if not ok:
+            logger.warning("kv disk tier: %s fails its checksum: dropped, its block is recomputed", path)
+            self.counters.num_corrupt_blocks += 1
+            self._delete(block_hash)
+            return None
+        shape = self.kv_cache[:, :, 0].shape
+        return torch.frombuffer(bytearray(payload), dtype=self.kv_cache.dtype).reshape(shape)
+
+    def _write_loop(self) -> None:
+        while (block_hash := self._queue.get()) is not None:
+            with self._lock:
+                copy = self._pending[block_hash]
+            started = time.perf_counter()
+            try:
+                self._write(block_hash, copy)
+            except OSError as e:  # NOTE: a tier that cannot write only loses hits, never a request
+                logger.warning("kv disk tier: could not write %s: %s", block_hash.hex(), e)
+            finally:
+                with self._lock:
+                    del self._pending[block_hash]
+                self.counters.offload_seconds += time.perf_counter() - started
+                self._queue.task_done()
+
+    def _write(self, block_hash: bytes, copy: torch.Tensor) -> None:
+        payload = copy.contiguous().view(torch.uint8).numpy().tobytes()
+        fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".writing-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(HEADER.pack(MAGIC, block_hash, len(payload), checksum(payload)))
+            f.write(payload)
+        os.replace(tmp, self.path_of(block_hash))
+        c = self.counters
+        c.num_offloaded_blocks += 1
+        c.num_offloaded_bytes += len(payload)
+        with self._lock:
+            self._lru[block_hash] = None
+            self._lru.move_to_end(block_hash)
+            over = len(self._lru) - self.capacity_blocks
+            dropped = [self._lru.popitem(last=False)[0] for _ in range(max(over, 0))]
+        for old in dropped:
+            self._delete(old)
+            c.num_dropped_blocks += 1
+
+    def _delete(self, block_hash: bytes) -> None:
+        with self._lock:
+            self._lru.pop(block_hash, None)
+        try:
+            os.unlink(self.path_of(block_hash))
+        except FileNotFoundError:
+            pass

@@ -1,0 +1,55 @@
+"""Where full prefix blocks go when the pool evicts them, and come back from: the interface
+the block manager calls (mechanism: it never touches a tensor), and what a tier counts.
+
+A block is known by its chained hash (block_hash.py), which covers every token before it
+and the request's cache_salt: a tier hit is the same prefix, computed by the same weights
+(the tier's layout key, see disk_tier.py), so its KV is what recomputing would give.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass
+class TierCounters:
+    """What one tier did since the engine started (read by the worker's metrics)."""
+
+    num_offloaded_blocks: int = 0
+    num_offloaded_bytes: int = 0
+    offload_seconds: float = 0.0
+    """Time the offloads took off the step's path (the writer thread's)."""
+    num_loaded_blocks: int = 0
+    num_loaded_bytes: int = 0
+    load_seconds: float = 0.0
+    """Time the loads took on the step's path (they run inside the scheduler's admission)."""
+    num_corrupt_blocks: int = 0
+    """Blocks whose stored checksum did not match: dropped, and recomputed."""
+    num_dropped_blocks: int = 0
+    """Blocks dropped to stay within the tier's capacity."""
+
+
+class PrefixTier(Protocol):
+    """A store of evicted prefix blocks' KV, keyed by block hash."""
+
+    counters: TierCounters
+
+    def holds(self, block_hash: bytes) -> bool:
+        """Whether ``block_hash``'s KV can be loaded (a load may still fail: a corrupt file)."""
+        ...
+
+    def offload(self, block_id: int, block_hash: bytes) -> None:
+        """Keep pool block ``block_id``'s KV under ``block_hash``. Called just before the
+        block is handed out again: its contents must be copied before this returns."""
+        ...
+
+    def load(self, block_hash: bytes, block_id: int) -> bool:
+        """Write ``block_hash``'s KV into pool block ``block_id``. -> False when it cannot
+        be (gone, or failing its checksum: then it is dropped); the block is then untouched
+        or must be recomputed."""
+        ...
+
+    def close(self) -> None:
+        """Finish the writes under way and stop."""
+        ...
