@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 from tandem.engine.engine import LLMEngine
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
+from tandem.kvcache.prefix_tier import TierCounters
 from tandem.kvtransfer.connectors.registry import path_labels
 from tandem.worker.api import Role
 from tandem.worker.metric_buckets import REQUEST_SECONDS
@@ -181,3 +182,31 @@ class _EngineCollector(Collector):
         for reason, n in m.kv_dropped().items():
             dropped.add_metric((*m.label_values, reason), n)
         yield dropped
+        tier = engine.block_manager.tier
+        if tier is not None:
+            yield from _tier_families(m, "disk", tier.counters, engine.config.block_size)
+
+
+def _tier_families(m: WorkerMetrics, name: str, c: TierCounters, block_size: int) -> Iterator[Metric]:
+    """One KV tier's counters (kvcache/prefix_tier.py), labelled tier=name."""
+    labels = (*LABELS, "tier")
+    values = (*m.label_values, name)
+    hits = CounterMetricFamily("tandem_kv_tier_hit_tokens", "Prompt tokens loaded from a KV tier instead of "
+                               "recomputed.", labels=labels)
+    hits.add_metric(values, c.num_loaded_blocks * block_size)
+    yield hits
+    moved = CounterMetricFamily("tandem_kv_tier_bytes", "KV bytes offloaded to a tier and loaded back.",
+                                labels=(*labels, "direction"))
+    moved.add_metric((*values, "offload"), c.num_offloaded_bytes)
+    moved.add_metric((*values, "load"), c.num_loaded_bytes)
+    yield moved
+    seconds = CounterMetricFamily("tandem_kv_tier_seconds", "Time spent offloading (a writer thread's, off the "
+                                  "step) and loading (inside the step's admission).", labels=(*labels, "direction"))
+    seconds.add_metric((*values, "offload"), c.offload_seconds)
+    seconds.add_metric((*values, "load"), c.load_seconds)
+    yield seconds
+    lost = CounterMetricFamily("tandem_kv_tier_blocks_lost", "Tier blocks dropped: failing their checksum "
+                               "(recomputed) or over the tier's capacity.", labels=(*labels, "reason"))
+    lost.add_metric((*values, "corrupt"), c.num_corrupt_blocks)
+    lost.add_metric((*values, "capacity"), c.num_dropped_blocks)
+    yield lost

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import pytest
 from engine_checks import assert_all_blocks_free
+from metrics_text import parse_samples, total
 from reference import english_token_ids, hf_greedy
 
 from tandem import SamplingParams
 from tandem.kvcache.block_hash import prefix_hashes
+from tandem.worker.api import Role
+from tandem.worker.metrics import WorkerMetrics
 
 pytestmark = pytest.mark.slow
 
@@ -56,4 +59,9 @@ def test_evicted_prefixes_load_from_disk_and_a_flipped_byte_is_recomputed(make_l
     assert tokens == expected and cached == 5 * BLOCK_SIZE and num_loaded == 5  # blocks 0-4 loaded; 5 on recomputed
     assert tier.counters.num_corrupt_blocks == 1
     assert_all_blocks_free(llm)
+    # The worker's metrics read the same counters.
+    s = parse_samples(WorkerMetrics(Role.COLOCATED, "c-0", "m").render(llm.engine))
+    assert total(s, "tandem_kv_tier_hit_tokens_total", tier="disk") == tier.counters.num_loaded_blocks * BLOCK_SIZE
+    assert total(s, "tandem_kv_tier_blocks_lost_total", tier="disk", reason="corrupt") == 1
+    assert total(s, "tandem_kv_tier_bytes_total", direction="offload") == tier.counters.num_offloaded_bytes > 0
     tier.close()
