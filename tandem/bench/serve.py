@@ -117,8 +117,14 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--out-dir", default="bench-results/serve", help="where results.json and the PNGs go")
     a("--save-result", action="store_true", help="also write each run under vLLM's flat keys (mean_ttft_ms, "
       "p99_tpot_ms, request_goodput, ...), one JSON file per run in --out-dir")
-    a("--dataset-name", choices=("random", "sharegpt"), default="random",
-      help="random token ids (default), or ShareGPT conversations from --dataset-path (vLLM's sampling)")
+    a("--dataset-name", choices=("random", "sharegpt", "multiturn"), default="random",
+      help="random token ids (default), ShareGPT conversations from --dataset-path (vLLM's sampling), or "
+      "multiturn: --num-prompts chat sessions (started at --request-rate a second) each resending its history "
+      "every turn (bench/serving/multiturn.py)")
+    a("--num-turns", type=int, default=5, help="multiturn: turns per session (default: 5)")
+    a("--system-prompt-len", type=int, default=400, help="multiturn: the system prompt every session shares "
+      "(default: 400 tokens); each user turn is --short-prompt-len long, each answer --output-len")
+    a("--think-time", type=float, default=2.0, help="multiturn: seconds between an answer and the next turn")
     a("--dataset-path", default=None, help="a ShareGPT JSON file, for --dataset-name sharegpt")
     a("--api-key", default=None, help="the router's API key (default: $TANDEM_AUTH_TOKEN)")
 
@@ -143,6 +149,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                          "(0, 1]")
     if (args.dataset_name == "sharegpt") != (args.dataset_path is not None):
         raise ValueError("--dataset-name sharegpt and --dataset-path FILE go together")
+    if args.dataset_name == "multiturn" and args.api != "grpc":
+        raise ValueError("--dataset-name multiturn drives the gRPC API (each turn resends the answer's token ids)")
     if args.api == "openai" and not args.server:
         raise ValueError("--api openai needs --server HOST:PORT (a running `tandem serve`'s HTTP port): the "
                          "clusters this bench starts itself serve the gRPC API only")
@@ -261,15 +269,20 @@ class Bench:
         from tandem.bench.serving.breakdown import RunScrapes
         from tandem.bench.serving.load import arrival_offsets, result_dicts, run_load, summarize
 
-        requests = self.workload(rate)
-        # The same gaps at every rate, scaled (common random numbers).
-        offsets = arrival_offsets(len(requests), rate, self.args.burstiness, [self.args.seed, SEED_ARRIVALS])
         scrapes = RunScrapes(metrics_url)
         await scrapes.start()
-        results, duration = await run_load(
-            target, requests, offsets, tag=f"{label.replace('/', '-')}-r{rate:g}", desc=f"{label} @ {rate:g} req/s",
-            timeout=self.args.request_timeout, max_concurrency=self.args.max_concurrency, api=self.args.api,
-            model=self.model)
+        tag, desc = f"{label.replace('/', '-')}-r{rate:g}", f"{label} @ {rate:g} req/s"
+        if self.args.dataset_name == "multiturn":
+            from tandem.bench.serving.multiturn import run_multiturn
+
+            results, duration = await run_multiturn(self, target, rate, tag=tag, desc=desc)
+        else:
+            requests = self.workload(rate)
+            # The same gaps at every rate, scaled (common random numbers).
+            offsets = arrival_offsets(len(requests), rate, self.args.burstiness, [self.args.seed, SEED_ARRIVALS])
+            results, duration = await run_load(
+                target, requests, offsets, tag=tag, desc=desc, timeout=self.args.request_timeout,
+                max_concurrency=self.args.max_concurrency, api=self.args.api, model=self.model)
         if settle is not None:
             await settle()
         metrics = summarize(results, duration, self.slo)

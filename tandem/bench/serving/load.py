@@ -128,6 +128,9 @@ class RequestResult:
     itl_ms: list[float] = field(default_factory=list)
     """Gaps between successive non-empty responses."""
     num_chunks: int = 0
+    output_token_ids: list[int] = field(default_factory=list, repr=False)
+    """What the server answered (gRPC): a multi-turn session's next prompt holds it. Not in
+    result_dicts."""
 
 
 def greedy_request(request_id: str, token_ids: list[int], max_tokens: int) -> pb.GenerateRequest:
@@ -155,6 +158,7 @@ async def send_one(stub: pb_grpc.GenerationStub, request: Request, index: int, r
                 last = now
                 result.num_chunks += 1
             result.output_tokens += len(response.token_ids)
+            result.output_token_ids.extend(response.token_ids)
             if response.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 result.finish_reason = _FINISH.get(response.finish_reason, "unknown")
                 result.usage_completion_tokens = response.usage.completion_tokens
@@ -279,9 +283,9 @@ def summarize(results: list[RequestResult], duration: float, slo: dict[str, floa
         "e2el_ms": stats([r.e2el_ms for r in done if r.e2el_ms is not None]),
         "by_kind": {kind: {"completed": len(rs), "ttft_ms": stats([r.ttft_ms for r in rs if r.ttft_ms is not None]),
                            "tpot_ms": stats([r.tpot_ms for r in rs if r.tpot_ms is not None])}
-                    for kind in ("short", "long") if (rs := [r for r in done if r.kind == kind])},
+                    for kind in dict.fromkeys(r.kind for r in done) if (rs := [r for r in done if r.kind == kind])},
     }
 
 
 def result_dicts(results: list[RequestResult]) -> list[dict]:
-    return [asdict(r) for r in results]
+    return [{k: v for k, v in asdict(r).items() if k != "output_token_ids"} for r in results]

@@ -54,6 +54,11 @@ def print_run(run: dict) -> None:
         line(f"Median {short} (ms):", _ms(s["median"]))
         for p in (90, 99):
             line(f"P{p} {short} (ms):", _ms(s[f"p{p}"]))
+    turns = {kind: k for kind, k in m["by_kind"].items() if kind.startswith("turn-")}
+    if turns:  # multiturn: how TTFT grows with the history each turn resends
+        print(f"{'Median TTFT by turn (ms)':-^50}")
+        for kind, k in turns.items():
+            line(f"{kind} ({k['completed']} completed):", _ms(k["ttft_ms"]["median"]))
     print("=" * 50)
 
 
@@ -65,8 +70,15 @@ def print_report(results: dict) -> None:
     api = cfg.get("api", "grpc")  # results written before --api existed drove gRPC
     model = f", model {cfg['served_model']!r}" if cfg.get("served_model") else ""
     print(f"api: {api}: {API_LINES.get(api, api)}{model}")
-    print(f"workload: {1 - w['long_fraction']:.0%} chats (prompt {w['short_prompt_len']}) + {w['long_fraction']:.0%} "
-          f"long prompts ({w['long_prompt_len']}), output {w['output_len']} tokens; {w['sampling']}")
+    if "multiturn" in w:
+        t = w["multiturn"]
+        print(f"workload: multiturn, {t['sessions']} sessions of {t['turns']} turns, a shared {t['system_prompt_len']}-"
+              f"token system prompt, user turns {t['user_len']}, answers {w['output_len']} tokens, each turn "
+              f"resending the history, {t['think_time_s']:g} s between turns; {w['sampling']}")
+    else:
+        print(f"workload: {1 - w['long_fraction']:.0%} chats (prompt {w['short_prompt_len']}) + "
+              f"{w['long_fraction']:.0%} long prompts ({w['long_prompt_len']}), output {w['output_len']} tokens; "
+              f"{w['sampling']}")
     print("TTFT = send -> first non-empty response; TPOT = (E2EL - TTFT) / (output tokens - 1); ITL = gaps "
           "between responses; E2EL = send -> end of stream (client clock)")
     print(f"goodput = completed requests meeting {slo}, per second of the run")

@@ -37,7 +37,12 @@ def bench_results(bench: Bench, config: dict) -> dict:
                      "output_len": list(s.output_len), "long_fraction": s.long_fraction,
                      "num_long": [sum(r.kind == "long" for r in shapes)] * len(s.rates),
                      "sampling": "temperature=0, ignore_eos=True, max_tokens=output_len",
-                     "arrivals": "gamma(shape=burstiness, mean=1/rate) gaps, first request at 0"},
+                     "arrivals": "gamma(shape=burstiness, mean=1/rate) gaps, first request at 0",
+                     "dataset": args.dataset_name,
+                     **({"multiturn": {"sessions": s.num_prompts, "turns": args.num_turns,
+                                       "system_prompt_len": args.system_prompt_len, "think_time_s": args.think_time,
+                                       "user_len": list(s.short_prompt_len)}}
+                        if args.dataset_name == "multiturn" else {})},
         "runs": bench.runs, "router_overhead": bench.overhead, "comparison": compare(bench.runs),
         "slo_search": search, "discarded_runs": bench.discarded,
     }
