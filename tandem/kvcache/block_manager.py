@@ -11,6 +11,7 @@ from typing import Sequence as Seq
 
 from tandem.engine.sequence import Sequence
 from tandem.kvcache.block_hash import hash_block, root_hash
+from tandem.kvcache.kv_events import POOL_TIER, BlockEventKind, KVEventLog
 from tandem.kvcache.prefix_tier import PrefixTier
 
 
@@ -33,6 +34,8 @@ class BlockManager:
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.tier: PrefixTier | None = None
         """Where evicted prefix blocks go, and prefix lookups look next (None: forgotten)."""
+        self.events: KVEventLog | None = None
+        """Where blocks entering and leaving the prefix cache are recorded (None: nowhere)."""
 
     @property
     def num_free_blocks(self) -> int:
@@ -91,6 +94,8 @@ class BlockManager:
         self.free_block_ids[block_id] = None
         self.block_hash[block_id] = block_hash
         self.cached_block_ids[block_hash] = block_id
+        if self.events is not None:
+            self.events.record(BlockEventKind.STORED, block_hash, POOL_TIER)
         return block_id
 
     def cache_full_blocks(self, seq: Sequence) -> None:
@@ -107,6 +112,8 @@ class BlockManager:
             if self.block_hash[block_id] is None and block_hash not in self.cached_block_ids:
                 self.block_hash[block_id] = block_hash
                 self.cached_block_ids[block_hash] = block_id
+                if self.events is not None:
+                    self.events.record(BlockEventKind.STORED, block_hash, POOL_TIER)
 
     # -- allocation ---------------------------------------------------------------------
 
@@ -199,6 +206,8 @@ class BlockManager:
         if old_hash is not None:  # evict: its contents are about to be overwritten
             if self.tier is not None:
                 self.tier.offload(block_id, old_hash)
+            if self.events is not None:
+                self.events.record(BlockEventKind.REMOVED, old_hash, POOL_TIER)
             del self.cached_block_ids[old_hash]
             self.block_hash[block_id] = None
         self.ref_counts[block_id] = 1

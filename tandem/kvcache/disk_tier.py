@@ -28,6 +28,7 @@ from collections import OrderedDict
 
 import torch
 
+from tandem.kvcache.kv_events import BlockEventKind, KVEventLog
 from tandem.kvcache.prefix_tier import TierCounters
 
 logger = logging.getLogger(__name__)
@@ -51,8 +52,12 @@ class DiskTier:
 
     kv_cache: the pool, [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
 
+    name = "disk"
+
     def __init__(self, kv_cache: torch.Tensor, directory: str, capacity_bytes: int, key: str) -> None:
         self.kv_cache = kv_cache
+        self.events: KVEventLog | None = None
+        """Where blocks entering and leaving the tier are recorded (None: nowhere)."""
         self.directory = os.path.join(directory, key)
         os.makedirs(self.directory, exist_ok=True)
         block = kv_cache[:, :, 0]
@@ -91,6 +96,8 @@ class DiskTier:
         with self._lock:
             self._pending[block_hash] = copy
         self._queue.put(block_hash)
+        if self.events is not None:
+            self.events.record(BlockEventKind.STORED, block_hash, self.name)
 
     def load(self, block_hash: bytes, block_id: int) -> bool:
         started = time.perf_counter()
@@ -150,6 +157,8 @@ class DiskTier:
                 self._write(block_hash, copy)
             except OSError as e:  # NOTE: a tier that cannot write only loses hits, never a request
                 logger.warning("kv disk tier: could not write %s: %s", block_hash.hex(), e)
+                if self.events is not None:
+                    self.events.record(BlockEventKind.REMOVED, block_hash, self.name)
             finally:
                 with self._lock:
                     del self._pending[block_hash]
@@ -178,6 +187,8 @@ class DiskTier:
     def _delete(self, block_hash: bytes) -> None:
         with self._lock:
             self._lru.pop(block_hash, None)
+        if self.events is not None:
+            self.events.record(BlockEventKind.REMOVED, block_hash, self.name)
         try:
             os.unlink(self.path_of(block_hash))
         except FileNotFoundError:

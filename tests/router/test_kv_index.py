@@ -1,0 +1,93 @@
+"""The precise prefix index: batches applied in order, a gap or a restart leaves the worker
+stale (scored as holding nothing) until its snapshot, batches already in a snapshot skipped;
+matches count leading blocks and their best tier. The batches are a real block manager's and
+disk tier's events, and cross as bytes (JSON), a malformed one refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.engine.sequence import Sequence
+from tandem.kvcache.block_hash import prefix_hashes
+from tandem.kvcache.block_manager import BlockManager
+from tandem.kvcache.disk_tier import DiskTier
+from tandem.kvcache.kv_events import POOL_TIER, BlockEvent, BlockEventKind, KVEventBatch, KVEventLog
+from tandem.router.kv_index import KVBlockIndex
+from tandem.sampling_params import SamplingParams
+
+BS = 4
+
+
+def h(i: int) -> bytes:
+    return bytes([i]) * 16
+
+
+def batch(seq: int, *events: tuple[str, int, str], epoch: str = "e1", worker: str = "w0") -> KVEventBatch:
+    return KVEventBatch(worker, epoch, seq, tuple(BlockEvent(BlockEventKind(k), h(i), t) for k, i, t in events))
+
+
+def test_batches_in_order_then_a_gap_needs_a_snapshot():
+    index = KVBlockIndex()
+    assert not index.apply(batch(1, ("stored", 1, "pool")))  # nothing known yet: a snapshot first
+    index.resync("w0", "e1", 1, {h(1): ["pool"]})
+    assert index.apply(batch(2, ("stored", 2, "pool"), ("stored", 3, "pool")))
+    assert index.apply(batch(3, ("removed", 2, "pool"), ("stored", 2, "disk")))
+    m = index.match("w0", [h(1), h(2), h(3), h(4)])
+    assert (m.num_blocks, m.tiers) == (3, ("pool", "disk", "pool")) and m.score == pytest.approx(2.8)
+    assert index.match("w0", [h(9), h(1)]).num_blocks == 0  # leading blocks only
+    assert not index.apply(batch(5, ("stored", 9, "pool")))  # 4 was lost
+    assert index.is_stale("w0") and index.match("w0", [h(1)]).num_blocks == 0 and index.num_gaps == 1
+    index.resync("w0", "e1", 5, {h(1): ["disk"], h(9): ["pool"]})
+    assert index.apply(batch(5, ("stored", 7, "pool")))  # in the snapshot already: skipped
+    assert index.apply(batch(6, ("removed", 1, "disk")))
+    assert index.match("w0", [h(1)]).num_blocks == 0 and index.match("w0", [h(9)]).num_blocks == 1
+    # A restarted worker (a new epoch) starts over: its old blocks are gone.
+    assert not index.apply(batch(1, ("stored", 5, "pool"), epoch="e2"))
+    assert index.match("w0", [h(9)]).num_blocks == 0 and index.num_resyncs == 2
+
+
+def test_batches_cross_as_json_and_a_malformed_one_is_refused():
+    b = batch(4, ("stored", 1, "pool"), ("removed", 2, "disk"))
+    assert KVEventBatch.decode(b.encode()) == b
+    for bad in (b"\x80\x04pickle", b"{}", b'{"worker": "w", "epoch": "e", "seq": 0, "events": []}',
+                b'{"worker": "w", "epoch": "e", "seq": 1, "events": [["moved", "00", "pool"]]}',
+                b'{"worker": "w", "epoch": "e", "seq": 1, "events": [["stored", "zz", "pool"]]}'):
+        with pytest.raises(ValueError, match="not a KV event batch"):
+            KVEventBatch.decode(bad)
+
+
+def test_a_block_managers_events_keep_the_index_equal_to_its_cache(tmp_path):
+    """A pool with a disk tier, prompts filling and evicting it: after every cut, the index's
+    view of the worker is exactly what the pool and the tier hold."""
+    log = KVEventLog("w0", "e1")
+    bm = BlockManager(6, BS)
+    kv = torch.zeros(1, 2, 6, BS, 1, 2)
+    tier = DiskTier(kv, str(tmp_path), 1 << 20, "k")
+    bm.tier, bm.events, tier.events = tier, log, log
+    index = KVBlockIndex()
+    index.resync("w0", "e1", log.last_seq, {})
+
+    def run(tokens: list[int]) -> None:
+        seq = Sequence(str(tokens[0]), tokens, SamplingParams(), arrival_index=0)
+        cached = bm.find_cached_prefix(seq)
+        bm.allocate(seq, len(tokens) - len(cached) * BS, cached)
+        seq.num_computed_tokens = len(tokens)
+        bm.cache_full_blocks(seq)
+        bm.free(seq)
+        tier.flush()
+        cut = log.cut()
+        assert cut is not None and index.apply(KVEventBatch.decode(cut.encode()))
+
+    prompts = [list(range(100 * i, 100 * i + 13)) for i in range(4)]
+    for tokens in prompts + prompts[:2]:
+        run(tokens)
+        for p in prompts:
+            hashes = prefix_hashes(p, BS)
+            in_pool = [x in bm.cached_block_ids for x in hashes]
+            on_disk = [tier.holds(x) for x in hashes]
+            m = index.match("w0", hashes)
+            expected = next((i for i, (a, b) in enumerate(zip(in_pool, on_disk)) if not (a or b)), len(hashes))
+            assert m.num_blocks == expected
+            assert list(m.tiers) == [POOL_TIER if in_pool[i] else "disk" for i in range(expected)]
+    tier.close()
