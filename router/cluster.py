@@ -126,7 +126,8 @@ async def start_cluster(cfg: ClusterConfig) -> RayBackend:
     if placement.gpus_per_rank:
         logger.info("each worker rank reserves %g GPU", placement.gpus_per_rank)
     worker = dataclasses.replace(cfg.worker, device=worker_device(cfg.device, placement.gpus_per_rank),
-                                 num_threads=cfg.worker.num_threads or max(1, cores // cfg.num_ranks))
+                                 num_threads=cfg.worker.num_threads or max(1, cores // cfg.num_ranks),
+                                 publish_kv_events=cfg.policy == "precise_prefix")
     roles = ([(Role.COLOCATED, cfg.colocated)] if cfg.colocated
              else [(Role.PREFILL, cfg.num_prefill), (Role.DECODE, cfg.num_decode)])
     resources = dict(num_cpus=cfg.num_cpus_per_rank, num_gpus=placement.gpus_per_rank)

@@ -1,4 +1,4 @@
-"""Which worker gets a request: round_robin, least_loaded or prefix_aware."""
+"""Which worker gets a request: round_robin, least_loaded, prefix_aware or precise_prefix."""
 
 from __future__ import annotations
 
@@ -6,10 +6,12 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.kvcache.block_hash import prefix_hashes
+from tandem.router.kv_index import KVBlockIndex
 from tandem.router.prefix_index import PrefixIndex
 from tandem.worker.api import WorkerLoad
 
-POLICIES = ("round_robin", "least_loaded", "prefix_aware")
+POLICIES = ("round_robin", "least_loaded", "prefix_aware", "precise_prefix")
 RETRY_BASE_S, RETRY_MAX_S = 1.0, 30.0
 """A worker that went down is routed to again this long after, once it answers: doubled for
 each further failure within STABLE_S of its last recovery, up to RETRY_MAX_S (a flapping
@@ -136,12 +138,16 @@ class Router:
     policy: str
     for_decode: bool = False
     """Order decode workers (by WorkerState.decode_pressure), else prefill or colocated ones."""
+    kv_index: KVBlockIndex | None = None
+    """precise_prefix's: where the workers' KV events say each block is (router/kv_index.py)."""
     _turn: itertools.count = field(default_factory=itertools.count)
     _index: PrefixIndex = field(default_factory=PrefixIndex)
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if (self.policy == "precise_prefix") != (self.kv_index is not None):
+            raise ValueError("precise_prefix routes by a KV index, and only it")
 
     def order(self, workers: list[WorkerState], prompt_token_ids: list[int],
               cache_salt: str | None = None) -> list[WorkerState]:
@@ -155,11 +161,20 @@ class Router:
         by_load = sorted(healthy, key=WorkerState.decode_pressure if self.for_decode else WorkerState.pressure)
         if self.policy == "least_loaded":
             return by_load
+        # prefix_aware, precise_prefix: queued tokens less those the worker need not compute
         return sorted(by_load, key=lambda w: w.pressure()[0] - self.num_cached_tokens(w, prompt_token_ids, cache_salt))
 
     def num_cached_tokens(self, worker: WorkerState, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
-        """Prompt tokens `worker` probably holds already under `cache_salt` (prefix_aware only remembers)."""
-        return self._index.num_cached_tokens(worker.instance, worker.load, prompt_token_ids, cache_salt)
+        """Prompt tokens `worker` holds already under `cache_salt`: as its KV events say, each
+        weighed by its tier's worth (precise_prefix), or as the router remembers (prefix_aware)."""
+        if self.kv_index is None:
+            return self._index.num_cached_tokens(worker.instance, worker.load, prompt_token_ids, cache_salt)
+        if worker.load is None:
+            return 0
+        bs = worker.load.block_size  # never the last token: the worker always computes one
+        match = self.kv_index.match(worker.instance, prefix_hashes(prompt_token_ids, bs,
+                                                                  (len(prompt_token_ids) - 1) // bs, cache_salt))
+        return int(match.score * bs)
 
     def record(self, worker: WorkerState, prompt_token_ids: list[int], cache_salt: str | None = None) -> None:
         """Remember that `worker` now holds this prompt's prefix (under `cache_salt`)."""

@@ -15,6 +15,8 @@ from ray.exceptions import RayTaskError
 from tandem.router.admission import AdmissionQueue
 from tandem.router.backend import NoHealthyWorker, WorkerFailed
 from tandem.router.disagg import DEFAULT_MAX_LOCAL_STALL_S, PrefillCosts, make_disagg_policy
+from tandem.router.kv_events_feed import KVEventFeed
+from tandem.router.kv_index import KVBlockIndex
 from tandem.router.policy import Router, WorkerState
 from tandem.router.prefill_placement import PrefillPlacement, learn, place, place_colocated
 from tandem.router.worker_calls import WORKER_GONE, WorkerCalls, short_error
@@ -45,8 +47,11 @@ class RayBackend:
         if not colocated and not (prefill and decode):
             raise ValueError("a disaggregated cluster needs at least one prefill and one decode worker")
         self.prefill, self.decode, self.colocated = prefill, decode, colocated
-        self.prefill_router = Router(policy)
-        self.decode_router = Router(policy, for_decode=True)
+        self.kv_index = KVBlockIndex() if policy == "precise_prefix" else None
+        """Where the workers' KV events say each prefix block is (precise_prefix only)."""
+        self.kv_feed = None if self.kv_index is None else KVEventFeed(self.kv_index)
+        self.prefill_router = Router(policy, kv_index=self.kv_index)
+        self.decode_router = Router(policy, for_decode=True, kv_index=self.kv_index)
         self.tokenizer_spec = tokenizer_spec
         self.admission = AdmissionQueue(max_queued_requests, admission_timeout_s)
         self.prefill_costs = PrefillCosts()
@@ -88,22 +93,32 @@ class RayBackend:
         """A worker that serves joins ``role``'s pool (router/pool_changes.py)."""
         {Role.PREFILL: self.prefill, Role.DECODE: self.decode, Role.COLOCATED: self.colocated}[role].append(w)
         self.health.add(w)
+        if self.kv_feed is not None:
+            self.calls.later(self.kv_feed.subscribe(w), f"following {w.instance}'s KV events")
 
     def remove_worker(self, role: Role, w: WorkerState) -> None:
         """A drained worker leaves ``role``'s pool and the health polls."""
         {Role.PREFILL: self.prefill, Role.DECODE: self.decode, Role.COLOCATED: self.colocated}[role].remove(w)
         self.health.workers.remove(w)
+        if self.kv_feed is not None:
+            self.kv_feed.forget(w)
 
     async def loads(self) -> list[WorkerLoad]:
         await self.health.refresh()
         return [w.load for w in self.workers if w.load is not None]
 
     def start_polling(self) -> None:
-        """Keep worker loads (and health) fresh in the background."""
+        """Keep worker loads (and health), and the KV index, fresh in the background."""
         self.health.start()
+        if self.kv_feed is not None:
+            self.kv_feed.start()
+            for w in self.workers:
+                self.calls.later(self.kv_feed.subscribe(w), f"following {w.instance}'s KV events")
 
     async def stop_polling(self) -> None:
         await self.health.stop()
+        if self.kv_feed is not None:
+            await self.kv_feed.stop()
 
     def mark_unhealthy(self, w: WorkerState, why: str | BaseException = "died") -> None:
         self.health.mark_down(w, why)

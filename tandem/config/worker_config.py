@@ -43,6 +43,9 @@ class WorkerConfig:
     defaults), tensor_parallel_size included: each pool's, set by start_cluster."""
     kv_transfer: KVTransferConfig = KVTransferConfig()
     """How prefill and decode workers move KV between them."""
+    publish_kv_events: bool = False
+    """Publish the KV pool's (and its tiers') block events for the router's precise prefix
+    index (--policy precise_prefix; tandem/worker/kv_events_publisher.py)."""
 
     def __post_init__(self) -> None:
         given_twice = [name for name in OWN_FIELDS if name in self.engine]

@@ -117,6 +117,11 @@ class DiskTier:
         c.load_seconds += time.perf_counter() - started
         return True
 
+    def block_hashes(self) -> list[bytes]:
+        """Every block this tier can load now (those it wrote or loaded, and those still queued)."""
+        with self._lock:
+            return list(self._lru) + [h for h in self._pending if h not in self._lru]
+
     def flush(self) -> None:
         """Return once every offload queued so far is on disk (or failed)."""
         self._queue.join()

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
+from tandem.kvcache.kv_events import KVEventLog
+
 
 @dataclass
 class TierCounters:
@@ -34,6 +36,10 @@ class PrefixTier(Protocol):
     """A store of evicted prefix blocks' KV, keyed by block hash."""
 
     counters: TierCounters
+    name: str
+    """The tier's name in metrics and KV events ("disk")."""
+    events: KVEventLog | None
+    """Where blocks entering and leaving the tier are recorded (None: nowhere)."""
 
     def holds(self, block_hash: bytes) -> bool:
         """Whether ``block_hash``'s KV can be loaded (a load may still fail: a corrupt file)."""
@@ -48,6 +54,10 @@ class PrefixTier(Protocol):
         """Write ``block_hash``'s KV into pool block ``block_id``. -> False when it cannot
         be (gone, or failing its checksum: then it is dropped); the block is then untouched
         or must be recomputed."""
+        ...
+
+    def block_hashes(self) -> list[bytes]:
+        """Every block the tier can load now (a snapshot for the router's index)."""
         ...
 
     def close(self) -> None:

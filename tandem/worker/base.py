@@ -29,6 +29,7 @@ from tandem.worker import faults
 from tandem.worker.api import EngineDown, Role, TokenizerSpec, WorkerInventory, WorkerLoad, WorkerRequest
 from tandem.worker.engine_loop import EngineLoop
 from tandem.worker.heartbeat_file import HeartbeatFile
+from tandem.worker.kv_events_publisher import KVEventPublisher, events_host
 from tandem.worker.metrics import WorkerMetrics
 from tandem.worker.state_table import StateTable
 from tandem.worker.tokenizer_spec import tokenizer_spec_from
@@ -92,6 +93,9 @@ class Worker:
                           if engine_config.device.type == "cpu" and started.runner.compiled_step is None else None))
         self.loop = self._start_loop()
         self.loop.heartbeat_file = HeartbeatFile.from_env(instance)
+        self.kv_events = None if not config.publish_kv_events else KVEventPublisher(
+            self.engine, instance, events_host(config.kv_transfer))
+        """Publishes the pool's block events (None: not asked for)."""
         logger.info("%s worker %s ready on %s, %s, KV cache %s (pid %d, %d torch threads)", self.role.value, instance,
                     engine_config.device_name, engine_config.dtype_name, engine_config.kv_cache_dtype_name, os.getpid(),
                     torch.get_num_threads())
@@ -185,7 +189,19 @@ class Worker:
             num_prefix_hits=m.num_prefix_hits,
         )
 
+    def kv_events_address(self) -> str | None:
+        """Where this worker publishes its KV block events (None: it does not)."""
+        return None if self.kv_events is None else self.kv_events.address
+
+    async def kv_snapshot(self) -> dict | None:
+        """The blocks this worker holds, for the router's index after a lost batch (see
+        KVEventPublisher.snapshot); None: no events published."""
+        publisher = self.kv_events
+        return None if publisher is None else await self.loop.call(publisher.snapshot)
+
     def shutdown(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.loop.stop()
         if self.ranks is not None:
             self.ranks.stop()

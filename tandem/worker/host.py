@@ -59,6 +59,12 @@ class WorkerHost:
         """This actor's process id (for memory sampling and fault tests)."""
         return os.getpid()
 
+    def kv_events_address(self) -> str | None:
+        return self.worker.kv_events_address()
+
+    async def kv_snapshot(self) -> dict | None:
+        return await self.worker.kv_snapshot()
+
     @ray.method(concurrency_group="control")
     def node_ip(self) -> str:
         """The address of the Ray node this actor runs on (a node's drain finds its workers by it)."""

@@ -33,7 +33,7 @@ class EchoServer:
     from it (so every answer is different), records what it was sent and when, and fails
     the calls whose request id is in ``fail``."""
 
-    def __init__(self, fail: set[str] = frozenset()) -> None:
+    def __init__(self, fail: frozenset[str] = frozenset()) -> None:
         self.calls: dict[str, tuple[list[int], float, float]] = {}
         self.fail = fail
 
@@ -73,7 +73,7 @@ def test_each_turn_resends_the_history_with_the_answers():
 
 def test_a_failed_turn_ends_its_session_only():
     conversations = make_conversations(2, POOL, SHAPE, seed=4)
-    server = EchoServer(fail={"t-s0-t2"})
+    server = EchoServer(fail=frozenset({"t-s0-t2"}))
     results, _ = asyncio.run(run_sessions(server.send, conversations, [0.0, 0.0], 0.0, tag="t", desc="",
                                           progress=False))
     assert [(r.kind, r.success) for r in results] == [("turn-1", True), ("turn-2", False), ("turn-1", True),

@@ -96,7 +96,6 @@ def running_clusters(configs: Mapping[str, ClusterConfig | SameWorkers], loop: a
     finally:
         for name, (c, server) in running.items():
             asyncio.run_coroutine_threadsafe(drain(server, grace=1.0), loop).result(timeout=30)
+            asyncio.run_coroutine_threadsafe(c.backend.stop_polling(), loop).result(timeout=30)
             if name in owned:
                 stop_cluster(c.backend)
-            else:
-                asyncio.run_coroutine_threadsafe(c.backend.stop_polling(), loop).result(timeout=30)

@@ -8,12 +8,16 @@ from block_harness import BS, compute, free_list, make_seq, toks
 
 from tandem.kvcache.block_hash import prefix_hashes
 from tandem.kvcache.block_manager import BlockManager
+from tandem.kvcache.kv_events import KVEventLog
 from tandem.kvcache.prefix_tier import TierCounters
 
 
 class RecordingTier:
     """A PrefixTier that holds what it is given in a dict (block id -> the hash it held), and
     records every call; `corrupt` hashes fail their load, as a file failing its checksum does."""
+
+    name = "recording"
+    events: KVEventLog | None = None
 
     def __init__(self) -> None:
         self.counters = TierCounters()
@@ -35,14 +39,18 @@ class RecordingTier:
             return False
         return True
 
+    def block_hashes(self) -> list[bytes]:
+        return list(self.stored)
+
     def close(self) -> None:
         pass
 
 
 def pool_with_tier(num_blocks: int) -> tuple[BlockManager, RecordingTier]:
     bm = BlockManager(num_blocks, BS)
-    bm.tier = RecordingTier()
-    return bm, bm.tier
+    tier = RecordingTier()
+    bm.tier = tier
+    return bm, tier
 
 
 def test_evicted_prefix_blocks_go_to_the_tier_and_come_back() -> None:

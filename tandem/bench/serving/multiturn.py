@@ -90,7 +90,7 @@ async def run_sessions(send: Send, conversations: list[Conversation], offsets: l
         conversation = conversations[i]
         await asyncio.sleep(max(0.0, start + offsets[i] - time.perf_counter()))
         answers: list[list[int]] = []
-        results = []
+        results: list[RequestResult] = []
         for k, output_len in enumerate(conversation.output_lens):
             if k:
                 await asyncio.sleep(think_time_s)

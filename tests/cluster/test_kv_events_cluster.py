@@ -1,0 +1,80 @@
+"""--policy precise_prefix on a real cluster: two colocated workers with small pools and a
+disk tier publish their KV block events; the router's index follows them (blocks stored in
+the pool, then moved to disk as later prompts evict them), routes a repeated prompt to the
+worker that holds its prefix, and predicts exactly the prompt tokens that worker then reports
+as prefix hits (loaded from its disk tier), with the same greedy output."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from fault_calls import greedy
+from reference import english_token_ids
+from running_cluster import running_clusters
+from worker_checks import assert_workers_empty
+
+from tandem.config import WorkerConfig
+from tandem.kvcache.block_hash import prefix_hashes
+from tandem.router.cluster import ClusterConfig
+
+pytestmark = pytest.mark.slow
+
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module")
+def precise(clusters, tmp_path_factory):
+    worker = WorkerConfig.build(kv_cache_memory_gib=0.03, max_num_batched_tokens=256, num_threads=1,
+                                quantization="none", kv_offload_disk_gib=0.2,
+                                kv_offload_dir=str(tmp_path_factory.mktemp("kv-offload")))
+    config = ClusterConfig(colocated=2, worker=worker, policy="precise_prefix", name_prefix="kv-")
+    with running_clusters({"precise": config}, clusters["colocated"].loop) as started:
+        yield started["precise"]
+
+
+def test_the_index_follows_the_workers_and_predicts_their_hits(precise, tokenizer):
+    backend = precise.backend
+    index = backend.kv_index
+    assert index is not None
+
+    def on_loop(fn):
+        async def call():
+            return fn()
+        return precise.run(call())
+
+    def wait_for(predicate, what: str, timeout: float = 30.0):
+        deadline = time.monotonic() + timeout
+        while not (found := on_loop(predicate)):
+            assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+            time.sleep(0.05)
+        return found
+
+    names = [w.instance for w in backend.colocated]
+    wait_for(lambda: not any(index.is_stale(n) for n in names), "both workers' snapshots")
+    prompt = english_token_ids(tokenizer, 300, skip=30)
+    hashes = prefix_hashes(prompt, BLOCK_SIZE, (len(prompt) - 1) // BLOCK_SIZE)
+    first = greedy(precise, prompt, 4)
+    owner = wait_for(lambda: next((n for n in names if index.match(n, hashes).num_blocks == len(hashes)), None),
+                     "the prompt's blocks in the index")
+    assert set(on_loop(lambda: index.match(owner, hashes).tiers)) == {"pool"}
+    # Other prompts until the owner's pool evicted the prompt's prefix to its disk tier.
+    for i in range(16):
+        greedy(precise, english_token_ids(tokenizer, 300, skip=400 + 97 * i), 2)
+        if "disk" in on_loop(lambda: index.match(owner, hashes).tiers):
+            break
+    time.sleep(0.2)  # (the last events in)
+    match = on_loop(lambda: index.match(owner, hashes))
+    assert "disk" in match.tiers and match.num_blocks == len(hashes), match
+    loads = {w.instance: w for w in backend.colocated}
+
+    def hits() -> int:
+        precise.run(backend.loads())
+        return loads[owner].load.num_prefix_hits
+
+    before = hits()
+    assert greedy(precise, prompt, 4) == first
+    reported = hits() - before
+    assert reported == match.num_blocks * BLOCK_SIZE  # predicted: every block, from the pool or the disk
+    assert index.num_gaps == 0
+    assert_workers_empty(precise)
