@@ -29,9 +29,13 @@ class LoadedModel:
 
 
 def load_hf_config(source: ModelSource):  # -> transformers.PretrainedConfig
-    """The checkpoint's config, refused early (before any weight is read) when unsupported."""
+    """The checkpoint's config, refused early (before any weight is read) when unsupported
+    (a GGUF file's from its converted copy once there is one, as load_tokenizer)."""
     from transformers import AutoConfig
 
+    from tandem.model.gguf_cache import cached_source
+
+    source = cached_source(source)
     hf_config = AutoConfig.from_pretrained(source.path, **source.from_pretrained_kwargs())
     if not hf_config.architectures:  # GGUF files carry a model type but no architecture list
         guess = ARCHITECTURE_OF_MODEL_TYPE.get(hf_config.model_type, hf_config.model_type)

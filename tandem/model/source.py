@@ -100,7 +100,12 @@ def _from_hub(repo_id: str, revision: str | None) -> str:
 
 
 def load_tokenizer(source: ModelSource):  # -> transformers.PreTrainedTokenizerBase
-    """The tokenizer (with its chat template) from the same files as the weights."""
+    """The tokenizer (with its chat template) from the same files as the weights: for a GGUF
+    file, from its converted copy once there is one (gguf_cache.py; transformers reads a GGUF
+    file's tokenizer through its whole metadata, about 4 s, the copy in a fraction of one)."""
     from transformers import AutoTokenizer
 
+    from tandem.model.gguf_cache import cached_source
+
+    source = cached_source(source)
     return AutoTokenizer.from_pretrained(source.path, **source.from_pretrained_kwargs())
