@@ -38,7 +38,8 @@ class WorkerHost:
     def __init__(self, role: Role, instance: str, config: WorkerConfig,
                  placement_group: PlacementGroup | None = None) -> None:
         """placement_group: a tensor-parallel worker's (see worker_placement_group)."""
-        if role in (Role.PREFILL, Role.DECODE):  # KV goes in place between workers of one Ray node
+        # KV goes in place between workers of one Ray node; KV events go out on the node's address.
+        if role in (Role.PREFILL, Role.DECODE) or config.publish_kv_events:
             kv_transfer = config.kv_transfer.on_node(ray.get_runtime_context().get_node_id(),
                                                      ray.util.get_node_ip_address())
             config = dataclasses.replace(config, kv_transfer=kv_transfer)
