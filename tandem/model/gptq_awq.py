@@ -31,22 +31,22 @@ breaks row-parallel slicing), so such a checkpoint is refused with the file and 
 
 from __future__ import annotations
 
-import importlib
 import json
 import logging
 import math
 import os
 import sys
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 
 from tandem.config import ModelConfig
+from tandem.model.checkpoint import SafetensorsCheckpoint, checkpoint_config, weights_from_checkpoint
 from tandem.model.int4 import Int4Weight
-from tandem.model.llama import LayerWeights, ModelWeights
-from tandem.model.loaded import LoadedModel, eos_token_ids_of, load_hf_config
-from tandem.model.source import ModelSource, load_tokenizer
+from tandem.model.llama import ModelWeights
+from tandem.model.loaded import LoadedModel, load_hf_config
+from tandem.model.quantization import Weight
+from tandem.model.source import ModelSource
 
 logger = logging.getLogger(__name__)
 
@@ -108,42 +108,6 @@ def parse_quantization_config(qc: dict, where: str) -> Int4CheckpointFormat:
             raise ValueError(f"{where}: AWQ zero_point false is not supported (AutoAWQ's gemm format has zero points)")
         zero_offset, desc_act = 0, False
     return Int4CheckpointFormat(method, None if group_size == -1 else group_size, zero_offset, desc_act)
-
-
-class SafetensorsCheckpoint:
-    """The tensors of model.safetensors, or of the shards a model.safetensors.index.json names."""
-
-    def __init__(self, directory: str) -> None:
-        from safetensors import safe_open
-
-        index = os.path.join(directory, "model.safetensors.index.json")
-        weight_map: dict[str, str] | None
-        if os.path.isfile(index):
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-        elif os.path.isfile(os.path.join(directory, "model.safetensors")):
-            weight_map = None  # filled below from the one file
-        else:
-            # NOTE: no pickle fallback (pytorch_model.bin): tandem never unpickles weights.
-            raise FileNotFoundError(f"{directory} has no model.safetensors or model.safetensors.index.json")
-        files = sorted(set(weight_map.values())) if weight_map else ["model.safetensors"]
-        self._handles = {name: safe_open(os.path.join(directory, name), framework="pt") for name in files}
-        if weight_map is None:
-            weight_map = {key: files[0] for key in self._handles[files[0]].keys()}
-        self.weight_map = weight_map
-        self.directory = directory
-
-    def __contains__(self, name: str) -> bool:
-        return name in self.weight_map
-
-    def where(self, name: str) -> str:
-        """'file: tensor', for error messages."""
-        return f"{os.path.join(self.directory, self.weight_map.get(name, '?'))}: {name}"
-
-    def get(self, name: str) -> torch.Tensor:
-        if name not in self.weight_map:
-            raise KeyError(f"{self.directory}: the checkpoint has no tensor {name!r}")
-        return self._handles[self.weight_map[name]].get_tensor(name)
 
 
 def _bytes(packed: torch.Tensor) -> torch.Tensor:
@@ -231,57 +195,16 @@ def awq_to_int4(ckpt: SafetensorsCheckpoint, module: str, fmt: Int4CheckpointFor
 _TO_INT4 = {"gptq": gptq_to_int4, "awq": awq_to_int4}
 
 
-def _rotary(hf_config) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim / 2] float32, attention scaling) from the architecture's own rotary
-    class: the module transformers' model would hold as ``model.rotary_emb``."""
-    import transformers
-
-    architecture = hf_config.architectures[0]
-    modeling = importlib.import_module(getattr(transformers, architecture).__module__)
-    rotary = getattr(modeling, architecture.removesuffix("ForCausalLM") + "RotaryEmbedding")(config=hf_config)
-    return rotary.inv_freq.detach().float().clone(), float(rotary.attention_scaling)
-
-
-def _cat_rows(parts: list, where: str):
-    """Fuse projections along the output: all float tensors, or Int4Weights of one group size."""
-    if all(isinstance(p, torch.Tensor) for p in parts):
-        return torch.cat(parts)
-    if not all(isinstance(p, Int4Weight) for p in parts) or len({p.group_size for p in parts}) != 1:
-        raise ValueError(f"{where}: the projections fused here mix quantized and float (or group sizes)")
-    return Int4Weight(torch.cat([p.qweight for p in parts]), torch.cat([p.scale for p in parts]),
-                      torch.cat([p.offset for p in parts]), parts[0].group_size)
-
-
 def weights_from_int4_checkpoint(ckpt: SafetensorsCheckpoint, fmt: Int4CheckpointFormat, config: ModelConfig,
                                  hf_config, dtype: torch.dtype) -> ModelWeights:
     """ModelWeights whose quantized projections are Int4Weight and the rest ``dtype``."""
 
-    def floating(name: str) -> torch.Tensor:
-        return ckpt.get(name).to(dtype).contiguous()
+    def projection(module: str) -> Weight:  # modules left in float (modules_to_not_convert, lm_head) stay float
+        if module + ".qweight" in ckpt:
+            return _TO_INT4[fmt.method](ckpt, module, fmt)
+        return ckpt.get(module + ".weight").to(dtype).contiguous()
 
-    def projection(module: str):  # modules left in float (modules_to_not_convert, lm_head) stay float
-        return _TO_INT4[fmt.method](ckpt, module, fmt) if module + ".qweight" in ckpt else floating(module + ".weight")
-
-    layers = []
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        qkv_bias = None
-        if config.attention_bias:
-            qkv_bias = torch.cat([floating(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-        layers.append(LayerWeights(
-            qkv_proj=_cat_rows([projection(p + f"self_attn.{n}_proj") for n in "qkv"], ckpt.where(p + "self_attn")),
-            qkv_bias=qkv_bias,
-            o_proj=projection(p + "self_attn.o_proj"),
-            gate_up_proj=_cat_rows([projection(p + f"mlp.{n}_proj") for n in ("gate", "up")], ckpt.where(p + "mlp")),
-            down_proj=projection(p + "mlp.down_proj"),
-            input_norm=floating(p + "input_layernorm.weight"),
-            post_attention_norm=floating(p + "post_attention_layernorm.weight"),
-        ))
-    embed = floating("model.embed_tokens.weight")
-    lm_head = embed if config.tie_word_embeddings else projection("lm_head")
-    inv_freq, attention_scaling = _rotary(hf_config)
-    return ModelWeights(embed_tokens=embed, layers=layers, norm=floating("model.norm.weight"), lm_head=lm_head,
-                        rope_inv_freq=inv_freq, rope_attention_scaling=attention_scaling)
+    return weights_from_checkpoint(ckpt, config, hf_config, dtype, projection)
 
 
 def is_quantized_checkpoint(source: ModelSource) -> bool:
@@ -293,21 +216,12 @@ def is_quantized_checkpoint(source: ModelSource) -> bool:
 def load_quantized_checkpoint(source: ModelSource, dtype: torch.dtype) -> LoadedModel:
     """Load a GPTQ or AWQ directory: config and quantization settings are checked before any
     weight is read; projections become Int4Weight, everything else ``dtype``."""
-    from transformers import GenerationConfig
-
     qc = read_quantization_config(source.path)
     assert qc is not None, "is_quantized_checkpoint(source) first"
     fmt = parse_quantization_config(qc, os.path.join(source.path, "config.json"))
     hf_config = load_hf_config(source)
     logger.info("loading %s (%s, %s int4, group size %s) from %s", source.name, hf_config.architectures[0],
                 fmt.method, fmt.group_size or "whole rows", source.path)
-    try:
-        generation_config = GenerationConfig.from_pretrained(source.path)
-    except OSError:  # no generation_config.json: transformers derives one from the model config
-        generation_config = GenerationConfig.from_model_config(hf_config)
-    tokenizer = load_tokenizer(source)
-    # eos_token_ids_of reads a model's generation_config: give it the one transformers would have.
-    eos_ids = eos_token_ids_of(SimpleNamespace(generation_config=generation_config), tokenizer)
-    config = ModelConfig.from_hf_config(hf_config, source.name, eos_ids)
+    config, tokenizer = checkpoint_config(source, hf_config)
     weights = weights_from_int4_checkpoint(SafetensorsCheckpoint(source.path), fmt, config, hf_config, dtype)
     return LoadedModel(config, weights, tokenizer)

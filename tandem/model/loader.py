@@ -1,4 +1,5 @@
-"""Load a transformers model and take its weights into our own layout."""
+"""Load a model into tandem's layout: safetensors directories (a GGUF file's converted copy
+included) straight from their files, anything else through transformers' model."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from tandem.config import EngineConfig, ModelConfig
+from tandem.model.checkpoint import SafetensorsCheckpoint, load_float_checkpoint
 from tandem.model.gguf_cache import cached_source, save_converted
 from tandem.model.gguf_q4 import gguf_path, keep_gguf_int4
 from tandem.model.gptq_awq import is_quantized_checkpoint, load_quantized_checkpoint
@@ -49,8 +51,11 @@ def loaded_from_hf_model(hf_model, tokenizer, name: str, dtype: torch.dtype) -> 
 def load_model(source: ModelSource, dtype: torch.dtype) -> LoadedModel:
     """Load ``source`` for serving, showing progress."""
     start = time.perf_counter()
+    converted = cached_source(source)  # a GGUF file's converted copy, once there is one
     if is_quantized_checkpoint(source):  # GPTQ / AWQ: projections stay int4 (see gptq_awq.py)
         loaded = load_quantized_checkpoint(source, dtype)
+    elif converted.gguf_file is None and SafetensorsCheckpoint.exists_in(converted.path):
+        loaded = load_float_checkpoint(converted, dtype)
     else:
         hf_model, tokenizer = load_hf_model(source)
         loaded = loaded_from_hf_model(hf_model, tokenizer, source.name, dtype)

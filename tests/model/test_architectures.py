@@ -1,8 +1,10 @@
-"""Every supported architecture loads from a local Hugging Face directory and generates
-exactly what transformers generates; anything else is refused with a clear error."""
+"""Every supported architecture loads from a local Hugging Face directory with the weights
+transformers' model holds and generates exactly what transformers generates; anything else is
+refused with a clear error."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -11,7 +13,8 @@ from reference import hf_greedy
 from transformers import GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 from tandem import LLM, SamplingParams
-from tandem.model.loader import load_hf_model
+from tandem.model.checkpoint import SafetensorsCheckpoint, load_float_checkpoint
+from tandem.model.loader import load_hf_model, load_model, loaded_from_hf_model
 from tandem.model.source import resolve_model_source
 
 pytestmark = pytest.mark.slow
@@ -65,3 +68,50 @@ def test_unsupported_architecture_is_named(tmp_path, tokenizer):
 def test_missing_model_path_is_explained(tmp_path):
     with pytest.raises(FileNotFoundError, match="neither a local Hugging Face directory"):
         LLM(str(tmp_path / "nowhere"))
+
+
+def assert_same_weights(got, want) -> None:
+    """Every tensor of two ModelWeights equal, bit for bit."""
+    assert got.rope_attention_scaling == want.rope_attention_scaling
+    for name in ("embed_tokens", "lm_head", "norm", "rope_inv_freq"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert len(got.layers) == len(want.layers)
+    for i, (a, b) in enumerate(zip(got.layers, want.layers)):
+        for field in dataclasses.fields(a):
+            x, y = getattr(a, field.name), getattr(b, field.name)
+            assert (x is None and y is None) or torch.equal(x, y), (i, field.name)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_weights_read_from_the_files_equal_transformers_model(name, tmp_path, tokenizer):
+    """load_model reads safetensors itself (checkpoint.py): the same tensors, RoPE frequencies
+    and config as taking them from the model transformers builds from the same files."""
+    save_random_model(CONFIGS[name](), tmp_path, tokenizer)
+    source = resolve_model_source(str(tmp_path))
+    hf_model, hf_tokenizer = load_hf_model(source)
+    want = loaded_from_hf_model(hf_model, hf_tokenizer, source.name, torch.float32)
+    got = load_float_checkpoint(source, torch.float32)
+    assert got.config == want.config
+    assert_same_weights(got.weights, want.weights)
+
+
+def test_the_default_models_converted_copy_equals_transformers_gguf_load(tokenizer):
+    """The GGUF file dequantized by transformers, against its converted copy read directly
+    (what every worker loads), float32 and bfloat16."""
+    from tandem.model.gguf_cache import cached_source
+
+    source = resolve_model_source(None)
+    hf_model, hf_tokenizer = load_hf_model(source)
+    converted = cached_source(source)
+    assert converted.gguf_file is None, "load_hf_model keeps the converted copy"
+    for dtype in (torch.float32, torch.bfloat16):
+        want = loaded_from_hf_model(hf_model, hf_tokenizer, source.name, dtype)
+        got = load_model(source, dtype)
+        assert got.config == want.config
+        assert_same_weights(got.weights, want.weights)
+
+
+def test_a_directory_without_safetensors_is_refused(tmp_path):
+    LlamaConfig(**SMALL).save_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        SafetensorsCheckpoint(str(tmp_path))
