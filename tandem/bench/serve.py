@@ -83,8 +83,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--quick", action="store_true", help="tiny run: 6 short requests at 2 req/s, 2 colocated budgets, 1 probe "
       "per mode, small KV pools")
     a("--request-rate", type=float, nargs="+", default=None,
-      help="requests/s of the sweep, 'inf' sends all at once (default: 0.5 1)")
-    a("--num-prompts", type=int, default=None, help="requests per run (default: 20)")
+      help="requests/s of the sweep, 'inf' sends all at once (default: 0.5 1); mooncake: the trace's gaps scaled to it")
+    a("--num-prompts", type=int, default=None, help="requests per run (default: 20); mooncake: the trace's first")
     a("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps: 1 Poisson, <1 burstier")
     a("--max-concurrency", type=int, default=None, help="cap on requests in flight (default: none, open loop)")
     a("--goodput", nargs="+", default=DEFAULT_SLO, metavar="KEY:MS", help="the SLO in ms, keys ttft tpot e2el, "
@@ -117,15 +117,17 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     a("--out-dir", default="bench-results/serve", help="where results.json and the PNGs go")
     a("--save-result", action="store_true", help="also write each run under vLLM's flat keys (mean_ttft_ms, "
       "p99_tpot_ms, request_goodput, ...), one JSON file per run in --out-dir")
-    a("--dataset-name", choices=("random", "sharegpt", "multiturn"), default="random",
-      help="random token ids (default), ShareGPT conversations from --dataset-path (vLLM's sampling), or "
+    a("--dataset-name", choices=("random", "sharegpt", "multiturn", "mooncake"), default="random",
+      help="random token ids (default), ShareGPT conversations from --dataset-path (vLLM's sampling), "
       "multiturn: --num-prompts chat sessions (started at --request-rate a second) each resending its history "
-      "every turn (bench/serving/multiturn.py)")
+      "every turn (bench/serving/multiturn.py), or mooncake: a trace's requests and gaps (bench/serving/trace.py)")
     a("--num-turns", type=int, default=5, help="multiturn: turns per session (default: 5)")
     a("--system-prompt-len", type=int, default=400, help="multiturn: the system prompt every session shares "
       "(default: 400 tokens); each user turn is --short-prompt-len long, each answer --output-len")
     a("--think-time", type=float, default=2.0, help="multiturn: seconds between an answer and the next turn")
-    a("--dataset-path", default=None, help="a ShareGPT JSON file, for --dataset-name sharegpt")
+    a("--dataset-path", default=None, help="sharegpt: a ShareGPT JSON file; mooncake: a Mooncake trace (JSON lines)")
+    a("--trace-block-size", type=int, default=512, help="mooncake: tokens per trace block, fewer: a smaller copy")
+    a("--trace-max-output-len", type=int, default=None, help="mooncake: cap on outputs (default: the trace's)")
     a("--api-key", default=None, help="the router's API key (default: $TANDEM_AUTH_TOKEN)")
 
 
@@ -147,8 +149,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if min(s.budgets) < 1 or s.slo_probes < 0 or args.retries < 0 or not 0 < args.slo_attainment <= 1:
         raise ValueError("--colocated-budgets must be >= 1, --slo-probes and --retries >= 0, --slo-attainment in "
                          "(0, 1]")
-    if (args.dataset_name == "sharegpt") != (args.dataset_path is not None):
-        raise ValueError("--dataset-name sharegpt and --dataset-path FILE go together")
+    if (args.dataset_name in ("sharegpt", "mooncake")) != (args.dataset_path is not None):
+        raise ValueError("--dataset-name sharegpt or mooncake and --dataset-path FILE go together")
     if args.dataset_name == "multiturn" and args.api != "grpc":
         raise ValueError("--dataset-name multiturn drives the gRPC API (each turn resends the answer's token ids)")
     if args.api == "openai" and not args.server:
@@ -189,6 +191,7 @@ class Bench:
 
     def __init__(self, args: argparse.Namespace, settings: Settings) -> None:
         from tandem.bench.serving.load import Mix, parse_goodput
+        from tandem.bench.serving.trace import TraceReplay
 
         self.args, self.settings = args, settings
         self.slo = parse_goodput(args.goodput)
@@ -209,6 +212,8 @@ class Bench:
         """With --api openai, the model every body names (the server's, from GET /v1/models)."""
         self.dataset: list | None = None
         """--dataset-name sharegpt: the requests of every rate."""
+        self.trace = TraceReplay.from_args(args, settings.num_prompts) if args.dataset_name == "mooncake" else None
+        """--dataset-name mooncake, read here: a bad trace fails before any cluster starts."""
 
     def build_workload(self, pool) -> None:
         from tandem.bench.serving.load import make_requests
@@ -227,14 +232,16 @@ class Bench:
                                              self.args.seed)
 
     def workload(self, rate: float) -> list:
-        """The shared shapes with prompt tokens of this rate's own: against one --server, a
-        prompt seen at an earlier rate would hit its prefix cache."""
+        """The shared shapes (a trace's requests) with prompt tokens of this rate's own: against
+        one --server, a prompt seen at an earlier rate would hit its prefix cache."""
         from tandem.bench.serving.load import with_fresh_tokens
 
         if self.dataset is not None:
             return self.dataset
         key = self.rate_keys.setdefault(rate, len(self.rate_keys))
         assert self.shapes is not None and self.pool is not None, "build_workload() comes first"
+        if self.trace is not None:
+            return self.trace.requests(self.pool, [self.args.seed, SEED_WORKLOAD, key])
         return with_fresh_tokens(self.shapes, self.pool, [self.args.seed, SEED_WORKLOAD, key])
 
     async def warm_up(self, target: str, mode: str, num_workers: int = 1) -> None:
@@ -278,8 +285,9 @@ class Bench:
             results, duration = await run_multiturn(self, target, rate, tag=tag, desc=desc)
         else:
             requests = self.workload(rate)
-            # The same gaps at every rate, scaled (common random numbers).
-            offsets = arrival_offsets(len(requests), rate, self.args.burstiness, [self.args.seed, SEED_ARRIVALS])
+            # The same gaps at every rate, scaled (common random numbers; a trace's own gaps).
+            offsets = (self.trace.offsets(rate) if self.trace is not None else
+                       arrival_offsets(len(requests), rate, self.args.burstiness, [self.args.seed, SEED_ARRIVALS]))
             results, duration = await run_load(
                 target, requests, offsets, tag=tag, desc=desc, timeout=self.args.request_timeout,
                 max_concurrency=self.args.max_concurrency, api=self.args.api, model=self.model)

@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 import aiohttp
-import grpc
 import pytest
 from aiohttp import web
+from grpc_stand_in import grpc_server
 
 from tandem.bench import serve as bench_serve
 from tandem.bench.serving import openai_api as serve_openai
@@ -123,18 +123,6 @@ async def http_server(fake: FakeOpenAI) -> AsyncIterator[str]:
         yield f"127.0.0.1:{runner.addresses[0][1]}"
     finally:
         await runner.cleanup()
-
-
-@asynccontextmanager
-async def grpc_server(servicer: FakeGeneration) -> AsyncIterator[str]:
-    server = grpc.aio.server()
-    pb_grpc.add_GenerationServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield f"127.0.0.1:{port}"
-    finally:
-        await server.stop(None)
 
 
 def _run(api: str, fake: FakeOpenAI | None = None, n: int = 1, servicer: FakeGeneration | None = None,

@@ -75,6 +75,12 @@ def print_report(results: dict) -> None:
         print(f"workload: multiturn, {t['sessions']} sessions of {t['turns']} turns, a shared {t['system_prompt_len']}-"
               f"token system prompt, user turns {t['user_len']}, answers {w['output_len']} tokens, each turn "
               f"resending the history, {t['think_time_s']:g} s between turns; {w['sampling']}")
+    elif "mooncake" in w:
+        t = w["mooncake"]
+        cap = "" if t["max_output_len"] is None else f" up to {t['max_output_len']}"
+        print(f"workload: mooncake trace {t['path']}, its first {t['requests']} requests ({t['trace_rate']:.3g} req/s "
+              f"in it, its gaps scaled to each rate), prompts {t['prompt_len']} tokens ({t['block_size']} a trace "
+              f"block), outputs the trace's{cap}; {w['sampling']}")
     else:
         print(f"workload: {1 - w['long_fraction']:.0%} chats (prompt {w['short_prompt_len']}) + "
               f"{w['long_fraction']:.0%} long prompts ({w['long_prompt_len']}), output {w['output_len']} tokens; "

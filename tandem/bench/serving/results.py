@@ -42,7 +42,8 @@ def bench_results(bench: Bench, config: dict) -> dict:
                      **({"multiturn": {"sessions": s.num_prompts, "turns": args.num_turns,
                                        "system_prompt_len": args.system_prompt_len, "think_time_s": args.think_time,
                                        "user_len": list(s.short_prompt_len)}}
-                        if args.dataset_name == "multiturn" else {})},
+                        if args.dataset_name == "multiturn" else {}),
+                     **({"mooncake": {"path": args.dataset_path, **bench.trace.summary()}} if bench.trace else {})},
         "runs": bench.runs, "router_overhead": bench.overhead, "comparison": compare(bench.runs),
         "slo_search": search, "discarded_runs": bench.discarded,
     }
