@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 
 from tandem.kvcache.kv_events import POOL_TIER, BlockEventKind, KVEventBatch
 
-TIER_WEIGHTS = {POOL_TIER: 1.0, "disk": 0.8}
+TIER_WEIGHTS = {POOL_TIER: 1.0, "host": 0.95, "disk": 0.8}
 """What a block held in a tier is worth to a request against recomputing it (1: free to use).
-A disk hit costs a file read per block (about 0.2 ms for the default model's 720 KiB block,
+A host hit costs a copy over the host link (about 30 us a block at PCIe 4's 25 GB/s); a disk
+hit a file read per block (about 0.2 ms for the default model's 720 KiB block,
 from the page cache), recomputing its 16 tokens a few ms on the CPU."""
 
 

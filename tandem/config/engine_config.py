@@ -78,6 +78,9 @@ class EngineConfig:
     max_cudagraph_capture_size: int = 512
     """The largest decode batch captured as a CUDA graph (vLLM's name and default); larger
     batches run eagerly. Only the buckets up to max_num_seqs' are captured."""
+    kv_offload_host_bytes: int = 0
+    """The host tier's capacity for evicted prefix blocks of an accelerator's pool (0: none;
+    tandem/kvcache/host_tier.py)."""
     kv_offload_disk_bytes: int = 0
     """The disk tier's capacity for evicted prefix blocks (0: none; tandem/kvcache/disk_tier.py)."""
     kv_offload_dir: str | None = None
@@ -145,6 +148,7 @@ class EngineConfig:
         reserve_whole_prompts: bool = False,
         enforce_eager: bool = DEFAULTS["enforce_eager"],
         max_cudagraph_capture_size: int = 512,
+        kv_offload_host_gib: float = DEFAULTS["kv_offload_host_gib"],
         kv_offload_disk_gib: float = DEFAULTS["kv_offload_disk_gib"],
         kv_offload_dir: str | None = DEFAULTS["kv_offload_dir"],
     ) -> EngineConfig:
@@ -184,11 +188,15 @@ class EngineConfig:
         require(prompt_lookup_min >= 1, "prompt_lookup_min", prompt_lookup_min, ">= 1")
         require(prompt_lookup_max >= prompt_lookup_min, "prompt_lookup_max", prompt_lookup_max,
                  f">= prompt_lookup_min ({prompt_lookup_min})")
-        require(kv_offload_disk_gib >= 0, "kv_offload_disk_gib", kv_offload_disk_gib, ">= 0")
-        require(kv_offload_disk_gib == 0 or tp == 1, "kv_offload_disk_gib", kv_offload_disk_gib,
-                "0 with tensor_parallel_size > 1 (each rank's share of a block is not offloaded yet)")
-        require(kv_offload_disk_gib == 0 or enable_prefix_caching, "kv_offload_disk_gib", kv_offload_disk_gib,
-                "0 without enable_prefix_caching (offloaded blocks are found by their prefix hashes)")
+        for name, gib in (("kv_offload_host_gib", kv_offload_host_gib), ("kv_offload_disk_gib", kv_offload_disk_gib)):
+            require(gib >= 0, name, gib, ">= 0")
+            require(gib == 0 or tp == 1, name, gib,
+                    "0 with tensor_parallel_size > 1 (each rank's share of a block is not offloaded yet)")
+            require(gib == 0 or enable_prefix_caching, name, gib,
+                    "0 without enable_prefix_caching (offloaded blocks are found by their prefix hashes)")
+        require(kv_offload_host_gib == 0 or not device.startswith("cpu"), "kv_offload_host_gib", kv_offload_host_gib,
+                "0 on the CPU: the pool is host memory already (give it the memory with kv_cache_memory_gib, "
+                "and evictions go to kv_offload_disk_gib)")
         if kv_offload_disk_gib > 0 and kv_offload_dir is None:
             root = os.environ.get("TANDEM_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tandem")
             kv_offload_dir = os.path.join(root, "kv-offload")
@@ -234,6 +242,7 @@ class EngineConfig:
             reserve_whole_prompts=reserve_whole_prompts,
             enforce_eager=enforce_eager,
             max_cudagraph_capture_size=max_cudagraph_capture_size,
+            kv_offload_host_bytes=gib_to_bytes(kv_offload_host_gib),
             kv_offload_disk_bytes=gib_to_bytes(kv_offload_disk_gib),
             kv_offload_dir=kv_offload_dir if kv_offload_disk_gib > 0 else None,
         )

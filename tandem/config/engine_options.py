@@ -114,6 +114,10 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "draft tokens per decode step by prompt lookup (default 0: off)", metavar="K"),
     EngineOption("enable_prefix_caching", bool, True,
                  "reuse the KV blocks of prompt prefixes already computed (default: on)"),
+    EngineOption("kv_offload_host_gib", float, 0.0,
+                 "host memory for prefix blocks an accelerator's KV pool evicts, in GiB: copied there on the "
+                 "pool's stream and loaded back instead of recomputed; what it has no room for goes on to "
+                 "--kv-offload-disk-gib (default 0: none; not on the CPU, whose pool is host memory)"),
     EngineOption("kv_offload_disk_gib", float, 0.0,
                  "disk space for prefix blocks the KV pool evicts, in GiB: they are written there off the step's "
                  "path and loaded back instead of recomputed (default 0: evicted blocks are forgotten)"),

@@ -13,7 +13,7 @@ from tandem.decoding import beam_search
 from tandem.engine.detokenizer import IncrementalDetokenizer
 from tandem.engine.grammars import Grammars
 from tandem.engine.hooks import PrefillHooks
-from tandem.engine.kv_tiers import disk_tier_for
+from tandem.engine.kv_tiers import tiers_for
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.observer import EngineObserver
 from tandem.engine.sampler import TargetSample
@@ -61,8 +61,7 @@ class LLMEngine:
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = runner if runner is not None else ModelRunner(config, model)
-        if config.kv_offload_dir is not None:
-            self.block_manager.tier = disk_tier_for(config, model, self.runner.kv_cache)
+        self.block_manager.tier = tiers_for(config, model, self.runner.kv_cache)
         self.sequences: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         logger.info("KV pool: %s", KVCapacity.of_engine_config(config).describe())

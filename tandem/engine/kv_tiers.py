@@ -1,5 +1,5 @@
 """The engine's KV tiers, built from its config: what its pool evicts goes there (see
-tandem/kvcache/prefix_tier.py)."""
+tandem/kvcache/prefix_tier.py): host memory for an accelerator's pool, then the disk."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import torch
 
 from tandem.config import EngineConfig
 from tandem.kvcache.disk_tier import DiskTier, layout_key
+from tandem.kvcache.host_tier import HostTier
+from tandem.kvcache.prefix_tier import PrefixTier
 from tandem.model.fingerprint import model_fingerprint
 from tandem.model.llama import LlamaModel
 from tandem.model.loaded import LoadedModel
@@ -27,3 +29,13 @@ def disk_tier_for(config: EngineConfig, model: LlamaModel, kv_cache: torch.Tenso
     logger.info("KV disk tier: %s, %.2f GiB (%d blocks of %d KiB)", tier.directory,
                 config.kv_offload_disk_bytes / 2**30, tier.capacity_blocks, tier.block_bytes // 1024)
     return tier
+
+
+def tiers_for(config: EngineConfig, model: LlamaModel, kv_cache: torch.Tensor) -> PrefixTier | None:
+    """The first of ``config``'s tiers over pool ``kv_cache`` (host, then disk), or None."""
+    disk = disk_tier_for(config, model, kv_cache) if config.kv_offload_dir is not None else None
+    if config.kv_offload_host_bytes == 0:
+        return disk
+    host = HostTier(kv_cache, config.kv_offload_host_bytes, disk)
+    logger.info("KV host tier: %.2f GiB (%d blocks)", config.kv_offload_host_bytes / 2**30, host.capacity_blocks)
+    return host

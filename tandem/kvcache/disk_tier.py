@@ -53,6 +53,7 @@ class DiskTier:
     kv_cache: the pool, [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
 
     name = "disk"
+    next_tier = None
 
     def __init__(self, kv_cache: torch.Tensor, directory: str, capacity_bytes: int, key: str) -> None:
         self.kv_cache = kv_cache
@@ -85,14 +86,24 @@ class DiskTier:
         return os.path.exists(self.path_of(block_hash))
 
     def offload(self, block_id: int, block_hash: bytes) -> None:
+        if self._may_keep(block_hash):
+            # copy: [num_layers, 2, block_size, num_kv_heads, head_dim]
+            self._queue_write(block_hash, self.kv_cache[:, :, block_id].to("cpu", copy=True))
+
+    def offload_copy(self, block_hash: bytes, kv: torch.Tensor) -> None:
+        if self._may_keep(block_hash):
+            self._queue_write(block_hash, kv)
+
+    def _may_keep(self, block_hash: bytes) -> bool:
+        """Whether ``block_hash`` is new here (one already kept becomes the most recently used)."""
         if self.capacity_blocks == 0:
-            return
+            return False
         with self._lock:
-            if block_hash in self._pending or block_hash in self._lru:
-                if block_hash in self._lru:
-                    self._lru.move_to_end(block_hash)
-                return
-        copy = self.kv_cache[:, :, block_id].to("cpu", copy=True)  # [num_layers, 2, block_size, heads, head_dim]
+            if block_hash in self._lru:
+                self._lru.move_to_end(block_hash)
+            return block_hash not in self._pending and block_hash not in self._lru
+
+    def _queue_write(self, block_hash: bytes, copy: torch.Tensor) -> None:
         with self._lock:
             self._pending[block_hash] = copy
         self._queue.put(block_hash)

@@ -9,9 +9,12 @@ and the request's cache_salt: a tier hit is the same prefix, computed by the sam
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from tandem.kvcache.kv_events import KVEventLog
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass
@@ -29,7 +32,7 @@ class TierCounters:
     num_corrupt_blocks: int = 0
     """Blocks whose stored checksum did not match: dropped, and recomputed."""
     num_dropped_blocks: int = 0
-    """Blocks dropped to stay within the tier's capacity."""
+    """Blocks dropped to stay within the tier's capacity (with no tier after it to take them)."""
 
 
 class PrefixTier(Protocol):
@@ -40,6 +43,9 @@ class PrefixTier(Protocol):
     """The tier's name in metrics and KV events ("disk")."""
     events: KVEventLog | None
     """Where blocks entering and leaving the tier are recorded (None: nowhere)."""
+    next_tier: PrefixTier | None
+    """The tier after this one (host, then disk): where blocks go that this one has no room
+    for, and where those it lacks are looked for (None: the last tier)."""
 
     def holds(self, block_hash: bytes) -> bool:
         """Whether ``block_hash``'s KV can be loaded (a load may still fail: a corrupt file)."""
@@ -48,6 +54,12 @@ class PrefixTier(Protocol):
     def offload(self, block_id: int, block_hash: bytes) -> None:
         """Keep pool block ``block_id``'s KV under ``block_hash``. Called just before the
         block is handed out again: its contents must be copied before this returns."""
+        ...
+
+    def offload_copy(self, block_hash: bytes, kv: torch.Tensor) -> None:
+        """Keep ``kv``, a block's KV already copied to the host ([num_layers, 2, block_size,
+        num_kv_heads, head_dim]; the tier may keep the tensor itself), under ``block_hash``:
+        how a tier passes blocks on to the next."""
         ...
 
     def load(self, block_hash: bytes, block_id: int) -> bool:
@@ -63,3 +75,12 @@ class PrefixTier(Protocol):
     def close(self) -> None:
         """Finish the writes under way and stop."""
         ...
+
+
+def tiers_of(tier: PrefixTier | None) -> list[PrefixTier]:
+    """A chain of tiers, first to last (host, then disk)."""
+    chain = []
+    while tier is not None:
+        chain.append(tier)
+        tier = tier.next_tier
+    return chain

@@ -12,6 +12,7 @@ import zmq
 from tandem.config.kv_transfer_config import NODE_IP, KVTransferConfig
 from tandem.engine.engine import LLMEngine
 from tandem.kvcache.kv_events import POOL_TIER, KVEventLog
+from tandem.kvcache.prefix_tier import tiers_of
 
 PUBLISH_EVERY_S = 0.02
 """Batching: a step's events go out together, at most this long after they happened."""
@@ -25,13 +26,12 @@ def events_host(kv_transfer: KVTransferConfig) -> str:
 
 
 class KVEventPublisher:
-    """Publishes ``engine``'s block events (its pool's and its tier's) as ``instance``."""
+    """Publishes ``engine``'s block events (its pool's and its tiers') as ``instance``."""
 
     def __init__(self, engine: LLMEngine, instance: str, host: str) -> None:
         self.log = KVEventLog(instance, uuid.uuid4().hex)
         engine.block_manager.events = self.log
-        tier = engine.block_manager.tier
-        if tier is not None:
+        for tier in tiers_of(engine.block_manager.tier):
             tier.events = self.log
         self._stop = threading.Event()
         self._bound = threading.Event()
@@ -65,8 +65,7 @@ class KVEventPublisher:
         is in what follows; later ones the router applies on top, which leaves it unchanged."""
         seq = self.log.last_seq
         holdings: dict[str, list[str]] = {h.hex(): [POOL_TIER] for h in engine.block_manager.cached_block_ids}
-        tier = engine.block_manager.tier
-        if tier is not None:
+        for tier in tiers_of(engine.block_manager.tier):
             for h in tier.block_hashes():
                 holdings.setdefault(h.hex(), []).append(tier.name)
         return {"worker": self.log.worker, "epoch": self.log.epoch, "seq": seq, "holdings": holdings}

@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 from tandem.engine.engine import LLMEngine
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
-from tandem.kvcache.prefix_tier import TierCounters
+from tandem.kvcache.prefix_tier import TierCounters, tiers_of
 from tandem.kvtransfer.connectors.registry import path_labels
 from tandem.worker.api import Role
 from tandem.worker.metric_buckets import REQUEST_SECONDS
@@ -182,9 +182,8 @@ class _EngineCollector(Collector):
         for reason, n in m.kv_dropped().items():
             dropped.add_metric((*m.label_values, reason), n)
         yield dropped
-        tier = engine.block_manager.tier
-        if tier is not None:
-            yield from _tier_families(m, "disk", tier.counters, engine.config.block_size)
+        for tier in tiers_of(engine.block_manager.tier):
+            yield from _tier_families(m, tier.name, tier.counters, engine.config.block_size)
 
 
 def _tier_families(m: WorkerMetrics, name: str, c: TierCounters, block_size: int) -> Iterator[Metric]:

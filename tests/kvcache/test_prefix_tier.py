@@ -18,6 +18,7 @@ class RecordingTier:
 
     name = "recording"
     events: KVEventLog | None = None
+    next_tier = None
 
     def __init__(self) -> None:
         self.counters = TierCounters()
@@ -31,6 +32,9 @@ class RecordingTier:
     def offload(self, block_id: int, block_hash: bytes) -> None:
         self.calls.append(("offload", block_id))
         self.stored[block_hash] = block_id
+
+    def offload_copy(self, block_hash: bytes, kv) -> None:
+        raise AssertionError("the block manager hands a tier pool blocks, never copies")
 
     def load(self, block_hash: bytes, block_id: int) -> bool:
         self.calls.append(("load", block_id))
