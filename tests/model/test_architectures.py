@@ -95,13 +95,11 @@ def test_weights_read_from_the_files_equal_transformers_model(name, tmp_path, to
     assert_same_weights(got.weights, want.weights)
 
 
-def test_the_default_models_converted_copy_equals_transformers_gguf_load(tokenizer):
-    """The GGUF file dequantized by transformers, against its converted copy read directly
-    (what every worker loads), float32 and bfloat16."""
-    from tandem.model.gguf_cache import cached_source
-
+def test_the_default_models_converted_copy_reads_as_transformers_model(tokenizer):
+    """The default GGUF model's converted copy (what every worker loads), read directly and
+    through transformers' model, in float32 and bfloat16."""
     source = resolve_model_source(None)
-    hf_model, hf_tokenizer = load_hf_model(source)
+    hf_model, hf_tokenizer = load_hf_model(source)  # converts the GGUF file first when there is no copy yet
     converted = cached_source(source)
     assert converted.gguf_file is None, "load_hf_model keeps the converted copy"
     for dtype in (torch.float32, torch.bfloat16):
