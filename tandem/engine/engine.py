@@ -87,7 +87,7 @@ class LLMEngine:
         self.check_prompt(prompt_token_ids)
         bm = self.block_manager
         probe = Sequence("", prompt_token_ids, params, -1, None)
-        num_cached = len(bm.find_cached_prefix(probe)) * bm.block_size
+        num_cached = len(bm.find_cached_prefix(probe, restore=False)) * bm.block_size
         num_waiting = sum(bm.num_blocks_for(s.num_tokens - s.num_computed_tokens) for s in self.scheduler.waiting)
         return bm.num_blocks_for(len(prompt_token_ids) - num_cached + 1) + num_waiting <= bm.num_free_blocks
 

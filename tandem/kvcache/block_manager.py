@@ -50,11 +50,13 @@ class BlockManager:
 
     # -- prefix cache -------------------------------------------------------------------
 
-    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+    def find_cached_prefix(self, seq: Sequence, restore: bool = True) -> list[int]:
         """Block ids that already hold a prefix of ``seq``'s tokens, longest first match.
 
         At least one token is always left to compute (its logits give the next token),
         so a fully cached sequence gives back its last block.
+        restore: load blocks the pool lacks from the tier (False: the pool's alone, for a
+        probe that must not move blocks; a tier hit needs a free block anyway).
         """
         if not self.enable_prefix_caching:
             return []
@@ -64,7 +66,7 @@ class BlockManager:
         for i in range(num_full):
             parent = hash_block(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             block_id = self.cached_block_ids.get(parent)
-            if block_id is None and self.tier is not None:
+            if block_id is None and restore and self.tier is not None:
                 block_id = self._restore(parent, block_ids)
             if block_id is None:
                 break

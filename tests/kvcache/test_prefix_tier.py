@@ -109,3 +109,18 @@ def test_no_load_without_a_free_block_beyond_the_hits() -> None:
     # Only block 0 (a's first, cached) is free: it must not be taken to load a's second.
     assert bm.find_cached_prefix(make_seq(toks(0, 9), "a2")) == [0]
     assert tier.calls == [("offload", 1)]
+
+
+def test_a_probe_finds_the_pools_blocks_and_loads_nothing() -> None:
+    """find_cached_prefix(restore=False), as the engine's room check asks: the pool's hits
+    alone, the tier left untouched and the free list as it was."""
+    bm, tier = pool_with_tier(6)
+    compute(bm, a := make_seq(toks(0, 13), "a"))
+    bm.free(a)
+    compute(bm, b := make_seq(toks(100, 20), "b"))  # a's blocks 2 and 1 to the tier; block 0 stays cached
+    bm.free(b)
+    tier.calls.clear()
+    before = free_list(bm)
+    assert bm.find_cached_prefix(make_seq(toks(0, 13), "probe"), restore=False) == [0]
+    assert tier.calls == [] and free_list(bm) == before
+    assert bm.find_cached_prefix(make_seq(toks(0, 13), "a2")) == [0, 1, 2]  # restoring: both loaded
