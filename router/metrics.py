@@ -17,6 +17,8 @@ from prometheus_client.registry import Collector
 
 from tandem.router.autoscale import SloWindow
 from tandem.router.disagg import DECISION_REASONS
+from tandem.router.policy import PREFIX_POLICIES
+from tandem.router.prefix_prediction import PREDICTED_ROLES
 from tandem.worker.api import Role
 from tandem.worker.metric_buckets import REQUEST_SECONDS, TOKEN_LATENCY_SECONDS, TTFT_SECONDS, token_count_buckets
 
@@ -81,6 +83,13 @@ class RouterMetrics:
         self.pool_changes = counter("tandem_pool_changes", "Workers added to a pool or drained out of it (tandem "
                                     "scale, drain and restart, the autoscaler, a node's preStop hook).", "pool",
                                     "change")
+        self._prefix_predicted = counter(
+            "tandem_router_prefix_predicted_tokens", "Prompt tokens a prefix-aware policy predicted the worker it "
+            "chose holds in its prefix cache (requests whose worker reported its hits).", "policy", "role")
+        self._prefix_reported = counter("tandem_router_prefix_reported_tokens", "Prompt tokens the workers reported "
+                                        "finding in their prefix caches, for the same requests.", "policy", "role")
+        self._prefix_error = counter("tandem_router_prefix_prediction_error_tokens", "Sum over the same requests of "
+                                     "|predicted - reported| prompt tokens.", "policy", "role")
         self.registry.register(_RouterGauges(self))
         # Every series from the start at 0, so that rate() and dashboards see them before the first event.
         for reason in ("stop", "length", "abort"):
@@ -94,6 +103,10 @@ class RouterMetrics:
         for pool in POOLS:
             for change in ("added", "drained"):
                 self.pool_changes.labels(model_name, pool, change)
+        for policy in PREFIX_POLICIES:
+            for role in PREDICTED_ROLES:
+                for c in (self._prefix_predicted, self._prefix_reported, self._prefix_error):
+                    c.labels(model_name, policy, role.value)
 
     def start_request(self) -> RequestTimer:
         return RequestTimer(self)
@@ -103,6 +116,13 @@ class RouterMetrics:
         self._status.labels(self.model_name, code.name).inc()
         if rejected and code in REJECTION_REASONS:
             self._rejected.labels(self.model_name, REJECTION_REASONS[code]).inc()
+
+    def prefix_prediction(self, policy: str, role: str, num_predicted_tokens: int, num_reported_tokens: int) -> None:
+        """One request's prefix hit: ``num_predicted_tokens`` as ``policy`` predicted it on a
+        ``role`` worker, ``num_reported_tokens`` as that worker then found it."""
+        self._prefix_predicted.labels(self.model_name, policy, role).inc(num_predicted_tokens)
+        self._prefix_reported.labels(self.model_name, policy, role).inc(num_reported_tokens)
+        self._prefix_error.labels(self.model_name, policy, role).inc(abs(num_predicted_tokens - num_reported_tokens))
 
     def finished(self, finish_reason: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
         self._success.labels(self.model_name, finish_reason).inc()

@@ -12,6 +12,8 @@ from tandem.router.prefix_index import PrefixIndex
 from tandem.worker.api import WorkerLoad
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "precise_prefix")
+PREFIX_POLICIES = ("prefix_aware", "precise_prefix")
+"""The policies that predict each worker's prefix-cache hits (Router.num_cached_tokens)."""
 RETRY_BASE_S, RETRY_MAX_S = 1.0, 30.0
 """A worker that went down is routed to again this long after, once it answers: doubled for
 each further failure within STABLE_S of its last recovery, up to RETRY_MAX_S (a flapping
@@ -164,9 +166,12 @@ class Router:
         # prefix_aware, precise_prefix: queued tokens less those the worker need not compute
         return sorted(by_load, key=lambda w: w.pressure()[0] - self.num_cached_tokens(w, prompt_token_ids, cache_salt))
 
-    def num_cached_tokens(self, worker: WorkerState, prompt_token_ids: list[int], cache_salt: str | None = None) -> int:
-        """Prompt tokens `worker` holds already under `cache_salt`: as its KV events say, each
-        weighed by its tier's worth (precise_prefix), or as the router remembers (prefix_aware)."""
+    def num_cached_tokens(self, worker: WorkerState, prompt_token_ids: list[int], cache_salt: str | None = None,
+                          weighted: bool = True) -> int:
+        """Prompt tokens `worker` holds already under `cache_salt`: as its KV events say
+        (precise_prefix), each weighed by its tier's worth, or with ``weighted=False`` each held
+        block whole (the hit the worker will report: it loads a disk block back as a hit); or as
+        the router remembers (prefix_aware)."""
         if self.kv_index is None:
             return self._index.num_cached_tokens(worker.instance, worker.load, prompt_token_ids, cache_salt)
         if worker.load is None:
@@ -174,7 +179,7 @@ class Router:
         bs = worker.load.block_size  # never the last token: the worker always computes one
         match = self.kv_index.match(worker.instance, prefix_hashes(prompt_token_ids, bs,
                                                                   (len(prompt_token_ids) - 1) // bs, cache_salt))
-        return int(match.score * bs)
+        return int(match.score * bs) if weighted else match.num_blocks * bs
 
     def record(self, worker: WorkerState, prompt_token_ids: list[int], cache_salt: str | None = None) -> None:
         """Remember that `worker` now holds this prompt's prefix (under `cache_salt`)."""

@@ -11,6 +11,7 @@ from typing import Any, Callable
 from tandem.router.backend import NoHealthyWorker
 from tandem.router.disagg import DisaggPolicy, PrefillChoice, PrefillCosts, PrefillInputs, Where
 from tandem.router.policy import Router, Sent, WorkerState
+from tandem.router.prefix_prediction import PrefixPrediction
 
 
 @dataclass
@@ -28,6 +29,8 @@ class PrefillPlacement:
     """Event-loop seconds at the decision (the cost estimates' observations start here)."""
     destination: Any = None
     """Where a remote prefill sends the KV: the decode worker's reservation."""
+    prefix_prediction: PrefixPrediction | None = None
+    """A remote prefill's predicted prefix hit on its prefill worker (prefix-aware policies)."""
     _num_pending_tokens: int = 0
     _pending_on: WorkerState | None = None
 

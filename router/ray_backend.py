@@ -19,6 +19,7 @@ from tandem.router.kv_events_feed import KVEventFeed
 from tandem.router.kv_index import KVBlockIndex
 from tandem.router.policy import Router, WorkerState
 from tandem.router.prefill_placement import PrefillPlacement, learn, place, place_colocated
+from tandem.router.prefix_prediction import predict
 from tandem.router.worker_calls import WORKER_GONE, WorkerCalls, short_error
 from tandem.router.worker_health import WorkerHealth
 from tandem.router.worker_metrics import WorkerMetricsReport
@@ -159,6 +160,8 @@ class RayBackend:
         if not order:
             raise NoHealthyWorker("no colocated worker is healthy")
         worker = order[0]
+        prediction = predict(self.prefill_router, Role.COLOCATED, worker, request.prompt_token_ids,
+                             request.params.cache_salt)
         self.prefill_router.record(worker, request.prompt_token_ids, request.params.cache_salt)
         release = place_colocated(worker, len(request.prompt_token_ids))  # a burst spreads
         try:
@@ -166,6 +169,8 @@ class RayBackend:
                     num_returns="streaming").remote(request), request, [worker]):
                 if delta.token_ids:
                     release()
+                    if prediction is not None:  # its first tokens: the prompt's hit is known
+                        prediction.reported(delta.num_cached_tokens, self.metrics)
                 yield delta
         finally:
             release()
@@ -227,6 +232,9 @@ class RayBackend:
                     raise
                 worker.placed(placement.sent, took=True)
                 self.decode_router.record(worker, prompt, salt)
+                if placement.prefill is not None:
+                    placement.prefix_prediction = predict(self.prefill_router, Role.PREFILL, placement.prefill,
+                                                          prompt, salt)
                 self._count_decision(placement)
                 return placement
             return None
@@ -267,6 +275,8 @@ class RayBackend:
             first = await self.calls.unless_down(prefill, prefill.handle.prefill.remote(request, placement.destination))
             prefill_s.append(clock.time() - start)
             placement.release_prompt()
+            if placement.prefix_prediction is not None:
+                placement.prefix_prediction.reported(first.num_cached_tokens, self.metrics)
             worker = decode
             await self.calls.unless_down(decode, decode.handle.start.remote(first))
         except asyncio.CancelledError:

@@ -29,7 +29,7 @@ from collections import OrderedDict
 import torch
 
 from tandem.kvcache.kv_events import BlockEventKind, KVEventLog
-from tandem.kvcache.prefix_tier import TierCounters
+from tandem.kvcache.prefix_tier import PrefixTier, TierCounters
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,8 @@ class DiskTier:
     kv_cache: the pool, [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]."""
 
     name = "disk"
-    next_tier = None
+    next_tier: PrefixTier | None = None
+    """The last tier: nothing after it."""
 
     def __init__(self, kv_cache: torch.Tensor, directory: str, capacity_bytes: int, key: str) -> None:
         self.kv_cache = kv_cache

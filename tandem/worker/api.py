@@ -100,6 +100,12 @@ class StreamDelta:
     """Completions of the request still going after this delta (finish_reason is that of
     completion `index`); the request's last delta has it 0. num_output_tokens counts the
     tokens of every completion."""
+    num_cached_tokens: int = 0
+    """Prompt tokens the streaming worker found in its prefix cache (on a decode worker: the
+    ones whose KV was not transferred), as its engine counted them when it admitted the
+    prompt: on every delta from then on, so the request's first delta with tokens carries it
+    (the router compares it with the hit it predicted). 0 on deltas made outside the engine
+    (an abort before the prompt was admitted, the engine down)."""
 
     @property
     def request_finished(self) -> bool:

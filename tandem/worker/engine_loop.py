@@ -32,7 +32,7 @@ def stream_delta(d: RequestDelta, error: str | None = None) -> StreamDelta:
     return StreamDelta(d.request_id, d.new_token_ids, d.new_text,
                        None if d.finish_reason is None else d.finish_reason.value,
                        d.num_prompt_tokens, d.num_output_tokens, d.new_logprobs, d.new_top_logprobs, error, d.index,
-                       d.num_unfinished)
+                       d.num_unfinished, d.num_cached_tokens)
 
 
 class EngineLoop:

@@ -235,6 +235,40 @@ def test_run_scrapes_difference_two_scrapes_of_a_metrics_endpoint():
     assert unasked == {"breakdown": None, "breakdown_note": None}
 
 
+def _prefix_counters(*requests: tuple[int, int], policy: str = "precise_prefix") -> str:
+    """A router's /metrics text (its own registry) once ``policy`` placed these requests on
+    prefill workers: (predicted, reported) prompt tokens each."""
+    from prometheus_client import generate_latest
+
+    from tandem.router.metrics import RouterMetrics
+
+    metrics = RouterMetrics("m", 2048)
+    for predicted, reported in requests:
+        metrics.prefix_prediction(policy, "prefill", predicted, reported)
+    return generate_latest(metrics.registry).decode()
+
+
+def test_prefix_prediction_of_a_run_and_its_report_line(capsys):
+    from tandem.bench.serving.plots import print_run
+
+    earlier = [(400, 500)]
+    before, _ = bd.parse_histograms(_prefix_counters(*earlier))
+    after, _ = bd.parse_histograms(_prefix_counters(*earlier, (6100, 6050), (5500, 5750), (0, 0)))
+    prediction = bd.prefix_prediction(bd.difference(before, after))
+    assert prediction == {"precise_prefix": {"predicted_tokens": 11600, "reported_tokens": 11800,
+                                             "error_tokens": 300, "relative_error": pytest.approx(300 / 11800)}}
+    assert bd.prefix_prediction(bd.difference(after, after)) == {}  # nothing moved: nothing to print
+    run = {**_run("server", 1.0, [100] * 2), "prefix_prediction": prediction}
+    print_run(run)
+    no_hits = bd.parse_histograms(_prefix_counters((64, 0), policy="prefix_aware"))[0]
+    print_run({**run, "prefix_prediction": bd.prefix_prediction(bd.difference({}, no_hits))})
+    out = capsys.readouterr().out.splitlines()
+    assert ("prefix prediction (precise_prefix): predicted 11600 tokens, workers reported 11800, error 2.5% "
+            "(sum |predicted-reported| / reported)") in out
+    assert ("prefix prediction (prefix_aware): predicted 64 tokens, workers reported 0, error - (the workers "
+            "reported no hits) (sum |predicted-reported| / reported)") in out
+
+
 def test_breakdown_of_a_colocated_run():
     delta: bd.Snapshot = {
         (bd.TTFT, bd.ROUTER): (1.0, 2), (bd.E2E, bd.ROUTER): (4.0, 2), (bd.TPOT, bd.ROUTER): (0.2, 2),

@@ -57,7 +57,8 @@ def test_the_least_recently_used_block_moves_on_to_the_disk(tmp_path):
     assert tier.block_hashes() == [h(0), h(2)]
     disk.flush()
     assert disk.block_hashes() == [h(1)] and tier.holds(h(1))
-    assert [(e.kind.value, e.block_hash, e.tier) for e in log.cut().events] == [
+    batch = log.cut()
+    assert batch is not None and [(e.kind.value, e.block_hash, e.tier) for e in batch.events] == [
         ("stored", h(0), "host"), ("stored", h(1), "host"), ("stored", h(1), "disk"), ("removed", h(1), "host"),
         ("stored", h(2), "host")]  # on the disk before it leaves host memory: always somewhere
     kv.zero_()

@@ -9,7 +9,7 @@ from block_harness import BS, compute, free_list, make_seq, toks
 from tandem.kvcache.block_hash import prefix_hashes
 from tandem.kvcache.block_manager import BlockManager
 from tandem.kvcache.kv_events import KVEventLog
-from tandem.kvcache.prefix_tier import TierCounters
+from tandem.kvcache.prefix_tier import PrefixTier, TierCounters
 
 
 class RecordingTier:
@@ -18,7 +18,7 @@ class RecordingTier:
 
     name = "recording"
     events: KVEventLog | None = None
-    next_tier = None
+    next_tier: PrefixTier | None = None
 
     def __init__(self) -> None:
         self.counters = TierCounters()

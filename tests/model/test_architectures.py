@@ -98,6 +98,8 @@ def test_weights_read_from_the_files_equal_transformers_model(name, tmp_path, to
 def test_the_default_models_converted_copy_reads_as_transformers_model(tokenizer):
     """The default GGUF model's converted copy (what every worker loads), read directly and
     through transformers' model, in float32 and bfloat16."""
+    from tandem.model.gguf_cache import cached_source
+
     source = resolve_model_source(None)
     hf_model, hf_tokenizer = load_hf_model(source)  # converts the GGUF file first when there is no copy yet
     converted = cached_source(source)

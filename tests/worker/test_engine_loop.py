@@ -116,3 +116,15 @@ def test_an_idle_loop_waits_as_long_as_told_yet_a_command_wakes_it():
         assert waits and set(waits) == {"engine-loop"}
     finally:
         loop.stop()
+
+
+def test_a_stream_delta_carries_the_engines_prefix_hit_to_the_router():
+    from tandem.engine.sequence import FinishReason
+    from tandem.outputs import RequestDelta
+    from tandem.worker.delta_reader import merge
+    from tandem.worker.engine_loop import stream_delta
+
+    first = stream_delta(RequestDelta("r", [5], "a", None, None, None, 40, 1, num_cached_tokens=32))
+    last = stream_delta(RequestDelta("r", [6], "b", None, None, FinishReason.LENGTH, 40, 2, num_cached_tokens=32))
+    assert first.num_cached_tokens == 32 and merge(first, last).num_cached_tokens == 32
+    assert StreamDelta("r", [], "", "abort", 0, 0).num_cached_tokens == 0  # made outside the engine

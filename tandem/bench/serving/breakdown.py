@@ -3,7 +3,9 @@
 ``tandem bench serve`` scrapes the router's ``/metrics`` (the router's histograms and every
 worker's) just before and just after a run; the difference of each histogram's ``_sum`` and
 ``_count`` is that run's, and sum / count its mean per request. No metric is added for this:
-the parts are differences of spans the router and the workers already time.
+the parts are differences of spans the router and the workers already time. The same two
+scrapes give how well a prefix-aware router predicted its workers' prefix hits during the run
+(``prefix_prediction``, from its ``tandem_router_prefix_*_tokens_total`` counters).
 
 Disaggregated (router R, prefill worker P, decode worker D; every span a mean per request;
 P's transfer span starts when P admits the request, as its sender's handshake does):
@@ -47,6 +49,13 @@ QUEUE, PREFILL, DECODE = ("tandem_request_queue_time_seconds", "tandem_request_p
 TRANSFER = "tandem_kv_transfer_time_seconds"
 DECISIONS = "tandem_prefill_decisions"
 """A counter (where, reason): kept in a Snapshot as (f"{DECISIONS}:{where}/{reason}", router) -> (count, 0)."""
+PREFIX = "tandem_router_prefix"
+PREFIX_COUNTERS = {"tandem_router_prefix_predicted_tokens": "predicted_tokens",
+                   "tandem_router_prefix_reported_tokens": "reported_tokens",
+                   "tandem_router_prefix_prediction_error_tokens": "error_tokens"}
+"""The router's prefix-hit prediction counters (labels policy, role) -> their keys in a run's
+``prefix_prediction``; kept in a Snapshot as (f"{PREFIX}:{key}/{policy}", router) -> (tokens, 0),
+summed over roles (a cluster prefills on one: prefill or colocated)."""
 
 PARTS = (("queue_ms", "queue (router admission + worker admission and queue)"),
          ("prefill_ms", "prefill (first scheduled -> first token)"),
@@ -75,6 +84,10 @@ def parse_histograms(text: str) -> tuple[Snapshot, bool]:
                 if sample.name == DECISIONS + "_total":
                     key = (f"{DECISIONS}:{sample.labels['where']}/{sample.labels['reason']}", ROUTER)
                     acc[key][0] += sample.value
+        for sample in family.samples:
+            counter = PREFIX_COUNTERS.get(sample.name.removesuffix("_total"))
+            if counter is not None and sample.name.endswith("_total"):
+                acc[(f"{PREFIX}:{counter}/{sample.labels['policy']}", ROUTER)][0] += sample.value
         if family.type != "histogram":
             continue
         for sample in family.samples:
@@ -101,6 +114,20 @@ def prefill_decisions(delta: Snapshot) -> dict[str, int]:
     """"where/reason" -> prompts the router decided so, between two scrapes (non-zero only)."""
     prefix = DECISIONS + ":"
     return {name[len(prefix):]: int(n) for (name, _), (n, _) in delta.items() if name.startswith(prefix) and n}
+
+
+def prefix_prediction(delta: Snapshot) -> dict[str, dict]:
+    """policy -> how well it predicted the workers' prefix hits between two scrapes:
+    predicted_tokens, reported_tokens, error_tokens (sum of abs(predicted - reported) per
+    request) and relative_error = error / reported (None when nothing was reported); only the
+    policies whose counters moved."""
+    figures: dict[str, dict] = defaultdict(lambda: dict.fromkeys(PREFIX_COUNTERS.values(), 0))
+    for (name, _), (n, _) in delta.items():
+        if name.startswith(PREFIX + ":") and n:
+            key, policy = name[len(PREFIX) + 1:].split("/", 1)
+            figures[policy][key] += int(n)
+    return {policy: {**f, "relative_error": f["error_tokens"] / f["reported_tokens"] if f["reported_tokens"] else None}
+            for policy, f in figures.items()}
 
 
 def breakdown(delta: Snapshot) -> dict | None:
@@ -166,15 +193,18 @@ class RunScrapes:
             self.before, self.all_up = await scrape(self.url)
 
     async def finish(self) -> dict:
-        """-> {"breakdown": parts or None, "breakdown_note": why not, when one was asked for}."""
+        """-> {"breakdown": parts or None, "breakdown_note": why not, when one was asked for;
+        "prefix_prediction": the router's figures (``prefix_prediction``), once scraped}."""
         if self.url is None or self.before is None:
             return {"breakdown": None, "breakdown_note": None}
         after, all_up = await scrape(self.url)
-        if not (self.all_up and all_up):
-            return {"breakdown": None, "breakdown_note": "a worker did not answer a scrape"}
         delta = difference(self.before, after)
+        prediction = prefix_prediction(delta)  # the router's own counters: whether every worker answered or not
+        if not (self.all_up and all_up):
+            return {"breakdown": None, "breakdown_note": "a worker did not answer a scrape",
+                    "prefix_prediction": prediction}
         # The raw differences too, so that results.json can be broken down again another way.
         raw = {f"{name}{{role={role}}}": [s, c] for (name, role), (s, c) in sorted(delta.items()) if c > 0}
         parts = breakdown(delta)
         return {"breakdown": parts, "breakdown_note": None if parts else "the histograms lack a span",
-                "histograms": raw}
+                "histograms": raw, "prefix_prediction": prediction}

@@ -60,6 +60,16 @@ def print_run(run: dict) -> None:
         for kind, k in turns.items():
             line(f"{kind} ({k['completed']} completed):", _ms(k["ttft_ms"]["median"]))
     print("=" * 50)
+    for policy, figures in (run.get("prefix_prediction") or {}).items():
+        print(prefix_prediction_line(policy, figures))
+
+
+def prefix_prediction_line(policy: str, figures: dict) -> str:
+    """How well the router's policy predicted the workers' prefix hits in a run (breakdown.prefix_prediction)."""
+    error = figures["relative_error"]
+    shown = "- (the workers reported no hits)" if error is None else f"{error:.1%}"
+    return (f"prefix prediction ({policy}): predicted {figures['predicted_tokens']} tokens, workers reported "
+            f"{figures['reported_tokens']}, error {shown} (sum |predicted-reported| / reported)")
 
 
 def print_report(results: dict) -> None:
