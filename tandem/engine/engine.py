@@ -61,7 +61,7 @@ class LLMEngine:
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager)
         self.runner = runner if runner is not None else ModelRunner(config, model)
-        self.block_manager.tier = tiers_for(config, model, self.runner.kv_cache)
+        self.block_manager.tier = tiers_for(config, model, self.runner)
         self.sequences: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
         logger.info("KV pool: %s", KVCapacity.of_engine_config(config).describe())

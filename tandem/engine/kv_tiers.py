@@ -8,6 +8,7 @@ import logging
 import torch
 
 from tandem.config import EngineConfig
+from tandem.engine.model_runner import ModelRunner
 from tandem.kvcache.disk_tier import DiskTier, layout_key
 from tandem.kvcache.host_tier import HostTier
 from tandem.kvcache.prefix_tier import PrefixTier
@@ -31,11 +32,13 @@ def disk_tier_for(config: EngineConfig, model: LlamaModel, kv_cache: torch.Tenso
     return tier
 
 
-def tiers_for(config: EngineConfig, model: LlamaModel, kv_cache: torch.Tensor) -> PrefixTier | None:
-    """The first of ``config``'s tiers over pool ``kv_cache`` (host, then disk), or None."""
-    disk = disk_tier_for(config, model, kv_cache) if config.kv_offload_dir is not None else None
+def tiers_for(config: EngineConfig, model: LlamaModel, runner: ModelRunner) -> PrefixTier | None:
+    """The first of ``config``'s tiers over ``runner``'s pool (host, then disk), or None."""
+    if config.kv_offload_dir is None and config.kv_offload_host_bytes == 0:
+        return None  # NOTE: a runner standing in for the model (tests) may have no pool to read
+    disk = disk_tier_for(config, model, runner.kv_cache) if config.kv_offload_dir is not None else None
     if config.kv_offload_host_bytes == 0:
         return disk
-    host = HostTier(kv_cache, config.kv_offload_host_bytes, disk)
+    host = HostTier(runner.kv_cache, config.kv_offload_host_bytes, disk)
     logger.info("KV host tier: %.2f GiB (%d blocks)", config.kv_offload_host_bytes / 2**30, host.capacity_blocks)
     return host
