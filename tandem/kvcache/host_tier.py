@@ -75,6 +75,8 @@ class HostTier:
         started = time.perf_counter()
         slot = self._free_slots.pop() if self._free_slots else self._spill_oldest()
         asynchronous = self._asynchronous and kv.is_cuda
+        if self._asynchronous and not asynchronous:
+            torch.cuda.current_stream().synchronize()  # a load queued from this slot may not have read it yet
         self.store[slot].copy_(kv, non_blocking=asynchronous)
         if asynchronous:
             self._copied[slot] = torch.cuda.Event()
