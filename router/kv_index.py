@@ -16,7 +16,12 @@ from dataclasses import dataclass, field
 
 from tandem.kvcache.kv_events import POOL_TIER, BlockEventKind, KVEventBatch
 
-TIER_WEIGHTS = {POOL_TIER: 1.0, "host": 0.95, "disk": 0.8}
+PLACED = "placed"
+"""A block of a prompt the router placed on the worker, not yet in its events: it is being
+computed (or queued to be), and will be in the pool when the next prompt arrives after it."""
+PLACED_S = 30.0
+"""How long a placed block counts without the worker's events mentioning it."""
+TIER_WEIGHTS = {POOL_TIER: 1.0, PLACED: 1.0, "host": 0.95, "disk": 0.8}
 """What a block held in a tier is worth to a request against recomputing it (1: free to use).
 A host hit costs a copy over the host link (about 30 us a block at PCIe 4's 25 GB/s); a disk
 hit a file read per block (about 0.2 ms for the default model's 720 KiB block,
@@ -32,6 +37,9 @@ class WorkerHoldings:
     stale: bool = True
     """Waiting for a snapshot: batches were lost, or none came yet."""
     updated_at: float = 0.0
+    placed: dict[bytes, float] = field(default_factory=dict)
+    """Blocks of prompts the router placed on the worker that its events have not mentioned
+    yet, and when: the worker will compute them (PLACED_S bounds a prompt that never runs)."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,7 @@ class KVBlockIndex:
             w.stale = True
             return False
         for e in batch.events:
+            w.placed.pop(e.block_hash, None)  # the events speak for it from now on
             tiers = w.blocks.setdefault(e.block_hash, set())
             if e.kind is BlockEventKind.STORED:
                 tiers.add(e.tier)
@@ -81,9 +90,24 @@ class KVBlockIndex:
 
     def resync(self, worker: str, epoch: str, seq: int, holdings: dict[bytes, Iterable[str]]) -> None:
         """Replace ``worker``'s entry with its snapshot, taken after its batch ``seq`` was cut."""
-        self._workers[worker] = WorkerHoldings(epoch, seq, {h: set(t) for h, t in holdings.items() if t},
-                                               stale=False, updated_at=self._clock())
+        blocks = {h: set(t) for h, t in holdings.items() if t}
+        old = self._workers.get(worker)
+        placed = {} if old is None else {h: t for h, t in old.placed.items() if h not in blocks}
+        self._workers[worker] = WorkerHoldings(epoch, seq, blocks, stale=False, updated_at=self._clock(),
+                                               placed=placed)
         self.num_resyncs += 1
+
+    def note_placed(self, worker: str, block_hashes: list[bytes]) -> None:
+        """The router sent ``worker`` a prompt with these full blocks: until its events say
+        otherwise, :meth:`match` counts them (events lag the placement by the prompt's queue
+        and prefill time, and the next prompt sharing them may come within it)."""
+        w = self._workers.setdefault(worker, WorkerHoldings())
+        now = self._clock()
+        for h in block_hashes:
+            if h not in w.blocks:
+                w.placed[h] = now
+        if len(w.placed) > len(block_hashes):  # drop what outlived PLACED_S, now and then
+            w.placed = {h: t for h, t in w.placed.items() if now - t < PLACED_S}
 
     def forget(self, worker: str) -> None:
         self._workers.pop(worker, None)
@@ -98,11 +122,15 @@ class KVBlockIndex:
         if w is None or w.stale:
             return PrefixMatch(0, ())
         tiers = []
+        now = self._clock()
         for h in block_hashes:
             held = w.blocks.get(h)
-            if not held:
+            if held:
+                tiers.append(max(held, key=lambda t: TIER_WEIGHTS.get(t, 0.5)))
+            elif now - w.placed.get(h, -PLACED_S) < PLACED_S:
+                tiers.append(PLACED)
+            else:
                 break
-            tiers.append(max(held, key=lambda t: TIER_WEIGHTS.get(t, 0.5)))
         return PrefixMatch(len(tiers), tuple(tiers))
 
     def staleness_s(self, worker: str) -> float | None:

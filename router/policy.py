@@ -185,3 +185,6 @@ class Router:
         """Remember that `worker` now holds this prompt's prefix (under `cache_salt`)."""
         if self.policy == "prefix_aware":
             self._index.record(worker.instance, worker.load, prompt_token_ids, cache_salt)
+        elif self.kv_index is not None and worker.load is not None:
+            self.kv_index.note_placed(worker.instance, prefix_hashes(prompt_token_ids, worker.load.block_size,
+                                                                     cache_salt=cache_salt))

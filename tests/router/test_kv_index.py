@@ -13,7 +13,7 @@ from tandem.kvcache.block_hash import prefix_hashes
 from tandem.kvcache.block_manager import BlockManager
 from tandem.kvcache.disk_tier import DiskTier
 from tandem.kvcache.kv_events import POOL_TIER, BlockEvent, BlockEventKind, KVEventBatch, KVEventLog
-from tandem.router.kv_index import KVBlockIndex
+from tandem.router.kv_index import PLACED_S, KVBlockIndex
 from tandem.sampling_params import SamplingParams
 
 BS = 4
@@ -91,3 +91,23 @@ def test_a_block_managers_events_keep_the_index_equal_to_its_cache(tmp_path):
             assert m.num_blocks == expected
             assert list(m.tiers) == [POOL_TIER if in_pool[i] else "disk" for i in range(expected)]
     tier.close()
+
+
+def test_placed_blocks_count_until_the_events_speak_for_them():
+    """A prompt the router placed counts as held before the worker's events mention it (they
+    lag the placement by its queue and prefill), until its blocks' events arrive (a removal
+    included) or PLACED_S passes; a snapshot keeps what it does not mention."""
+    now = [100.0]
+    index = KVBlockIndex(clock=lambda: now[0])
+    index.resync("w0", "e1", 1, {h(1): ["pool"]})
+    index.note_placed("w0", [h(1), h(2), h(3)])
+    m = index.match("w0", [h(1), h(2), h(3), h(4)])
+    assert (m.num_blocks, m.tiers) == (3, ("pool", "placed", "placed")) and m.score == pytest.approx(3.0)
+    assert index.apply(batch(2, ("stored", 2, "pool"), ("removed", 3, "pool")))
+    assert index.match("w0", [h(1), h(2), h(3)]).tiers == ("pool", "pool")  # 3: removed, its events say
+    index.note_placed("w0", [h(5)])
+    index.resync("w0", "e1", 2, {h(1): ["pool"], h(2): ["pool"]})
+    assert index.match("w0", [h(5)]).tiers == ("placed",)
+    now[0] += PLACED_S
+    assert index.match("w0", [h(5)]).num_blocks == 0  # never ran, as far as the events tell
+    assert index.match("w1", [h(1)]).num_blocks == 0  # another worker: nothing placed there
