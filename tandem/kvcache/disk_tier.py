@@ -123,10 +123,7 @@ class DiskTier:
         with self._lock:
             self._lru[block_hash] = None
             self._lru.move_to_end(block_hash)
-        c = self.counters
-        c.num_loaded_blocks += 1
-        c.num_loaded_bytes += self.block_bytes
-        c.load_seconds += time.perf_counter() - started
+        self.counters.loaded(self.block_bytes, time.perf_counter() - started)
         return True
 
     def block_hashes(self) -> list[bytes]:
@@ -189,9 +186,7 @@ class DiskTier:
             f.write(HEADER.pack(MAGIC, block_hash, len(payload), checksum(payload)))
             f.write(payload)
         os.replace(tmp, self.path_of(block_hash))
-        c = self.counters
-        c.num_offloaded_blocks += 1
-        c.num_offloaded_bytes += len(payload)
+        self.counters.offloaded(len(payload))
         with self._lock:
             self._lru[block_hash] = None
             self._lru.move_to_end(block_hash)
@@ -199,7 +194,7 @@ class DiskTier:
             dropped = [self._lru.popitem(last=False)[0] for _ in range(max(over, 0))]
         for old in dropped:
             self._delete(old)
-            c.num_dropped_blocks += 1
+            self.counters.num_dropped_blocks += 1
 
     def _delete(self, block_hash: bytes) -> None:
         with self._lock:

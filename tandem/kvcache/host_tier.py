@@ -82,10 +82,8 @@ class HostTier:
             self._copied[slot] = torch.cuda.Event()
             self._copied[slot].record()
         self._slots[block_hash] = slot
-        c = self.counters
-        c.num_offloaded_blocks += 1
-        c.num_offloaded_bytes += self.block_bytes
-        c.offload_seconds += time.perf_counter() - started
+        self.counters.offloaded(self.block_bytes)
+        self.counters.offload_seconds += time.perf_counter() - started
         if self.events is not None:
             self.events.record(BlockEventKind.STORED, block_hash, self.name)
 
@@ -96,10 +94,7 @@ class HostTier:
         started = time.perf_counter()
         self.kv_cache[:, :, block_id].copy_(self.store[slot], non_blocking=self._asynchronous)
         self._slots.move_to_end(block_hash)
-        c = self.counters
-        c.num_loaded_blocks += 1
-        c.num_loaded_bytes += self.block_bytes
-        c.load_seconds += time.perf_counter() - started
+        self.counters.loaded(self.block_bytes, time.perf_counter() - started)
         return True
 
     def block_hashes(self) -> list[bytes]:

@@ -34,6 +34,17 @@ class TierCounters:
     num_dropped_blocks: int = 0
     """Blocks dropped to stay within the tier's capacity (with no tier after it to take them)."""
 
+    def loaded(self, num_bytes: int, seconds: float) -> None:
+        """One block loaded back into the pool."""
+        self.num_loaded_blocks += 1
+        self.num_loaded_bytes += num_bytes
+        self.load_seconds += seconds
+
+    def offloaded(self, num_bytes: int) -> None:
+        """One block kept by the tier (its time is counted where the copy runs)."""
+        self.num_offloaded_blocks += 1
+        self.num_offloaded_bytes += num_bytes
+
 
 class PrefixTier(Protocol):
     """A store of evicted prefix blocks' KV, keyed by block hash."""
