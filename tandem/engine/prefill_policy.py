@@ -18,7 +18,8 @@ policy is explained in docs/scheduling.md, "Prefill packing"):
 
 So a short prompt waits behind a long one for at most one chunk of it, a long prompt gets
 at least ``min(threshold, budget left)`` tokens a step, and long prompts start one after
-the other (the oldest gets everything the short ones leave).
+the other (the oldest gets everything the short ones leave). Prefix blocks a lookup loads from a
+KV tier are paid for out of the budget (tier_load_cost.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import time
 
 from tandem.config import EngineConfig
 from tandem.engine.sequence import Sequence, SequenceStatus
+from tandem.engine.tier_load_cost import TierLoadCost
 from tandem.engine.waiting_queue import WaitingQueue
 from tandem.kvcache.block_manager import BlockManager
 
@@ -36,7 +38,9 @@ Entry = tuple[Sequence, int]
 
 class PrefillPacker:
     """Passes 2 to 4 above, over a scheduler's waiting queue and running list (the very
-    objects: admitting moves a sequence from one to the other) and its block manager."""
+    objects: admitting moves a sequence from one to the other) and its block manager.
+    A prompt's prefix blocks loaded from a KV tier take their cost out of the budget
+    (tier_load_cost.py)."""
 
     def __init__(self, config: EngineConfig, block_manager: BlockManager, waiting: WaitingQueue,
                  running: list[Sequence]) -> None:
@@ -44,6 +48,7 @@ class PrefillPacker:
         self.block_manager = block_manager
         self.waiting = waiting
         self.running = running
+        self.load_cost = TierLoadCost(block_manager)
 
     def pack(self, entries: list[Entry], budget: int, admissible: list[Sequence]) -> int:
         """Fill ``budget`` (what the running and swapped-in sequences left) with prompt
@@ -68,7 +73,9 @@ class PrefillPacker:
         for seq in admissible:
             if budget <= 0 or len(self.running) >= config.max_num_seqs:
                 break
-            cached_block_ids = bm.find_cached_prefix(seq)
+            cached_block_ids, budget = self._cached_prefix(seq, budget)
+            if cached_block_ids is None:
+                break  # NOTE: FCFS: its prefix loads on next step, before any prompt behind it starts.
             remaining = seq.num_tokens - len(cached_block_ids) * bm.block_size
             n = min(remaining, budget)
             if n < remaining:
@@ -111,13 +118,25 @@ class PrefillPacker:
         if len(self.running) >= self.config.max_num_seqs:
             return budget
         # Found again: blocks taken since pass 2 may have evicted part of the cached prefix.
-        cached_block_ids = bm.find_cached_prefix(seq)
+        cached_block_ids, budget = self._cached_prefix(seq, budget)
+        if cached_block_ids is None:
+            return budget
         remaining = seq.num_tokens - len(cached_block_ids) * bm.block_size
         n = min(remaining, budget)
         if not bm.can_allocate(seq, self._reserved(n, remaining), cached_block_ids):
             return budget
         self._admit(entries, seq, n, cached_block_ids, self._reserved(n, remaining))
         return budget - n
+
+    def _cached_prefix(self, seq: Sequence, budget: int) -> tuple[list[int] | None, int]:
+        """``seq``'s cached prefix, loading from the tiers no more than ``budget`` pays for.
+        -> its block ids (None: more of it is still to load, or the loads took the whole
+        budget; the blocks loaded stay cached for the next step), and the budget left."""
+        lookup = self.block_manager.lookup_prefix(seq, self.load_cost.max_loads(budget))
+        budget -= self.load_cost.charge(lookup.num_loaded)
+        if not lookup.complete or budget <= 0:
+            return None, budget
+        return lookup.block_ids, budget
 
     def _reserved(self, n: int, remaining: int) -> int:
         """The tokens a prompt admitted with its first `n` of `remaining` takes blocks for:

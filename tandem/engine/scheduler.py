@@ -44,6 +44,8 @@ class Scheduler:
         self.speculator = Speculator(config, block_manager)
         self.beam_stepper = BeamStepper(self)
         self.prefill_packer = PrefillPacker(config, block_manager, self.waiting, self.running)
+        self._scheduled_at = time.monotonic()
+        """When the last batch was scheduled (so update() times the step)."""
 
     def add(self, seq: Sequence) -> None:
         self.waiting.add(seq)
@@ -114,6 +116,7 @@ class Scheduler:
         self.prefill_packer.pack(entries, budget, admissible)
 
         entries.sort(key=lambda e: e[1] != 1)  # stable: decodes first, then prefill chunks
+        self._scheduled_at = time.monotonic()
         return ScheduledBatch([s for s, _ in entries], [n for _, n in entries], swap_out, swap_in,
                               [draft_token_ids.get(id(s), []) for s, _ in entries], copies)
 
@@ -130,6 +133,8 @@ class Scheduler:
 
     def update(self, batch: ScheduledBatch, sampled: StepOutput) -> list[SequenceUpdate]:
         """Advance every scheduled sequence past the step that just ran."""
+        # The step's time since it was scheduled: what a token costs, against a tier load.
+        self.prefill_packer.load_cost.observe_step(batch.num_tokens, time.monotonic() - self._scheduled_at)
         updates: list[SequenceUpdate] = []
         num_sampled = 0
         for i, seq in enumerate(batch.seqs):

@@ -7,12 +7,26 @@ Mechanism only: the scheduler decides who gets blocks; this module keeps the boo
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Sequence as Seq
 
 from tandem.engine.sequence import Sequence
 from tandem.kvcache.block_hash import hash_block, root_hash
 from tandem.kvcache.kv_events import POOL_TIER, BlockEventKind, KVEventLog
 from tandem.kvcache.prefix_tier import PrefixTier
+
+
+@dataclass(frozen=True)
+class PrefixLookup:
+    """What a prefix lookup found (:meth:`BlockManager.lookup_prefix`)."""
+
+    block_ids: list[int]
+    """The blocks holding the prefix, in order: cached in the pool, or loaded from a tier."""
+    num_loaded: int
+    """How many of them this lookup loaded from a tier."""
+    complete: bool
+    """False when the load limit stopped the lookup before a block a tier holds: the prefix
+    goes on, and a later lookup loads the rest."""
 
 
 class BlockManager:
@@ -58,20 +72,29 @@ class BlockManager:
         restore: load blocks the pool lacks from the tier (False: the pool's alone, for a
         probe that must not move blocks; a tier hit needs a free block anyway).
         """
+        return self.lookup_prefix(seq, None if restore else 0).block_ids
+
+    def lookup_prefix(self, seq: Sequence, max_loads: int | None = None) -> PrefixLookup:
+        """:meth:`find_cached_prefix`, loading at most ``max_loads`` blocks from the tier
+        (None: as many as it holds)."""
         if not self.enable_prefix_caching:
-            return []
+            return PrefixLookup([], 0, True)
         block_ids: list[int] = []
+        num_loaded = 0
         parent = root_hash(seq.params.cache_salt)
         num_full = (seq.num_tokens - 1) // self.block_size
         for i in range(num_full):
             parent = hash_block(parent, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
             block_id = self.cached_block_ids.get(parent)
-            if block_id is None and restore and self.tier is not None:
+            if block_id is None and self.tier is not None:
+                if max_loads is not None and num_loaded >= max_loads:
+                    return PrefixLookup(block_ids, num_loaded, not self.tier.holds(parent))
                 block_id = self._restore(parent, block_ids)
+                num_loaded += block_id is not None
             if block_id is None:
                 break
             block_ids.append(block_id)
-        return block_ids
+        return PrefixLookup(block_ids, num_loaded, True)
 
     def _restore(self, block_hash: bytes, hit_ids: list[int]) -> int | None:
         """Load ``block_hash`` from the tier into a free block, cached as if never evicted
