@@ -190,8 +190,6 @@ class EngineConfig:
                  f">= prompt_lookup_min ({prompt_lookup_min})")
         for name, gib in (("kv_offload_host_gib", kv_offload_host_gib), ("kv_offload_disk_gib", kv_offload_disk_gib)):
             require(gib >= 0, name, gib, ">= 0")
-            require(gib == 0 or tp == 1, name, gib,
-                    "0 with tensor_parallel_size > 1 (each rank's share of a block is not offloaded yet)")
             require(gib == 0 or enable_prefix_caching, name, gib,
                     "0 without enable_prefix_caching (offloaded blocks are found by their prefix hashes)")
         require(kv_offload_host_gib == 0 or not device.startswith("cpu"), "kv_offload_host_gib", kv_offload_host_gib,

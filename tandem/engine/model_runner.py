@@ -20,6 +20,7 @@ from tandem.engine.sequence import Sequence
 from tandem.kernels import ops
 from tandem.kernels.attention_metadata import AttentionMetadata, DecodeGroup
 from tandem.kernels.paged_decode_attention import decode_group_plan
+from tandem.kvcache.prefix_tier import PrefixTier
 from tandem.kvcache.swap_copier import KVSwapper
 from tandem.model.compiled_step import CompiledDecodeStep
 from tandem.model.llama import LlamaModel
@@ -75,6 +76,15 @@ class ModelRunner:
             # At start, after the KV pool: the graphs capture its address.
             self.graphs = DecodeGraphs(self._model_forward, config, self.scratch_block_id, m.vocab_size, graph_device)
             self.graphs.capture()
+
+    def tier_pool(self) -> torch.Tensor:
+        """What KV tiers copy blocks out of and into (kv_tiers.py): the pool itself."""
+        return self.kv_cache
+
+    def attach_tier(self, first: PrefixTier, pool: torch.Tensor) -> PrefixTier:
+        """The tier the block manager calls, given ``first``, the first tier of a chain built
+        over ``pool`` (what tier_pool gave): that tier itself."""
+        return first
 
     def swap(self, batch: ScheduledBatch) -> None:
         """Copy the blocks the scheduler swaps out, then shared blocks the step writes

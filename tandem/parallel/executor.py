@@ -71,12 +71,18 @@ class RankExecutor:
         self.gathered: tuple[torch.Tensor, torch.Tensor] | None = None
         """On the first rank, after a layer is stored: the K and V rows ([num_slots, all KV
         heads, head_dim], on the device) of that step's gather_slots."""
+        self.gathered_blocks: torch.Tensor | None = None
+        """On the first rank, after a message with gather_blocks: those blocks' KV, every head
+        ([num_layers, 2, num_blocks, block_size, all KV heads, head_dim], on the device)."""
 
     def execute(self, msg: StepMessage, on_layer_stored: Callable[[int], None] | None = None) -> torch.Tensor | None:
         """Apply ``msg`` (host tensors, as broadcast): its indices and KV rows go onto this
-        rank's device first; then KV writes, swaps out, copies, swaps in (see ModelRunner.swap
-        for why in that order), then the forward. -> logits on the first rank, None elsewhere."""
+        rank's device first; then the blocks to gather (before anything writes them), KV
+        writes, swaps out, copies, swaps in (see ModelRunner.swap for why in that order), then
+        the forward. -> logits on the first rank, None elsewhere."""
         msg = on_device(msg, self.device)
+        if msg.gather_blocks:
+            self.gathered_blocks = self._gather_blocks(msg.gather_blocks)
         if msg.writes is not None:
             rows = self._arrived_rows(msg.writes)
             heads = self.shard.kv_heads
@@ -135,3 +141,22 @@ class RankExecutor:
         for shard, part in zip(self.shards, parts):  # a replicated head: any holder's copy
             full[:, :, shard.kv_heads.start:shard.kv_heads.stop] = part[:, :, :shard.num_kv_heads]
         self.gathered = (full[0], full[1])
+
+    def _gather_blocks(self, block_ids: list[int]) -> torch.Tensor | None:
+        """Every head of ``block_ids``' KV, all layers, on the first rank (None elsewhere)."""
+        block_size = self.kv_cache.shape[3]
+        # slots: [num_blocks * block_size], block by block
+        slots = (torch.tensor(block_ids, dtype=torch.int64, device=self.device)[:, None] * block_size
+                 + torch.arange(block_size, device=self.device)).flatten()
+        layers = []
+        for layer in range(self.kv_cache.shape[0]):
+            self._gather(layer, slots)
+            if self.shard.rank == 0:
+                assert self.gathered is not None
+                layers.append(torch.stack(self.gathered))
+        self.gathered = None
+        if self.shard.rank != 0:
+            return None
+        # [num_layers, 2, num_blocks * block_size, heads, head_dim] -> blocks apart
+        full = torch.stack(layers)
+        return full.view(*full.shape[:2], len(block_ids), block_size, *full.shape[3:])

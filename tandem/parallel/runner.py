@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import numpy as np
@@ -11,10 +12,12 @@ import torch.distributed as dist
 from tandem.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.scheduler import ScheduledBatch
+from tandem.kvcache.prefix_tier import PrefixTier
 from tandem.kvtransfer.protocol import KVLayout
 from tandem.model.llama import LlamaModel
 from tandem.parallel.executor import DeviceCollectives, RankExecutor
 from tandem.parallel.kv_writes import PendingKVWrites
+from tandem.parallel.rank_tier import RankTier
 from tandem.parallel.step_message import HOST, ForwardInputs, StepMessage, StepOp, broadcast_step
 
 
@@ -35,10 +38,22 @@ class TensorParallelRunner(ModelRunner):
         """The pool as other workers see it: every KV head."""
         self.kv_writes = PendingKVWrites(self.layout, self.kv_cache.shape[2])
         """KV that other workers sent (a KVReceiver's sink), for the next message."""
+        self.tier: RankTier | None = None
+        """The KV tiers (see attach_tier), or None."""
+
+    def tier_pool(self) -> torch.Tensor:
+        """A one-block pool of every KV head on the host: the ranks' pools hold a share each."""
+        m = self.config.model
+        return torch.empty((m.num_layers, 2, 1, self.config.block_size, m.num_kv_heads, m.head_dim),
+                           dtype=self.kv_cache.dtype, device=HOST)
+
+    def attach_tier(self, first: PrefixTier, pool: torch.Tensor) -> PrefixTier:
+        self.tier = RankTier(first, pool, self.kv_writes)
+        return self.tier
 
     def swap(self, batch: ScheduledBatch) -> None:
         writes = self.kv_writes.take()
-        if writes is not None or batch.swap_out or batch.copies or batch.swap_in:
+        if writes is not None or batch.swap_out or batch.copies or batch.swap_in or self._has_offloads:
             self._execute(StepMessage(StepOp.SWAP, writes, batch.swap_out, batch.copies, batch.swap_in))
 
     def forward(self, batch: ScheduledBatch, on_layer_stored: Callable[[int], None] | None,
@@ -60,6 +75,18 @@ class TensorParallelRunner(ModelRunner):
         k, v = self.executor.gathered
         return k[start:start + num_rows], v[start:start + num_rows]
 
+    @property
+    def _has_offloads(self) -> bool:
+        return self.tier is not None and self.tier.has_offloads
+
     def _execute(self, msg: StepMessage, on_layer_stored: Callable[[int], None] | None = None) -> torch.Tensor | None:
+        offloads = [] if self.tier is None else self.tier.take_offloads()
+        if offloads:
+            msg = dataclasses.replace(msg, gather_blocks=[block_id for block_id, _ in offloads])
         broadcast_step(msg, self.step_group)
-        return self.executor.execute(msg, on_layer_stored)
+        logits = self.executor.execute(msg, on_layer_stored)
+        if offloads:
+            assert self.tier is not None and self.executor.gathered_blocks is not None
+            self.tier.store_gathered(offloads, self.executor.gathered_blocks)
+            self.executor.gathered_blocks = None
+        return logits

@@ -65,7 +65,8 @@ class KVWrites:
 
 @dataclass(frozen=True)
 class StepMessage:
-    """One step of every rank: KV writes, swaps (host block ids), then maybe a forward."""
+    """One step of every rank: blocks gathered for the KV tiers, KV writes, swaps (host block
+    ids), then maybe a forward."""
 
     op: StepOp
     writes: KVWrites | None = None
@@ -73,6 +74,9 @@ class StepMessage:
     copies: Pairs = field(default_factory=list)
     swap_in: Pairs = field(default_factory=list)
     forward: ForwardInputs | None = None
+    gather_blocks: list[int] = field(default_factory=list)
+    """Pool blocks the first rank collects every KV head of, before anything else in the
+    message writes them: blocks its KV tiers took since the last message (rank_tier.py)."""
 
 
 HEADER_LEN = 4
@@ -131,7 +135,7 @@ def on_device(msg: StepMessage, device: torch.device) -> StepMessage:
 
 def encode(msg: StepMessage) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (header [HEADER_LEN], ints [host ints + device ints]): host tensors (no KV rows)."""
-    host: list[int] = []
+    host: list[int] = [len(msg.gather_blocks), *msg.gather_blocks]
     for pairs in (msg.swap_out, msg.copies, msg.swap_in):
         host.append(len(pairs))
         host.extend(x for pair in pairs for x in pair)
@@ -157,6 +161,7 @@ def decode(header: list[int], ints: torch.Tensor) -> StepMessage:
     op, num_host, _, num_rows = header
     host = iter(ints[:num_host].tolist())
     take = lambda n: [next(host) for _ in range(n)]  # noqa: E731
+    gather_blocks = take(next(host))
     swap_out, copies, swap_in = ([tuple(take(2)) for _ in range(next(host))] for _ in range(3))
     shapes: dict[str, tuple[int, ...]] = {}
     if num_rows:
@@ -190,7 +195,7 @@ def decode(header: list[int], ints: torch.Tensor) -> StepMessage:
         )
         forward = ForwardInputs(parts["input_ids"], parts["positions"], meta, parts.get("gather_slots"),
                                 parts.get("logits_indices"))
-    return StepMessage(StepOp(op), writes, swap_out, copies, swap_in, forward)
+    return StepMessage(StepOp(op), writes, swap_out, copies, swap_in, forward, gather_blocks)
 
 
 def broadcast_step(msg: StepMessage, group: dist.ProcessGroup | None = None) -> None:

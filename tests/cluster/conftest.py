@@ -34,7 +34,8 @@ LAST_MODULE = "test_pool_changes_cluster.py"
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """LAST_MODULE's tests after every other cluster test (the other folders' keep their place)."""
+    """LAST_MODULE's tests after every other cluster test (tests/conftest.py puts this folder's
+    after every other folder's)."""
     mine = [item for item in items if item.path.name == LAST_MODULE]
     rest = [item for item in items if item.path.name != LAST_MODULE]
     here = Path(__file__).parent

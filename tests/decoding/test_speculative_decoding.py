@@ -33,10 +33,15 @@ def test_sampled_distribution_is_unchanged_by_speculation(make_llm, tokenizer):
     """Many seeds on a repetitive prompt: the second and third output tokens (the ones
     verified as drafts) are distributed alike with and without speculation."""
     prompt = tokenizer.encode("one two three four one two three four one two three four one two")
-    num_seeds = 300
-    params = [SamplingParams(temperature=0.8, top_k=4, max_tokens=3, seed=s, ignore_eos=True) for s in range(num_seeds)]
+    # Seeds 0 to 299: six requests of n = 50 (completion i of a request seeded s draws as
+    # seed s + i alone would), so the prompt is prefilled six times, not 300.
+    num_seeds, n = 300, 50
+    params = [SamplingParams(temperature=0.8, top_k=4, max_tokens=3, seed=s, n=n, ignore_eos=True)
+              for s in range(0, num_seeds, n)]
     llms = [make_llm(num_speculative_tokens=k, prompt_lookup_min=1) for k in (0, 3)]
-    samples = [[tuple(o.token_ids[1:]) for o in llm.generate([prompt] * num_seeds, params)] for llm in llms]
+    samples = [[tuple(c.token_ids[1:]) for o in llm.generate([prompt] * len(params), params) for c in o.outputs]
+               for llm in llms]
+    assert [len(s) for s in samples] == [num_seeds, num_seeds]
     spec = llms[1].engine.scheduler.speculator
     assert 0 < spec.num_accepted_tokens < spec.num_draft_tokens
     for position in (0, 1):

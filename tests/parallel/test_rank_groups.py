@@ -4,6 +4,7 @@ arrived KV writes and block copies, against the whole model in this process."""
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 import socket
 
@@ -50,7 +51,8 @@ def test_two_cpu_ranks_run_the_steps_of_one():
         StepMessage(StepOp.SWAP, KVWrites(index, rows)),
         forward_message(ref, prefill, gather),
         StepMessage(StepOp.SWAP, copies=[(0, 5)]),
-        forward_message(ref, decodes, None),
+        # blocks 5 (the copy, before the forward writes its last slot) and 10 gathered first
+        dataclasses.replace(forward_message(ref, decodes, None), gather_blocks=[5, 10]),
     ]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -71,6 +73,9 @@ def test_two_cpu_ranks_run_the_steps_of_one():
                 gathered.append(tuple(t.clone() for t in executor.gathered))
 
             logits.append(executor.execute(msg, hook if sends else None))
+            if msg.gather_blocks:
+                assert executor.gathered_blocks is not None
+                gathered_blocks = executor.gathered_blocks.clone()
         broadcast_step(StepMessage(StepOp.STOP), groups.step_group)
         assert results.get(timeout=60) == len(messages)
     finally:
@@ -87,6 +92,10 @@ def test_two_cpu_ranks_run_the_steps_of_one():
         assert torch.allclose(k, ref.kv_cache[layer, 0].flatten(0, 1)[f.gather_slots], atol=1e-5)
         assert torch.allclose(v, ref.kv_cache[layer, 1].flatten(0, 1)[f.gather_slots], atol=1e-5)
     ref.swapper.copy([(0, 5)])
+    # [num_layers, 2, 2 blocks, block_size, every KV head, head_dim], as the pool held them
+    # (block 10's arrived rows exactly; block 5's computed by the ranks' shards)
+    assert torch.equal(gathered_blocks[:, :, 1, :3], ref.kv_cache[:, :, 10, :3])
+    assert torch.allclose(gathered_blocks, ref.kv_cache[:, :, [5, 10]], atol=1e-5)
     f = messages[3].forward
     assert f is not None
     want_decode = ref.model.forward(f.input_ids, f.positions, ref.kv_cache, f.meta, f.logits_indices)

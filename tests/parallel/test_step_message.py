@@ -72,11 +72,12 @@ def test_messages_arrive_field_for_field():
     assert padded.forward is not None and mixed.forward is not None
     assert len(padded.forward.meta.decode_groups) == 2 and len(padded.forward.input_ids) == 16
     messages = [
-        StepMessage(StepOp.SWAP, writes, swap_out=[(3, 0)], copies=[(1, 2), (4, 6)], swap_in=[]),
+        StepMessage(StepOp.SWAP, writes, swap_out=[(3, 0)], copies=[(1, 2), (4, 6)], swap_in=[], gather_blocks=[7, 1]),
         mixed,
         StepMessage(StepOp.FORWARD, writes, swap_in=[(0, 5)], forward=ForwardInputs(
             mixed.forward.input_ids, mixed.forward.positions, mixed.forward.meta)),
         padded,
+        dataclasses.replace(padded, gather_blocks=[4]),
         StepMessage(StepOp.STOP),
     ]
     with socket.socket() as s:
@@ -111,6 +112,7 @@ def test_messages_arrive_field_for_field():
     assert m["prefill_block_tables"][2] == [[5, 6, 4]] and m["prefill_layout"][2] == [[0, 5, 9]]
     assert f["gather_slots"][2] == [9, 2, 9] and f["logits_indices"][2] == [0, 1]  # the chunk is not the prompt's last
     assert got[2]["forward"]["gather_slots"] is None and got[2]["forward"]["logits_indices"] is None
+    assert [g["gather_blocks"] for g in got] == [[7, 1], [], [], [], [4], []]
 
 
 def test_on_device_keeps_every_value():
