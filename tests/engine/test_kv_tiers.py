@@ -64,4 +64,7 @@ def test_evicted_prefixes_load_from_disk_and_a_flipped_byte_is_recomputed(make_l
     assert total(s, "tandem_kv_tier_hit_tokens_total", tier="disk") == tier.counters.num_loaded_blocks * BLOCK_SIZE
     assert total(s, "tandem_kv_tier_blocks_lost_total", tier="disk", reason="corrupt") == 1
     assert total(s, "tandem_kv_tier_bytes_total", direction="offload") == tier.counters.num_offloaded_bytes > 0
+    # The loads were charged to the step budgets they ran in (engine/tier_load_cost.py).
+    charged = llm.engine.scheduler.prefill_packer.load_cost.num_charged_tokens
+    assert total(s, "tandem_kv_tier_load_budget_tokens_total") == charged > 0
     tier.close()
