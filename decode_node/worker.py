@@ -115,7 +115,7 @@ class DecodeWorker(Worker):
         request = checked(request, WorkerRequest, "request")
         self.loop.open_stream(request.request_id)
         try:
-            await self.compile_grammar(request)
+            await self.before_admission(request)
             return await self.loop.call(lambda engine: self._reserve(engine, request))
         except BaseException:
             self.loop.close_stream(request.request_id)
@@ -128,7 +128,7 @@ class DecodeWorker(Worker):
         request = checked(request, WorkerRequest, "request")
         self.loop.open_stream(request.request_id)
         try:
-            await self.compile_grammar(request)
+            await self.before_admission(request)
             await self.loop.call(lambda engine: self._prefill_local(engine, request))
         except BaseException:
             self.loop.close_stream(request.request_id)

@@ -106,7 +106,7 @@ class PrefillWorker(Worker):
         if destination.request_id != request.request_id:
             raise ValueError(f"the destination is for {destination.request_id!r}, "
                              f"the request is {request.request_id!r}")
-        await self.compile_grammar(request)
+        await self.before_admission(request)
         result = asyncio.get_running_loop().create_future()
         peer = None
         if not self.sender.is_connected(destination.address):

@@ -27,6 +27,8 @@ class KVEventFeed:
         self.index = index
         self._workers: dict[str, WorkerState] = {}
         self._addresses: dict[str, str] = {}
+        self.tier_addresses: dict[str, str] = {}
+        """Instance -> where its disk tier serves other workers (router/kv_sources.py)."""
         self._resyncing: set[str] = set()
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.SUB)
@@ -45,11 +47,13 @@ class KVEventFeed:
             return
         self._workers[w.instance] = w
         self._addresses[w.instance] = address
+        await self._learn_tier_address(w)
         self._socket.connect(address)
         self._resync(w.instance)  # (nothing was heard before the connection)
 
     def forget(self, w: WorkerState) -> None:
         self._workers.pop(w.instance, None)
+        self.tier_addresses.pop(w.instance, None)
         address = self._addresses.pop(w.instance, None)
         if address is not None:
             self._socket.disconnect(address)
@@ -82,6 +86,13 @@ class KVEventFeed:
             if batch.worker in self._workers and not self.index.apply(batch):
                 self._resync(batch.worker)
 
+    async def _learn_tier_address(self, w: WorkerState) -> None:
+        tier = await w.handle.kv_tier_address.remote()
+        if tier is None:
+            self.tier_addresses.pop(w.instance, None)
+        elif w.instance in self._workers:
+            self.tier_addresses[w.instance] = tier
+
     def _resync(self, instance: str) -> None:
         if instance in self._resyncing:
             return
@@ -98,6 +109,7 @@ class KVEventFeed:
                 self._socket.disconnect(self._addresses[instance])
                 self._addresses[instance] = address
                 self._socket.connect(address)
+                await self._learn_tier_address(w)  # a restarted worker serves elsewhere too
             snap = await w.handle.kv_snapshot.remote()
             if snap is not None and instance in self._workers:
                 holdings = {bytes.fromhex(h): tiers for h, tiers in snap["holdings"].items()}

@@ -133,6 +133,14 @@ class KVBlockIndex:
                 break
         return PrefixMatch(len(tiers), tuple(tiers))
 
+    def num_leading_in(self, worker: str, block_hashes: list[bytes], tiers: frozenset[str]) -> int:
+        """How many of ``block_hashes``, from the first, ``worker``'s events say one of ``tiers``
+        holds (0 while its entry is stale)."""
+        w = self._workers.get(worker)
+        if w is None or w.stale:
+            return 0
+        return next((i for i, h in enumerate(block_hashes) if not tiers & w.blocks.get(h, set())), len(block_hashes))
+
     def staleness_s(self, worker: str) -> float | None:
         """Seconds since ``worker``'s entry last moved (None: never)."""
         w = self._workers.get(worker)

@@ -17,6 +17,7 @@ from tandem.router.backend import NoHealthyWorker, WorkerFailed
 from tandem.router.disagg import DEFAULT_MAX_LOCAL_STALL_S, PrefillCosts, make_disagg_policy
 from tandem.router.kv_events_feed import KVEventFeed
 from tandem.router.kv_index import KVBlockIndex
+from tandem.router.kv_sources import kv_source_for
 from tandem.router.policy import Router, WorkerState
 from tandem.router.prefill_placement import PrefillPlacement, learn, place, place_colocated
 from tandem.router.prefix_prediction import predict
@@ -162,6 +163,7 @@ class RayBackend:
         worker = order[0]
         prediction = predict(self.prefill_router, Role.COLOCATED, worker, request.prompt_token_ids,
                              request.params.cache_salt)
+        request = self._with_kv_source(worker, request)
         self.prefill_router.record(worker, request.prompt_token_ids, request.params.cache_salt)
         release = place_colocated(worker, len(request.prompt_token_ids))  # a burst spreads
         try:
@@ -215,7 +217,8 @@ class RayBackend:
             for worker in candidates:
                 placement = place(self.disagg, self.decode_router, self.prefill_router, worker,
                                   prefills[0] if prefills else None, prompt, salt, clock.time())
-                call = (worker.handle.prefill_local if placement.is_local else worker.handle.reserve).remote(request)
+                call = (worker.handle.prefill_local if placement.is_local else worker.handle.reserve).remote(
+                    self._with_kv_source(worker, request))
                 try:
                     placement.destination = await self.calls.unless_down(worker, call)
                 except BaseException as e:
@@ -243,6 +246,15 @@ class RayBackend:
         if self.metrics is not None:
             self.metrics.queue_time.observe(clock.time() - start)
         return placement
+
+    def _with_kv_source(self, worker: WorkerState, request: WorkerRequest) -> WorkerRequest:
+        """``request`` for ``worker``, pointed at another worker's tier that holds more of its
+        prefix when the KV index knows one (router/kv_sources.py)."""
+        if self.kv_index is None or self.kv_feed is None:
+            return request
+        source = kv_source_for(self.kv_index, self.kv_feed.tier_addresses, worker, request.prompt_token_ids,
+                               request.params.cache_salt)
+        return request if source is None else dataclasses.replace(request, kv_source=source)
 
     def _count_decision(self, placement: PrefillPlacement) -> None:
         logger.debug("%s prefill (%s) on %s", placement.choice.where.value, placement.choice.reason,
@@ -272,7 +284,8 @@ class RayBackend:
         worker = prefill
         try:
             start = clock.time()
-            first = await self.calls.unless_down(prefill, prefill.handle.prefill.remote(request, placement.destination))
+            first = await self.calls.unless_down(prefill, prefill.handle.prefill.remote(
+                self._with_kv_source(prefill, request), placement.destination))
             prefill_s.append(clock.time() - start)
             placement.release_prompt()
             if placement.prefix_prediction is not None:

@@ -47,6 +47,18 @@ def checksum(payload: bytes | memoryview) -> bytes:
     return hashlib.blake2b(payload, digest_size=16).digest()
 
 
+def parse_record(data: bytes | memoryview, block_hash: bytes, block_bytes: int) -> memoryview | None:
+    """The KV bytes of a block record (a tier file, or a frame from a peer) that is whole
+    and is ``block_hash``'s: its magic, hash, length and checksum all match; else None."""
+    if len(data) != HEADER.size + block_bytes:
+        return None
+    magic, stored_hash, length, digest = HEADER.unpack_from(data)
+    payload = memoryview(data)[HEADER.size:]
+    if magic != MAGIC or stored_hash != block_hash or length != block_bytes or checksum(payload) != digest:
+        return None
+    return payload
+
+
 class DiskTier:
     """A PrefixTier over files in ``directory`` (see the module docstring).
 
@@ -60,6 +72,8 @@ class DiskTier:
         self.kv_cache = kv_cache
         self.events: KVEventLog | None = None
         """Where blocks entering and leaving the tier are recorded (None: nowhere)."""
+        self.key = key
+        """The layout key: a peer's blocks are interchangeable with these only under the same."""
         self.directory = os.path.join(directory, key)
         os.makedirs(self.directory, exist_ok=True)
         block = kv_cache[:, :, 0]
@@ -141,26 +155,40 @@ class DiskTier:
 
     # -- files ----------------------------------------------------------------------------
 
+    def record(self, block_hash: bytes) -> bytes | None:
+        """``block_hash``'s block as its file holds it (header, then KV bytes), checked, for a
+        peer that fetches it (kvtransfer/tier_peer.py); None when the tier cannot give it."""
+        with self._lock:
+            copy = self._pending.get(block_hash)
+        if copy is not None:
+            return record_of(block_hash, copy)
+        data = self._read_file(block_hash)
+        return None if data is None else bytes(data)
+
+    def block_of(self, payload: bytes | memoryview) -> torch.Tensor:
+        """A block's KV bytes as a tensor of this tier's block shape and dtype
+        ([num_layers, 2, block_size, num_kv_heads, head_dim])."""
+        shape = self.kv_cache[:, :, 0].shape
+        return torch.frombuffer(bytearray(payload), dtype=self.kv_cache.dtype).reshape(shape)
+
     def _read(self, block_hash: bytes) -> torch.Tensor | None:
+        data = self._read_file(block_hash)
+        return None if data is None else self.block_of(data[HEADER.size:])
+
+    def _read_file(self, block_hash: bytes) -> memoryview | None:
+        """The file of ``block_hash``, checked; one that fails its check is deleted."""
         path = self.path_of(block_hash)
         try:
             with open(path, "rb") as f:
                 data = f.read()
         except FileNotFoundError:
             return None
-        ok = len(data) == HEADER.size + self.block_bytes
-        if ok:
-            magic, stored_hash, length, digest = HEADER.unpack_from(data)
-            payload = memoryview(data)[HEADER.size:]
-            ok = (magic == MAGIC and stored_hash == block_hash and length == self.block_bytes
-                  and checksum(payload) == digest)
-        if not ok:
+        if parse_record(data, block_hash, self.block_bytes) is None:
             logger.warning("kv disk tier: %s fails its checksum: dropped, its block is recomputed", path)
             self.counters.num_corrupt_blocks += 1
             self._delete(block_hash)
             return None
-        shape = self.kv_cache[:, :, 0].shape
-        return torch.frombuffer(bytearray(payload), dtype=self.kv_cache.dtype).reshape(shape)
+        return memoryview(data)
 
     def _write_loop(self) -> None:
         while (block_hash := self._queue.get()) is not None:
@@ -180,13 +208,12 @@ class DiskTier:
                 self._queue.task_done()
 
     def _write(self, block_hash: bytes, copy: torch.Tensor) -> None:
-        payload = copy.contiguous().view(torch.uint8).numpy().tobytes()
+        record = record_of(block_hash, copy)
         fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".writing-")
         with os.fdopen(fd, "wb") as f:
-            f.write(HEADER.pack(MAGIC, block_hash, len(payload), checksum(payload)))
-            f.write(payload)
+            f.write(record)
         os.replace(tmp, self.path_of(block_hash))
-        self.counters.offloaded(len(payload))
+        self.counters.offloaded(len(record) - HEADER.size)
         with self._lock:
             self._lru[block_hash] = None
             self._lru.move_to_end(block_hash)
@@ -205,3 +232,10 @@ class DiskTier:
             os.unlink(self.path_of(block_hash))
         except FileNotFoundError:
             pass
+
+
+def record_of(block_hash: bytes, copy: torch.Tensor) -> bytes:
+    """A block's record (a tier file's bytes, a peer's frame): the header (magic, hash, length,
+    checksum), then its KV bytes."""
+    payload = copy.contiguous().view(torch.uint8).numpy().tobytes()
+    return HEADER.pack(MAGIC, block_hash, len(payload), checksum(payload)) + payload

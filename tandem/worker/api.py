@@ -26,6 +26,18 @@ class Role(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class KVSource:
+    """Another worker whose KV tiers hold more of a request's prefix than the worker handed
+    the request: it fetches the blocks it lacks from there before admitting the request
+    (kvtransfer/tier_peer.py) instead of computing them."""
+
+    address: str
+    """The other worker's tier server (tcp://HOST:PORT)."""
+    num_blocks: int
+    """The prompt's leading full blocks the other worker holds, counted from the first."""
+
+
+@dataclass(frozen=True)
 class WorkerRequest:
     """One generation request as the router hands it to a worker."""
 
@@ -40,6 +52,8 @@ class WorkerRequest:
     moved here mid-stream (router/migration.py) and goes on from them. The worker computes
     them with the prompt and counts, penalizes, constrains and detokenizes them as output
     (their text is not sent again); only n=1 requests resume."""
+    kv_source: KVSource | None = None
+    """Where to fetch prefix blocks this worker lacks from (None: compute them)."""
 
 
 def checked(value: Any, cls: type[T], what: str) -> T:
@@ -52,10 +66,16 @@ def checked(value: Any, cls: type[T], what: str) -> T:
     if isinstance(value, WorkerRequest) and not (isinstance(value.params, SamplingParams)
                                                  and isinstance(value.prompt_token_ids, list)
                                                  and type(value.priority) is int
-                                                 and type(value.num_resumed_tokens) is int):
-        raise TypeError(f"{what}: params must be SamplingParams, prompt_token_ids a list, and priority and "
-                        "num_resumed_tokens ints")
+                                                 and type(value.num_resumed_tokens) is int
+                                                 and (value.kv_source is None or _is_kv_source(value.kv_source))):
+        raise TypeError(f"{what}: params must be SamplingParams, prompt_token_ids a list, priority and "
+                        "num_resumed_tokens ints, and kv_source None or a KVSource")
     return value
+
+
+def _is_kv_source(source: Any) -> bool:
+    return (isinstance(source, KVSource) and isinstance(source.address, str) and type(source.num_blocks) is int
+            and source.num_blocks >= 0)
 
 
 @dataclass(frozen=True)

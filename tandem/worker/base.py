@@ -31,6 +31,7 @@ from tandem.worker.engine_loop import EngineLoop
 from tandem.worker.heartbeat_file import HeartbeatFile
 from tandem.worker.kv_events_publisher import KVEventPublisher, events_host
 from tandem.worker.metrics import WorkerMetrics
+from tandem.worker.prefix_fetch import PrefixFetcher
 from tandem.worker.state_table import StateTable
 from tandem.worker.tokenizer_spec import tokenizer_spec_from
 
@@ -96,6 +97,10 @@ class Worker:
         self.kv_events = None if not config.publish_kv_events else KVEventPublisher(
             self.engine, instance, events_host(config.kv_transfer))
         """Publishes the pool's block events (None: not asked for)."""
+        # The router points workers at each other's tiers only by its KV index: no events, no server.
+        self.prefix_fetch = PrefixFetcher(self.loop, events_host(config.kv_transfer), config.publish_kv_events)
+        if self.prefix_fetch.disk is not None:
+            self.metrics.peer_fetch = self.prefix_fetch.counters
         logger.info("%s worker %s ready on %s, %s, KV cache %s (pid %d, %d torch threads)", self.role.value, instance,
                     engine_config.device_name, engine_config.dtype_name, engine_config.kv_cache_dtype_name, os.getpid(),
                     torch.get_num_threads())
@@ -119,13 +124,16 @@ class Worker:
     def _fail_waiting(self, down: EngineDown) -> None:
         """The role's own waiters (beside the streams) fail with `down`."""
 
-    async def compile_grammar(self, request: WorkerRequest) -> None:
-        """Compile the request's structured-output grammar, if it has one, on a thread of its
-        own (a schema takes up to a second): the engine loop then finds it cached and never
-        stalls other requests on it. ValueError when the constraint cannot compile."""
+    async def before_admission(self, request: WorkerRequest) -> None:
+        """What a request needs before its admission: its structured-output grammar compiled,
+        if it has one, on a thread of its own (a schema takes up to a second: the engine loop
+        then finds it cached and never stalls other requests on it; ValueError when the
+        constraint cannot compile); then the prefix blocks its kv_source holds and this worker
+        lacks, fetched."""
         constraint = request.params.structured_outputs
         if constraint is not None:
             await asyncio.to_thread(self.engine.grammars.compile, constraint)
+        await self.prefix_fetch.fetch(self.loop, request)
 
     async def inject_fault(self, kind: str) -> None:
         """Break the engine on purpose (faults.FAULTS): only with fault_injection on."""
@@ -189,6 +197,10 @@ class Worker:
             num_prefix_hits=m.num_prefix_hits,
         )
 
+    def kv_tier_address(self) -> str | None:
+        """Where other workers fetch prefix blocks from this worker's disk tier (None: nowhere)."""
+        return self.prefix_fetch.address
+
     def kv_events_address(self) -> str | None:
         """Where this worker publishes its KV block events (None: it does not)."""
         return None if self.kv_events is None else self.kv_events.address
@@ -202,6 +214,7 @@ class Worker:
     def shutdown(self) -> None:
         if self.kv_events is not None:
             self.kv_events.close()
+        self.prefix_fetch.close()
         self.loop.stop()
         if self.ranks is not None:
             self.ranks.stop()

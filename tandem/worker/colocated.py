@@ -20,7 +20,7 @@ class ColocatedWorker(Worker):
         deltas = DeltaReader(self.loop.open_stream(request.request_id))
         finished = False
         try:
-            await self.compile_grammar(request)
+            await self.before_admission(request)
             await self.loop.call(lambda engine: engine.add_request(
                 request.request_id, request.prompt_token_ids, request.params, priority=request.priority,
                 num_resumed_tokens=request.num_resumed_tokens) and None)

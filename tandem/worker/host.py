@@ -63,6 +63,9 @@ class WorkerHost:
     def kv_events_address(self) -> str | None:
         return self.worker.kv_events_address()
 
+    def kv_tier_address(self) -> str | None:
+        return self.worker.kv_tier_address()
+
     async def kv_snapshot(self) -> dict | None:
         return await self.worker.kv_snapshot()
 

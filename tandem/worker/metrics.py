@@ -19,6 +19,7 @@ from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
 from tandem.kvcache.prefix_tier import TierCounters, tiers_of
 from tandem.kvtransfer.connectors.registry import path_labels
+from tandem.kvtransfer.tier_peer import PeerFetchCounters
 from tandem.worker.api import Role
 from tandem.worker.metric_buckets import REQUEST_SECONDS
 
@@ -77,6 +78,8 @@ class WorkerMetrics:
         self.num_transferring: Callable[[], int] = lambda: 0
         """Requests whose KV is in flight now (set by the worker that transfers)."""
         self.kv_bytes: dict[str, Callable[[], int]] = {}
+        self.peer_fetch: PeerFetchCounters | None = None
+        """The worker's fetches from other workers' KV tiers (None: it has no disk tier)."""
         """Cumulative KV payload bytes by direction ("sent", "received")."""
         self.kv_dropped: Callable[[], dict[str, int]] = dict
         """KV messages a receiver dropped, by reason (a decode worker's: no grant, malformed, ...)."""
@@ -189,6 +192,8 @@ class _EngineCollector(Collector):
                                           "charged for prefix blocks loaded from the KV tiers.", labels=LABELS)
             charged.add_metric(m.label_values, engine.scheduler.prefill_packer.load_cost.num_charged_tokens)
             yield charged
+        if m.peer_fetch is not None:
+            yield from _peer_fetch_families(m, m.peer_fetch)
 
 
 def _tier_families(m: WorkerMetrics, name: str, c: TierCounters, block_size: int) -> Iterator[Metric]:
@@ -214,3 +219,21 @@ def _tier_families(m: WorkerMetrics, name: str, c: TierCounters, block_size: int
     lost.add_metric((*values, "corrupt"), c.num_corrupt_blocks)
     lost.add_metric((*values, "capacity"), c.num_dropped_blocks)
     yield lost
+
+
+def _peer_fetch_families(m: WorkerMetrics, c: PeerFetchCounters) -> Iterator[Metric]:
+    """The worker's fetches of prefix blocks from other workers' tiers (kvtransfer/tier_peer.py)."""
+    blocks = CounterMetricFamily("tandem_kv_peer_fetch_blocks", "Prefix blocks fetched from other workers' KV "
+                                 "tiers instead of computed.", labels=LABELS)
+    blocks.add_metric(m.label_values, c.num_blocks)
+    yield blocks
+    seconds = CounterMetricFamily("tandem_kv_peer_fetch_seconds", "Time fetches from other workers' KV tiers "
+                                  "took (before their requests' admission, off the step).", labels=LABELS)
+    seconds.add_metric(m.label_values, c.seconds)
+    yield seconds
+    fetches = CounterMetricFamily("tandem_kv_peer_fetches", "Fetches from other workers' KV tiers: every block "
+                                  "the peer held, or stopped short (a peer gone, refused or failing a check).",
+                                  labels=(*LABELS, "outcome"))
+    fetches.add_metric((*m.label_values, "complete"), c.num_fetches - c.num_failed)
+    fetches.add_metric((*m.label_values, "short"), c.num_failed)
+    yield fetches

@@ -3,13 +3,15 @@ disk tier publish their KV block events; the router's index follows them (blocks
 the pool, then moved to disk as later prompts evict them), routes a repeated prompt to the
 worker that holds its prefix, and predicts exactly the prompt tokens that worker then reports
 as prefix hits (loaded from its disk tier), with the same greedy output; the router's
-prediction counters (what ``tandem bench serve`` reads from /metrics) show the same."""
+prediction counters (what ``tandem bench serve`` reads from /metrics) show the same; and a
+request for the other worker is pointed at the owner's tier server."""
 
 from __future__ import annotations
 
 import time
 
 import pytest
+import ray
 from fault_calls import greedy
 from reference import english_token_ids
 from running_cluster import running_clusters
@@ -19,6 +21,8 @@ from tandem.bench.serving import breakdown
 from tandem.config import WorkerConfig
 from tandem.kvcache.block_hash import prefix_hashes
 from tandem.router.cluster import ClusterConfig
+from tandem.sampling_params import SamplingParams
+from tandem.worker.api import KVSource, WorkerRequest
 
 pytestmark = pytest.mark.slow
 
@@ -64,9 +68,9 @@ def test_the_index_follows_the_workers_and_predicts_their_hits(precise, tokenize
     prompt = english_token_ids(tokenizer, 300, skip=30)
     hashes = prefix_hashes(prompt, BLOCK_SIZE, (len(prompt) - 1) // BLOCK_SIZE)
     first = greedy(precise, prompt, 4)
-    owner = wait_for(lambda: next((n for n in names if index.match(n, hashes).num_blocks == len(hashes)), None),
-                     "the prompt's blocks in the index")
-    assert set(on_loop(lambda: index.match(owner, hashes).tiers)) == {"pool"}
+    # (Placed blocks count at once; the worker's events then say they are in its pool.)
+    owner = wait_for(lambda: next((n for n in names if index.match(n, hashes).tiers == ("pool",) * len(hashes)),
+                                  None), "the prompt's blocks in the index, in a pool")
     # Other prompts until the owner's pool evicted the prompt's prefix to its disk tier.
     for i in range(16):
         greedy(precise, english_token_ids(tokenizer, 300, skip=400 + 97 * i), 2)
@@ -93,4 +97,10 @@ def test_the_index_follows_the_workers_and_predicts_their_hits(precise, tokenize
     overall = prediction(start, end)
     assert overall["reported_tokens"] == reported and overall["error_tokens"] == 0, overall
     assert index.num_gaps == 0
+    # Reuse across hosts: a request for the other worker is pointed at the owner, whose pool
+    # and disk tier serve the prompt's blocks (kv_sources.py). (These two share one folder:
+    # that worker would find the disk's files itself.)
+    other = next(w for w in backend.colocated if w.instance != owner)
+    source = on_loop(lambda: backend._with_kv_source(other, WorkerRequest("r", prompt, SamplingParams())).kv_source)
+    assert source == KVSource(ray.get(loads[owner].handle.kv_tier_address.remote()), len(hashes))
     assert_workers_empty(precise)

@@ -1,0 +1,104 @@
+"""A worker's side of reuse across hosts (kvtransfer/tier_peer.py): it serves its pool's cached
+blocks and its disk tier to the other workers, and fetches the prefix blocks that a request's
+``kv_source`` holds and it lacks into that tier before admitting the request, so that its
+scheduler loads them (charged to its step budget like any tier hit) instead of computing them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from tandem.engine.engine import LLMEngine
+from tandem.kvcache.block_hash import prefix_hashes
+from tandem.kvcache.disk_tier import DiskTier, record_of
+from tandem.kvcache.prefix_tier import PrefixTier, tiers_of
+from tandem.kvtransfer.curve import CurveKeys
+from tandem.kvtransfer.tier_peer import PeerFetchCounters, TierServer, fetch_blocks
+from tandem.parallel.rank_tier import RankTier
+from tandem.parallel.runner import TensorParallelRunner
+from tandem.worker.api import WorkerRequest
+from tandem.worker.engine_loop import EngineLoop
+
+logger = logging.getLogger(__name__)
+
+POOL_READ_TIMEOUT_S = 10.0
+"""How long a peer's fetch waits for the engine loop to copy its pool's blocks (between steps)."""
+
+
+def disk_tier_of(tier: PrefixTier | None) -> DiskTier | None:
+    """The disk tier of a chain (a tensor-parallel pool's chain starts with a RankTier over it)."""
+    for t in tiers_of(tier):
+        inner = t.first if isinstance(t, RankTier) else t
+        if isinstance(inner, DiskTier):
+            return inner
+    return None
+
+
+class PrefixFetcher:
+    """Serves the pool and disk tier of ``loop``'s engine on ``host`` (when ``serve``), and
+    fetches into that tier."""
+
+    def __init__(self, loop: EngineLoop, host: str, serve: bool) -> None:
+        engine = loop.engine
+        self.disk = disk_tier_of(engine.block_manager.tier)
+        self.block_size = engine.config.block_size
+        self.curve = CurveKeys.from_env()
+        self.counters = PeerFetchCounters()
+        # A tensor-parallel pool holds a share of each block's heads: only its tier is served.
+        read_pool = None if isinstance(engine.runner, TensorParallelRunner) else (
+            lambda hashes: loop.submit(lambda e: _pool_records(e, hashes)).result(POOL_READ_TIMEOUT_S))
+        self.server = None if self.disk is None or not serve else TierServer(self.disk, host, self.curve, read_pool)
+        """None: no disk tier to serve, or nobody to serve it to (no KV events: no router index)."""
+
+    @property
+    def address(self) -> str | None:
+        return None if self.server is None else self.server.address
+
+    async def fetch(self, loop: EngineLoop, request: WorkerRequest) -> int:
+        """Fetch what ``request.kv_source`` holds of its prefix and this worker lacks -> the
+        number of blocks fetched. A fetch that fails costs only the recompute."""
+        source, disk = request.kv_source, self.disk
+        if source is None or disk is None:
+            return 0
+        num_blocks = min(source.num_blocks, (len(request.prompt_token_ids) - 1) // self.block_size)
+        hashes = await loop.call(lambda engine: _missing(engine, request, num_blocks))
+        if not hashes:
+            return 0
+        started = time.perf_counter()
+        # NOTE: off the engine loop: a slow peer delays only this request's admission.
+        result = await asyncio.to_thread(fetch_blocks, source.address, disk.key, hashes, disk.block_bytes, self.curve)
+        for block_hash, payload in zip(hashes, result.payloads):
+            disk.offload_copy(block_hash, disk.block_of(payload))  # (thread-safe: a queued write)
+        self.counters.fetched(result, disk.block_bytes, started)
+        logger.debug("%s: fetched %d of %d prefix blocks from %s%s", request.request_id, len(result.payloads),
+                     len(hashes), source.address, "" if result.error is None else f" ({result.error})")
+        return len(result.payloads)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+
+
+def _pool_records(engine: LLMEngine, block_hashes: list[bytes]) -> dict[bytes, bytes]:
+    """The records of the leading ``block_hashes`` the pool caches (on the loop thread, between steps)."""
+    bm, kv_cache = engine.block_manager, engine.runner.kv_cache
+    records = {}
+    for block_hash in block_hashes:
+        block_id = bm.cached_block_ids.get(block_hash)
+        if block_id is None:
+            break
+        records[block_hash] = record_of(block_hash, kv_cache[:, :, block_id].to("cpu", copy=True))
+    return records
+
+
+def _missing(engine: LLMEngine, request: WorkerRequest, num_blocks: int) -> list[bytes]:
+    """The hashes of the prompt's first ``num_blocks`` blocks from the first that neither the
+    pool nor a tier holds (on the loop thread: the block manager is its own)."""
+    hashes = prefix_hashes(request.prompt_token_ids, engine.config.block_size, num_blocks,
+                           request.params.cache_salt)
+    bm, tier = engine.block_manager, engine.block_manager.tier
+    for i, block_hash in enumerate(hashes):
+        if block_hash not in bm.cached_block_ids and not (tier is not None and tier.holds(block_hash)):
+            return hashes[i:]
+    return []
