@@ -209,11 +209,14 @@ class ReceiverPairs:
         return fields
 
     def _forget_closed(self) -> None:
-        """Destroy the pairs whose senders closed their side (a sender that shook hands
-        again comes back with a new identity: its old pair would otherwise live on)."""
+        """Destroy the pairs whose senders closed their side, or that never formed (a sender
+        that shook hands again comes back with a new identity: its old pair would otherwise
+        live on)."""
         host = self._host
         for sender, key in list(self._keys.items()):
-            if host is not None and host.closed_by_sender(key):
+            future = self._pairs[sender]
+            failed = future.done() and (future.cancelled() or future.exception() is not None)
+            if failed or (host is not None and host.closed_by_sender(key)):
                 self.forget(sender)
 
     def payload(self, sender: bytes) -> DistPayload:

@@ -35,6 +35,11 @@ class TransferRefused(RuntimeError):
     """The receiver refused the handshake (incompatible KV layouts, protocol version)."""
 
 
+class PairNotFormed(TransferRefused):
+    """The torch.distributed pair both sides agreed to in the handshake did not form (a side
+    slow to join under load, or gone): no refusal of the request, worth one more handshake."""
+
+
 class MessageKind(enum.IntEnum):
     HELLO = 1  # sender -> receiver: the sender's layout (and model, when it names one)
     HELLO_OK = 2  # receiver -> sender: the receiver's layout

@@ -35,6 +35,7 @@ from tandem.kvtransfer.protocol import (
     Destination,
     KVLayout,
     MessageKind,
+    PairNotFormed,
     ProtocolError,
     TransferEvent,
     TransferRefused,
@@ -136,7 +137,13 @@ class KVSender:
         if self.device:  # (a receiver on this GPU never takes a pair from it)
             hello["device"] = self.device
         side = SenderSide(address, destination, self.node_id, self.device, self.transport, timeout_s)
-        return connect_peer(address, hello, timeout_s, load_connector(choice.path)(choice.path, side), self.curve)
+        try:
+            return connect_peer(address, hello, timeout_s, load_connector(choice.path)(choice.path, side), self.curve)
+        except PairNotFormed as e:
+            # NOTE: a pair agreed to but not formed in time (its other side slow to join on a
+            # loaded host) is no reason to fail the request: once more, with a new pair.
+            logger.warning("kv sender: %s; shaking hands again", e)
+            return connect_peer(address, hello, timeout_s, load_connector(choice.path)(choice.path, side), self.curve)
 
     def adopt(self, address: str, peer: Peer) -> KVLayout:
         """Make a `handshake`'s connection the one to `address` (on the sender's thread); one

@@ -28,7 +28,14 @@ from tandem.kvtransfer.connectors.base import (
 from tandem.kvtransfer.dist_pairs import RECEIVER_RANK, SENDER_RANK, ReceiverPairs, can_host, join_pair
 from tandem.kvtransfer.path_choice import ALLOW_UNENCRYPTED_FLAG
 from tandem.kvtransfer.payload import TORCH_DTYPES, DistPayload, layer_rows
-from tandem.kvtransfer.protocol import KVLayout, LayerHeader, MessageKind, ProtocolError, TransferRefused, encode
+from tandem.kvtransfer.protocol import (
+    KVLayout,
+    LayerHeader,
+    MessageKind,
+    PairNotFormed,
+    ProtocolError,
+    encode,
+)
 from tandem.kvtransfer.slots import token_slots
 
 logger = logging.getLogger(__name__)
@@ -98,8 +105,8 @@ class DistPairConnector(KVConnector):
         try:
             return DistSend(join_pair(self.side.address, reply["dist_pair"], self.side.timeout_s))
         except (RuntimeError, ValueError, OSError) as e:
-            raise TransferRefused(f"no torch.distributed pair with the KV receiver at {self.side.address}: {e}"
-                                  ) from None
+            raise PairNotFormed(f"no torch.distributed pair with the KV receiver at {self.side.address}: {e}"
+                                ) from None
 
     @classmethod
     def answer(cls, name: str, hello: dict[str, Any], side: ReceiverSide, sender: bytes) -> Answer | None:

@@ -1,11 +1,13 @@
 """The sender's transports in one process: a gloo pair made in the handshake (what
-`tandem serve --kv-transport gloo` uses), transports a receiver cannot take refused, ZMQ
-forced past a shared pool, and the GPU path's staging through the host (its device work
-faked on the CPU) sending each layer only once its copy is done, in order."""
+`tandem serve --kv-transport gloo` uses; one that does not form is made again), transports a
+receiver cannot take refused, ZMQ forced past a shared pool, and the GPU path's staging
+through the host (its device work faked on the CPU) sending each layer only once its copy is
+done, in order."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 
 import numpy as np
@@ -14,6 +16,7 @@ import torch
 from kv_pools import pick_blocks, random_pool, token_rows
 from sender_wait import wait
 
+from tandem.kvtransfer import dist_pairs
 from tandem.kvtransfer.protocol import TransferRefused, TransferStatus
 from tandem.kvtransfer.receiver import KVReceiver
 from tandem.kvtransfer.sender import KVSender
@@ -46,6 +49,35 @@ def test_gloo_pair_round_trip():
             assert received is not None and received.status is TransferStatus.DONE
             assert torch.equal(token_rows(dst, dst_ids, n), token_rows(src, src_ids, n))
         assert not receiver.dropped and sender.num_bytes_sent == receiver.num_bytes_received > 0
+    finally:
+        sender.close()
+        receiver.close()
+
+
+def test_a_pair_that_does_not_form_is_made_again(monkeypatch, caplog):
+    """The sender's side of the first pair fails to join (as a gloo connect that timed out on a
+    loaded host): the sender shakes hands once more, and the second pair carries the KV."""
+    gloo = dist_pairs.PAIR_BACKENDS["gloo"]
+    joins = []
+
+    def build(store, rank, timeout, host):
+        joins.append(rank)
+        if joins.count(dist_pairs.SENDER_RANK) == 1 and rank == dist_pairs.SENDER_RANK:
+            raise RuntimeError("Gloo connectFullMesh failed: timed out")
+        return gloo.build(store, rank, timeout, host)
+
+    monkeypatch.setitem(dist_pairs.PAIR_BACKENDS, "gloo", dataclasses.replace(gloo, build=build))
+    src = random_pool(2, 8, 16, 2, 8, torch.float32, seed=5)
+    dst = random_pool(2, 8, 16, 2, 8, torch.float32, seed=6)
+    receiver = KVReceiver(dst, timeout_s=2)
+    sender = KVSender(src, timeout_s=2, transport="gloo")
+    try:
+        with caplog.at_level("WARNING"):
+            assert send_all(sender, receiver, "r", [3], [4], 10, 2) == "dist"
+        assert wait(sender, "r", 10).status is TransferStatus.DONE
+        assert torch.equal(token_rows(dst, [4], 10), token_rows(src, [3], 10))
+        assert "no torch.distributed pair" in caplog.text and "shaking hands again" in caplog.text
+        assert joins.count(dist_pairs.SENDER_RANK) == 2
     finally:
         sender.close()
         receiver.close()
