@@ -109,6 +109,10 @@ class KVBlockIndex:
         if len(w.placed) > len(block_hashes):  # drop what outlived PLACED_S, now and then
             w.placed = {h: t for h, t in w.placed.items() if now - t < PLACED_S}
 
+    def entries(self) -> list[tuple[str, WorkerHoldings]]:
+        """Every worker's entry (a copy of the table: any thread may read it)."""
+        return list(self._workers.items())
+
     def forget(self, worker: str) -> None:
         self._workers.pop(worker, None)
 

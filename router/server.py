@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from tandem.router.auth import ApiKeys, TokenAuthInterceptor
 from tandem.router.backend import Backend
+from tandem.router.kv_index_metrics import KVIndexCollector
 from tandem.router.limits import RequestLimits
 from tandem.router.metrics import RouterMetrics
 from tandem.router.metrics_endpoint import MetricsEndpoint, start_metrics_endpoint
@@ -152,6 +153,9 @@ def _router_metrics(backend: Backend, tokenizer: RouterTokenizer) -> RouterMetri
         return asyncio.run_coroutine_threadsafe(backend.worker_metrics(), loop).result(timeout=WORKER_METRICS_WAIT_S)
 
     metrics.registry.register(WorkerMetricsCollector(spec.model_name, fetch))
+    index = getattr(backend, "kv_index", None)
+    if index is not None:  # --policy precise_prefix
+        metrics.registry.register(KVIndexCollector(spec.model_name, index))
     backend.metrics = metrics
     return metrics
 

@@ -1,12 +1,15 @@
 """The precise prefix index: batches applied in order, a gap or a restart leaves the worker
 stale (scored as holding nothing) until its snapshot, batches already in a snapshot skipped;
 matches count leading blocks and their best tier. The batches are a real block manager's and
-disk tier's events, and cross as bytes (JSON), a malformed one refused."""
+disk tier's events, and cross as bytes (JSON), a malformed one refused. The index's health
+(staleness, stale entries, gaps, resyncs) reaches the router's metrics."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from metrics_text import parse_samples, total
+from prometheus_client import CollectorRegistry, generate_latest
 
 from tandem.engine.sequence import Sequence
 from tandem.kvcache.block_hash import prefix_hashes
@@ -14,6 +17,7 @@ from tandem.kvcache.block_manager import BlockManager
 from tandem.kvcache.disk_tier import DiskTier
 from tandem.kvcache.kv_events import POOL_TIER, BlockEvent, BlockEventKind, KVEventBatch, KVEventLog
 from tandem.router.kv_index import PLACED_S, KVBlockIndex
+from tandem.router.kv_index_metrics import KVIndexCollector
 from tandem.sampling_params import SamplingParams
 
 BS = 4
@@ -111,3 +115,23 @@ def test_placed_blocks_count_until_the_events_speak_for_them():
     now[0] += PLACED_S
     assert index.match("w0", [h(5)]).num_blocks == 0  # never ran, as far as the events tell
     assert index.match("w1", [h(1)]).num_blocks == 0  # another worker: nothing placed there
+
+
+def test_the_index_health_reaches_the_routers_metrics():
+    now = [100.0]
+    index = KVBlockIndex(clock=lambda: now[0])
+    index.resync("w0", "e1", 1, {h(1): ["pool"], h(2): ["disk"]})
+    index.resync("w1", "e1", 1, {})
+    now[0] = 103.5
+    assert index.apply(batch(2, ("stored", 3, "pool")))
+    now[0] = 104.0
+    assert not index.apply(batch(7, worker="w1"))  # a gap: w1 waits for a snapshot
+    registry = CollectorRegistry()
+    registry.register(KVIndexCollector("m", index))
+    s = parse_samples(generate_latest(registry).decode())
+    assert total(s, "tandem_router_kv_index_staleness_seconds", instance="w0") == 0.5
+    assert total(s, "tandem_router_kv_index_staleness_seconds", instance="w1") == 4.0
+    assert total(s, "tandem_router_kv_index_stale", instance="w1") == 1
+    assert total(s, "tandem_router_kv_index_stale", instance="w0") == 0
+    assert total(s, "tandem_router_kv_index_blocks", instance="w0") == 3
+    assert total(s, "tandem_router_kv_index_gaps_total") == 1 and total(s, "tandem_router_kv_index_resyncs_total") == 2
