@@ -136,6 +136,8 @@ def fetch_blocks(address: str, layout: str, block_hashes: list[bytes], block_byt
         if not socket.poll(int(timeout_s * 1000)):
             return FetchResult([], f"no reply from {address} in {timeout_s:.0f} s")
         frames = socket.recv_multipart(copy=False)
+    except zmq.ZMQError as e:  # (an address that cannot be connected to)
+        return FetchResult([], f"{address}: {e}")
     finally:
         socket.close()
     try:

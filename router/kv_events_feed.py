@@ -28,7 +28,7 @@ class KVEventFeed:
         self._workers: dict[str, WorkerState] = {}
         self._addresses: dict[str, str] = {}
         self.tier_addresses: dict[str, str] = {}
-        """Instance -> where its disk tier serves other workers (router/kv_sources.py)."""
+        """Instance -> where it serves its pool's and disk tier's blocks to other workers (router/kv_sources.py)."""
         self._resyncing: set[str] = set()
         self._context = zmq.asyncio.Context()
         self._socket = self._context.socket(zmq.SUB)

@@ -198,7 +198,7 @@ class Worker:
         )
 
     def kv_tier_address(self) -> str | None:
-        """Where other workers fetch prefix blocks from this worker's disk tier (None: nowhere)."""
+        """Where other workers fetch prefix blocks from this worker's pool and disk tier (None: nowhere)."""
         return self.prefix_fetch.address
 
     def kv_events_address(self) -> str | None:

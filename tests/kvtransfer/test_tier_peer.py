@@ -110,6 +110,7 @@ def test_a_silent_peer_costs_the_timeout_and_a_keyless_one_gets_nothing(peer, tm
     result = fetch_blocks(f"tcp://127.0.0.1:{port}", "layout", [h(1)], tier.block_bytes, None, timeout_s=0.3)
     assert result.payloads == [] and "no reply" in (result.error or "")
     silent.close()
+    assert fetch_blocks("tcp://nowhere", "layout", [h(1)], tier.block_bytes, None).payloads == []
 
     keys = CurveKeys.from_secret("a cluster secret of some length")
     secured = TierServer(tier, "127.0.0.1", keys)
