@@ -133,7 +133,7 @@ class Worker:
         constraint = request.params.structured_outputs
         if constraint is not None:
             await asyncio.to_thread(self.engine.grammars.compile, constraint)
-        await self.prefix_fetch.fetch(self.loop, request)
+        await self.prefix_fetch.fetch(request)
 
     async def inject_fault(self, kind: str) -> None:
         """Break the engine on purpose (faults.FAULTS): only with fault_injection on."""

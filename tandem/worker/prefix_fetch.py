@@ -41,6 +41,7 @@ class PrefixFetcher:
 
     def __init__(self, loop: EngineLoop, host: str, serve: bool) -> None:
         engine = loop.engine
+        self.loop = loop
         self.disk = disk_tier_of(engine.block_manager.tier)
         self.block_size = engine.config.block_size
         self.curve = CurveKeys.from_env()
@@ -55,21 +56,21 @@ class PrefixFetcher:
     def address(self) -> str | None:
         return None if self.server is None else self.server.address
 
-    async def fetch(self, loop: EngineLoop, request: WorkerRequest) -> int:
+    async def fetch(self, request: WorkerRequest) -> int:
         """Fetch what ``request.kv_source`` holds of its prefix and this worker lacks -> the
         number of blocks fetched. A fetch that fails costs only the recompute."""
         source, disk = request.kv_source, self.disk
         if source is None or disk is None:
             return 0
         num_blocks = min(source.num_blocks, (len(request.prompt_token_ids) - 1) // self.block_size)
-        hashes = await loop.call(lambda engine: _missing(engine, request, num_blocks))
+        hashes = await self.loop.call(lambda engine: _missing(engine, request, num_blocks))
         if not hashes:
             return 0
         started = time.perf_counter()
         # NOTE: off the engine loop: a slow peer delays only this request's admission.
         result = await asyncio.to_thread(fetch_blocks, source.address, disk.key, hashes, disk.block_bytes, self.curve)
         for block_hash, payload in zip(hashes, result.payloads):
-            disk.offload_copy(block_hash, disk.block_of(payload))  # (thread-safe: a queued write)
+            disk.offload_copy(block_hash, disk.block_of(payload))  # (off the engine loop: a queued write)
         self.counters.fetched(result, disk.block_bytes, started)
         logger.debug("%s: fetched %d of %d prefix blocks from %s%s", request.request_id, len(result.payloads),
                      len(hashes), source.address, "" if result.error is None else f" ({result.error})")
