@@ -162,8 +162,7 @@ class DiskTier:
             copy = self._pending.get(block_hash)
         if copy is not None:
             return record_of(block_hash, copy)
-        data = self._read_file(block_hash)
-        return None if data is None else bytes(data)
+        return self._read_file(block_hash)
 
     def block_of(self, payload: bytes | memoryview) -> torch.Tensor:
         """A block's KV bytes as a tensor of this tier's block shape and dtype
@@ -173,9 +172,9 @@ class DiskTier:
 
     def _read(self, block_hash: bytes) -> torch.Tensor | None:
         data = self._read_file(block_hash)
-        return None if data is None else self.block_of(data[HEADER.size:])
+        return None if data is None else self.block_of(memoryview(data)[HEADER.size:])
 
-    def _read_file(self, block_hash: bytes) -> memoryview | None:
+    def _read_file(self, block_hash: bytes) -> bytes | None:
         """The file of ``block_hash``, checked; one that fails its check is deleted."""
         path = self.path_of(block_hash)
         try:
@@ -188,7 +187,7 @@ class DiskTier:
             self.counters.num_corrupt_blocks += 1
             self._delete(block_hash)
             return None
-        return memoryview(data)
+        return data
 
     def _write_loop(self) -> None:
         while (block_hash := self._queue.get()) is not None:
