@@ -109,7 +109,7 @@ class LLMEngine:
         scheduler until :meth:`start_prefilled`. priority, num_resumed_tokens: as :meth:`add_request`'s."""
         self.check_prompt(prompt_token_ids)  # before the room check: a prompt that never fits is a ValueError
         seq = self._new_sequence(request_id, prompt_token_ids, params, priority, num_resumed_tokens)
-        cached_block_ids = self.block_manager.find_cached_prefix(seq)
+        cached_block_ids = self.scheduler.reserved_prefix(seq)  # (tier loads within a step's budget)
         num_cached_tokens = len(cached_block_ids) * self.block_manager.block_size
         # Room for the prompt and the first decode step, beyond what running sequences hold.
         if not self.block_manager.can_allocate(seq, len(prompt_token_ids) - num_cached_tokens + 1, cached_block_ids):

@@ -54,6 +54,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def reserved_prefix(self, seq: Sequence) -> list[int]:
+        """The cached prefix of ``seq``, whose KV is computed elsewhere, reserved between steps
+        (LLMEngine.reserve_prefilled): it loads from the tiers no more than a step's budget
+        pays for (tier_load_cost.py); the blocks past what it loads arrive with the rest."""
+        cost = self.prefill_packer.load_cost
+        lookup = self.block_manager.lookup_prefix(seq, cost.max_loads_between_steps(self.config.max_num_batched_tokens))
+        cost.owe(lookup.num_loaded)
+        return lookup.block_ids
+
     def schedule(self) -> ScheduledBatch:
         bm = self.block_manager
         budget = self.config.max_num_batched_tokens
@@ -113,7 +122,7 @@ class Scheduler:
         # pass the swapped ones still waiting to resume (fcfs: not at all), unless we just
         # preempted; what is left goes back to the capped chunks.
         admissible = [] if preempted else self.waiting.admissible(self.swapped[0] if self.swapped else None)
-        self.prefill_packer.pack(entries, budget, admissible)
+        self.prefill_packer.pack(entries, max(budget - self.prefill_packer.load_cost.take_owed(), 0), admissible)
 
         entries.sort(key=lambda e: e[1] != 1)  # stable: decodes first, then prefill chunks
         self._scheduled_at = time.monotonic()

@@ -8,6 +8,11 @@ step spends per token) and loads no more blocks in a step than its budget pays f
 prompt whose prefix is not all loaded waits, holding its place, and loads the rest next
 step. Until both rates are measured (no load yet, or steps all of one size) loads are free
 and unlimited.
+
+A decode worker's reservations load their prefix between steps (LLMEngine.reserve_prefilled),
+where every running decode waits for them: the loads since the last step take no more than
+one step's budget pays for, the blocks past them arrive with the rest of the prompt's KV,
+and the next step's prompts have the budget they took less.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ class TierLoadCost:
         self.step_fit = StepTimeFit()
         self.num_charged_tokens = 0
         """Budget tokens charged for loads since the engine started."""
+        self.num_owed_tokens = 0
+        """Budget tokens charged for loads between steps since the last step was scheduled."""
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """A step of ``num_tokens`` ran in ``seconds`` (the model's part, not admission's)."""
@@ -80,3 +87,18 @@ class TierLoadCost:
         tokens = 0 if cost is None else math.ceil(num_loaded * cost)
         self.num_charged_tokens += tokens
         return tokens
+
+    def max_loads_between_steps(self, budget: int) -> int | None:
+        """The blocks a reservation may load now: what a step's ``budget`` pays for, less the
+        loads since the last step (None: no limit; 0 is fine, the rest arrives by transfer)."""
+        cost = self.tokens_per_load()
+        return None if cost is None else int(max(budget - self.num_owed_tokens, 0) / cost)
+
+    def owe(self, num_loaded: int) -> None:
+        """``num_loaded`` blocks were loaded between steps: the next step pays for them."""
+        self.num_owed_tokens += self.charge(num_loaded)
+
+    def take_owed(self) -> int:
+        """The budget tokens the loads between steps took, once (for the step scheduled now)."""
+        owed, self.num_owed_tokens = self.num_owed_tokens, 0
+        return owed

@@ -1,6 +1,7 @@
 """The scheduler charges prefix blocks loaded from a KV tier against the step's token budget:
 the step-time fit against numpy's weighted least squares, and a prompt whose history is on
-the tier loading over several steps, exact block ids, before it starts."""
+the tier loading over several steps, exact block ids, before it starts; reservations between
+steps (a decode worker's) load what one step pays for, and the next step pays."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import numpy as np
 import pytest
 from scheduler_harness import add_seq, all_free, make_scheduler, run_step
 
-from tandem.engine.sequence import SequenceStatus
+from tandem.engine.scheduler import Scheduler
+from tandem.engine.sequence import Sequence, SequenceStatus
 from tandem.engine.tier_load_cost import StepTimeFit
 from tandem.kvcache.block_hash import prefix_hashes
 from tandem.kvcache.kv_events import KVEventLog
 from tandem.kvcache.prefix_tier import PrefixTier, TierCounters
+from tandem.sampling_params import SamplingParams
 
 LOAD_SECONDS = 0.010
 """What the tier below takes to load a block."""
@@ -87,35 +90,40 @@ class FixedStepRate:
         pass
 
 
-def test_a_history_on_the_tier_loads_within_the_budget_before_it_starts() -> None:
-    # Block size 4, 12 blocks, a budget of 32 tokens: a loaded block costs 10 tokens of it.
-    sched = make_scheduler(num_kv_blocks=12, block_size=4, max_num_batched_tokens=32)
-    bm = sched.block_manager
-    tier = TimedTier()
-    bm.tier = tier
-    cost = sched.prefill_packer.load_cost
-    cost.step_fit = FixedStepRate()  # type: ignore[assignment]
+HISTORY = list(range(500, 537))
+"""9 full blocks of 4 and one token."""
 
-    history = list(range(500, 537))  # 9 full blocks and one token
-    first = add_seq(sched, "first", history, max_tokens=1)
-    while sched.has_unfinished:
-        run_step(sched)
-    assert first.status == SequenceStatus.FINISHED_LENGTH
-    evictor = add_seq(sched, "evictor", 45, max_tokens=1)  # takes all 12 blocks: history's 9 go to the tier
-    while sched.has_unfinished:
-        run_step(sched)
-    assert evictor.status == SequenceStatus.FINISHED_LENGTH
-    assert tier.stored == set(prefix_hashes(history, 4)) and tier.stored.isdisjoint(bm.cached_block_ids)
+
+def history_on_the_tier() -> tuple[Scheduler, TimedTier]:
+    """Block size 4, 12 blocks, a budget of 32 tokens (a loaded block costs 10 tokens of it):
+    HISTORY has run, and a prompt taking every block has moved its 9 blocks to the tier."""
+    sched = make_scheduler(num_kv_blocks=12, block_size=4, max_num_batched_tokens=32)
+    tier = TimedTier()
+    sched.block_manager.tier = tier
+    sched.prefill_packer.load_cost.step_fit = FixedStepRate()  # type: ignore[assignment]
+    for rid, prompt in (("first", HISTORY), ("evictor", 45)):
+        seq = add_seq(sched, rid, prompt, max_tokens=1)
+        while sched.has_unfinished:
+            run_step(sched)
+        assert seq.status == SequenceStatus.FINISHED_LENGTH
+    assert tier.stored == set(prefix_hashes(HISTORY, 4))
+    assert tier.stored.isdisjoint(sched.block_manager.cached_block_ids)
+    return sched, tier
+
+
+def test_a_history_on_the_tier_loads_within_the_budget_before_it_starts() -> None:
+    sched, tier = history_on_the_tier()
+    cost = sched.prefill_packer.load_cost
     assert tier.loads == [] and cost.tokens_per_load() is None  # nothing loaded yet: no cost known
 
     # The first lookup loads without a limit (no cost known yet); its load is then measured
     # and charged. The history's blocks were evicted in order, so the free list starts 0, 1, 2.
-    probe = add_seq(sched, "probe", history[:5], max_tokens=1)  # one full block, loaded into 0
+    probe = add_seq(sched, "probe", HISTORY[:5], max_tokens=1)  # one full block, loaded into 0
     assert run_step(sched) == [("probe", 1, True)]
     assert tier.loads == [0] and cost.tokens_per_load() == pytest.approx(10.0) and cost.num_charged_tokens == 10
     assert probe.status == SequenceStatus.FINISHED_LENGTH
 
-    again = add_seq(sched, "again", history + [900, 901], max_tokens=2)
+    again = add_seq(sched, "again", HISTORY + [900, 901], max_tokens=2)
     # Step 1: block 0 is still cached (probe's); 3 more load into 2, 3, 4 (30 tokens of 32:
     # the prompt's 3 tokens do not fit in what is left), and it waits, holding its place.
     assert run_step(sched) == []
@@ -128,6 +136,35 @@ def test_a_history_on_the_tier_loads_within_the_budget_before_it_starts() -> Non
     assert tier.loads == [0, 2, 3, 4, 5, 6, 7, 8, 9] and cost.num_charged_tokens == 90
     # Its last block: 11, which the evictor freed before 10.
     assert again.block_ids == [0, 2, 3, 4, 5, 6, 7, 8, 9, 11] and again.num_cached_prompt_tokens == 36
+    while sched.has_unfinished:
+        run_step(sched)
+    assert all_free(sched)
+
+
+def test_reservations_between_steps_load_what_one_step_pays_for_and_the_next_step_pays() -> None:
+    # A decode worker's reservations (LLMEngine.reserve_prefilled) load between steps, while
+    # every decode waits: the loads since the last step stay within one step's budget (32
+    # tokens: 3 blocks of 10), the blocks past them are left to arrive by transfer, and the
+    # next step's prompts get the budget less what the loads took.
+    sched, tier = history_on_the_tier()
+    cost = sched.prefill_packer.load_cost
+    add_seq(sched, "probe", HISTORY[:5], max_tokens=1)  # measures a load: 10 tokens
+    run_step(sched)
+    assert tier.loads == [0] and cost.tokens_per_load() == pytest.approx(10.0) and cost.num_owed_tokens == 0
+
+    def reserve(rid: str) -> list[int]:
+        return sched.reserved_prefix(Sequence(rid, HISTORY + [900], SamplingParams(max_tokens=1), 0))
+
+    assert reserve("r1") == [0, 2, 3, 4]  # block 0 cached; 3 loaded, 30 tokens of 32
+    assert tier.loads == [0, 2, 3, 4] and cost.num_owed_tokens == 30
+    assert reserve("r2") == [0, 2, 3, 4]  # 2 tokens left pay for no load: the rest arrives
+    assert tier.loads == [0, 2, 3, 4] and cost.num_owed_tokens == 30 and cost.num_charged_tokens == 40
+
+    add_seq(sched, "prompt", 5, max_tokens=1)
+    assert run_step(sched) == [("prompt", 2, False)]  # the step's prompts get 32 - 30 tokens
+    assert cost.num_owed_tokens == 0
+    assert reserve("r3") == [0, 2, 3, 4, 6, 7, 8]  # a step has passed: 3 more load
+    assert run_step(sched) == [("prompt", 3, True)]
     while sched.has_unfinished:
         run_step(sched)
     assert all_free(sched)
