@@ -1,7 +1,8 @@
 """A worker's side of reuse across hosts (kvtransfer/tier_peer.py): it serves its pool's cached
 blocks and its disk tier to the other workers, and fetches the prefix blocks that a request's
-``kv_source`` holds and it lacks into that tier before admitting the request, so that its
-scheduler loads them (charged to its step budget like any tier hit) instead of computing them."""
+``kv_source`` holds and it lacks into its first tier (an accelerator pool's host tier, else
+the disk) before admitting the request, so that its scheduler loads them (charged to its
+step budget like any tier hit) instead of computing them."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import asyncio
 import logging
 import time
 
+import torch
+
 from tandem.engine.engine import LLMEngine
 from tandem.kvcache.block_hash import prefix_hashes
 from tandem.kvcache.disk_tier import DiskTier, record_of
+from tandem.kvcache.host_tier import HostTier
 from tandem.kvcache.prefix_tier import PrefixTier, tiers_of
 from tandem.kvtransfer.curve import CurveKeys
 from tandem.kvtransfer.tier_peer import PeerFetchCounters, TierServer, fetch_blocks
@@ -37,12 +41,15 @@ def disk_tier_of(tier: PrefixTier | None) -> DiskTier | None:
 
 class PrefixFetcher:
     """Serves the pool and disk tier of ``loop``'s engine on ``host`` (when ``serve``), and
-    fetches into that tier."""
+    fetches into its host tier, or its disk tier when it has none."""
 
     def __init__(self, loop: EngineLoop, host: str, serve: bool) -> None:
         engine = loop.engine
         self.loop = loop
         self.disk = disk_tier_of(engine.block_manager.tier)
+        first = engine.block_manager.tier
+        self.host = first if isinstance(first, HostTier) and self.disk is not None else None
+        """Where fetched blocks go, ahead of the disk (None: to the disk)."""
         self.block_size = engine.config.block_size
         self.curve = CurveKeys.from_env()
         self.counters = PeerFetchCounters()
@@ -69,8 +76,12 @@ class PrefixFetcher:
         started = time.perf_counter()
         # NOTE: off the engine loop: a slow peer delays only this request's admission.
         result = await asyncio.to_thread(fetch_blocks, source.address, disk.key, hashes, disk.block_bytes, self.curve)
-        for block_hash, payload in zip(hashes, result.payloads):
-            disk.offload_copy(block_hash, disk.block_of(payload))  # (off the engine loop: a queued write)
+        blocks = [(block_hash, disk.block_of(payload)) for block_hash, payload in zip(hashes, result.payloads)]
+        host = self.host
+        if host is None:
+            _keep_in(disk, blocks)  # (off the engine loop: queued writes)
+        elif blocks:  # NOTE: on the loop thread: the host tier's slots are the engine's
+            await self.loop.call(lambda engine: _keep_in(host, blocks))
         self.counters.fetched(result, disk.block_bytes, started)
         logger.debug("%s: fetched %d of %d prefix blocks from %s%s", request.request_id, len(result.payloads),
                      len(hashes), source.address, "" if result.error is None else f" ({result.error})")
@@ -79,6 +90,11 @@ class PrefixFetcher:
     def close(self) -> None:
         if self.server is not None:
             self.server.close()
+
+
+def _keep_in(tier: PrefixTier, blocks: list[tuple[bytes, torch.Tensor]]) -> None:
+    for block_hash, kv in blocks:
+        tier.offload_copy(block_hash, kv)
 
 
 def _pool_records(engine: LLMEngine, block_hashes: list[bytes]) -> dict[bytes, bytes]:

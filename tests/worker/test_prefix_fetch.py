@@ -18,6 +18,7 @@ from reference import english_token_ids, hf_greedy
 from tandem import SamplingParams
 from tandem.config import WorkerConfig
 from tandem.kvcache.block_hash import prefix_hashes
+from tandem.kvcache.host_tier import HostTier
 from tandem.worker.api import KVSource, StreamDelta, WorkerRequest
 from tandem.worker.colocated import ColocatedWorker
 
@@ -104,3 +105,28 @@ def test_a_prefix_evicted_on_one_worker_is_fetched_by_another(workers, hf_model,
     assert total(samples, "tandem_kv_peer_fetches_total", outcome="complete") == 3
     for worker in workers:
         assert asyncio.run(worker.inventory()).leaks() == []
+
+
+def test_a_pool_with_a_host_tier_keeps_what_it_fetches_there(workers, hf_model, loaded, tokenizer):
+    # An accelerator's pool keeps fetched blocks in its host tier, not on its disk. The config
+    # gives host tiers to accelerator pools only, so the fetcher's chain is rebuilt here as
+    # theirs is (host slots in front of the disk), over its CPU pool.
+    source, fetcher = workers
+    engine, disk = fetcher.loop.engine, fetcher.prefix_fetch.disk
+    assert disk is not None
+    host = HostTier(engine.runner.kv_cache, 40 * disk.block_bytes, disk)  # room for all it sees here
+    engine.block_manager.tier, fetcher.prefix_fetch.host = host, host
+    try:
+        prompt = english_token_ids(tokenizer, PROMPT_LEN, skip=1200)
+        others = [english_token_ids(tokenizer, PROMPT_LEN, skip=1500 + 300 * i) for i in range(2)]
+        _computed_and_evicted(source, prompt, others)
+        tokens, cached = asyncio.run(_run(fetcher, prompt, KVSource(source.kv_tier_address(), 12)))
+        assert tokens == hf_greedy(hf_model, prompt, PARAMS.max_tokens, loaded.config.eos_token_ids)
+        assert cached == 12 * BLOCK_SIZE
+        hashes = prefix_hashes(prompt, BLOCK_SIZE)
+        assert set(hashes) <= set(host.block_hashes()) and host.counters.num_loaded_blocks == 12
+        disk.flush()
+        assert not any(disk.holds(h) for h in hashes)
+    finally:
+        engine.block_manager.tier, fetcher.prefix_fetch.host = disk, None
+    assert asyncio.run(fetcher.inventory()).leaks() == []
