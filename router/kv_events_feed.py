@@ -47,7 +47,7 @@ class KVEventFeed:
             return
         self._workers[w.instance] = w
         self._addresses[w.instance] = address
-        await self._learn_tier_address(w)
+        await self._learn_tiers(w)
         self._socket.connect(address)
         self._resync(w.instance)  # (nothing was heard before the connection)
 
@@ -86,11 +86,16 @@ class KVEventFeed:
             if batch.worker in self._workers and not self.index.apply(batch):
                 self._resync(batch.worker)
 
-    async def _learn_tier_address(self, w: WorkerState) -> None:
+    async def _learn_tiers(self, w: WorkerState) -> None:
+        """Where ``w`` serves its blocks, and which disk folder it reads."""
         tier = await w.handle.kv_tier_address.remote()
+        share_id = await w.handle.kv_disk_share_id.remote()
+        if w.instance not in self._workers:
+            return
+        self.index.share_disk(w.instance, share_id)
         if tier is None:
             self.tier_addresses.pop(w.instance, None)
-        elif w.instance in self._workers:
+        else:
             self.tier_addresses[w.instance] = tier
 
     def _resync(self, instance: str) -> None:
@@ -109,7 +114,7 @@ class KVEventFeed:
                 self._socket.disconnect(self._addresses[instance])
                 self._addresses[instance] = address
                 self._socket.connect(address)
-                await self._learn_tier_address(w)  # a restarted worker serves elsewhere too
+                await self._learn_tiers(w)  # a restarted worker serves elsewhere too
             snap = await w.handle.kv_snapshot.remote()
             if snap is not None and instance in self._workers:
                 holdings = {bytes.fromhex(h): tiers for h, tiers in snap["holdings"].items()}

@@ -6,6 +6,10 @@ batches in order. A batch whose number does not follow the last one applied (a b
 or a worker restarted: a new epoch) leaves that worker's entry stale until a snapshot of its
 holdings replaces it (`resync`); batches numbered at or below the snapshot's are then skipped.
 A stale worker is scored as holding nothing: it is better to recompute than to route on a guess.
+
+Workers whose disk tiers keep their files in one folder (one host, or a shared mount) load
+each other's disk blocks: a worker is matched with the disk blocks of every worker sharing
+its folder (`share_disk`), or it would find hits its index entry never promised.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ PLACED = "placed"
 computed (or queued to be), and will be in the pool when the next prompt arrives after it."""
 PLACED_S = 30.0
 """How long a placed block counts without the worker's events mentioning it."""
-TIER_WEIGHTS = {POOL_TIER: 1.0, PLACED: 1.0, "host": 0.95, "disk": 0.8}
+DISK_TIER = "disk"
+TIER_WEIGHTS = {POOL_TIER: 1.0, PLACED: 1.0, "host": 0.95, DISK_TIER: 0.8}
 """What a block held in a tier is worth to a request against recomputing it (1: free to use).
 A host hit costs a copy over the host link (about 30 us a block at PCIe 4's 25 GB/s); a disk
 hit a file read per block (about 0.2 ms for the default model's 720 KiB block,
@@ -62,6 +67,8 @@ class KVBlockIndex:
     def __init__(self, clock=time.monotonic) -> None:
         self._workers: dict[str, WorkerHoldings] = {}
         self._clock = clock
+        self._disk_shares: dict[str, str] = {}
+        """Worker -> the id of its disk tier's folder (DiskTier.share_id)."""
         self.num_resyncs = 0
         self.num_gaps = 0
 
@@ -113,8 +120,16 @@ class KVBlockIndex:
         """Every worker's entry (a copy of the table: any thread may read it)."""
         return list(self._workers.items())
 
+    def share_disk(self, worker: str, share_id: str | None) -> None:
+        """``worker``'s disk tier keeps its files in the folder ``share_id`` names (None: no disk)."""
+        if share_id is None:
+            self._disk_shares.pop(worker, None)
+        else:
+            self._disk_shares[worker] = share_id
+
     def forget(self, worker: str) -> None:
         self._workers.pop(worker, None)
+        self._disk_shares.pop(worker, None)
 
     def is_stale(self, worker: str) -> bool:
         w = self._workers.get(worker)
@@ -127,15 +142,26 @@ class KVBlockIndex:
             return PrefixMatch(0, ())
         tiers = []
         now = self._clock()
+        sharing = self._sharing_disk(worker)
         for h in block_hashes:
             held = w.blocks.get(h)
             if held:
                 tiers.append(max(held, key=lambda t: TIER_WEIGHTS.get(t, 0.5)))
             elif now - w.placed.get(h, -PLACED_S) < PLACED_S:
                 tiers.append(PLACED)
+            elif any(DISK_TIER in peer.blocks.get(h, ()) for peer in sharing):
+                tiers.append(DISK_TIER)
             else:
                 break
         return PrefixMatch(len(tiers), tuple(tiers))
+
+    def _sharing_disk(self, worker: str) -> list[WorkerHoldings]:
+        """The entries (not stale) of the other workers whose disk folder is ``worker``'s."""
+        share_id = self._disk_shares.get(worker)
+        if share_id is None:
+            return []
+        return [w for name, w in self._workers.items()
+                if name != worker and not w.stale and self._disk_shares.get(name) == share_id]
 
     def num_leading_in(self, worker: str, block_hashes: list[bytes], tiers: frozenset[str]) -> int:
         """How many of ``block_hashes``, from the first, ``worker``'s events say one of ``tiers``

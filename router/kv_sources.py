@@ -14,11 +14,11 @@ from collections.abc import Mapping
 
 from tandem.kvcache.block_hash import prefix_hashes
 from tandem.kvcache.kv_events import POOL_TIER
-from tandem.router.kv_index import KVBlockIndex
+from tandem.router.kv_index import DISK_TIER, KVBlockIndex
 from tandem.router.policy import WorkerState
 from tandem.worker.api import KVSource
 
-SERVED_TIERS = frozenset((POOL_TIER, "disk"))
+SERVED_TIERS = frozenset((POOL_TIER, DISK_TIER))
 """What a worker's tier server serves: its pool's cached blocks (a tensor-parallel pool's are
 not: it then serves fewer, and the fetcher computes the rest) and its disk tier (a host
 tier's blocks go to disk when it fills)."""

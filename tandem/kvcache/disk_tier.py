@@ -24,6 +24,7 @@ import struct
 import tempfile
 import threading
 import time
+import uuid
 from collections import OrderedDict
 
 import torch
@@ -36,6 +37,8 @@ logger = logging.getLogger(__name__)
 MAGIC = b"TKVB0001"
 HEADER = struct.Struct("<8s16sQ16s")
 """magic, block hash, payload bytes, payload checksum (BLAKE2b-128)."""
+SHARE_ID_FILE = "share-id"
+"""Beside the blocks' files: the folder's id (share_id_of)."""
 
 
 def layout_key(*parts: object) -> str:
@@ -76,6 +79,9 @@ class DiskTier:
         """The layout key: a peer's blocks are interchangeable with these only under the same."""
         self.directory = os.path.join(directory, key)
         os.makedirs(self.directory, exist_ok=True)
+        self.share_id = share_id_of(self.directory)
+        """The same for every disk tier that reads these files (one folder, whichever host
+        mounts it): the router's index counts their blocks as each other's."""
         block = kv_cache[:, :, 0]
         self.block_bytes = block.numel() * block.element_size()
         self.capacity_blocks = max(capacity_bytes // (self.block_bytes + HEADER.size), 0)
@@ -231,6 +237,26 @@ class DiskTier:
             os.unlink(self.path_of(block_hash))
         except FileNotFoundError:
             pass
+
+
+def share_id_of(directory: str) -> str:
+    """``directory``'s id, made once by whichever tier comes first (an exclusive create: two
+    workers starting together agree) and read by the others."""
+    path = os.path.join(directory, SHARE_ID_FILE)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        for _ in range(100):  # (its maker may not have written it yet)
+            with open(path) as f:
+                share_id = f.read()
+            if share_id:
+                return share_id
+            time.sleep(0.01)
+        raise RuntimeError(f"{path} stays empty") from None
+    share_id = uuid.uuid4().hex
+    with os.fdopen(fd, "w") as f:
+        f.write(share_id)
+    return share_id
 
 
 def record_of(block_hash: bytes, copy: torch.Tensor) -> bytes:

@@ -201,6 +201,11 @@ class Worker:
         """Where other workers fetch prefix blocks from this worker's pool and disk tier (None: nowhere)."""
         return self.prefix_fetch.address
 
+    def kv_disk_share_id(self) -> str | None:
+        """The id of the folder this worker's disk tier keeps its files in, the same for every
+        worker reading them (DiskTier.share_id; None: no disk tier)."""
+        return None if self.prefix_fetch.disk is None else self.prefix_fetch.disk.share_id
+
     def kv_events_address(self) -> str | None:
         """Where this worker publishes its KV block events (None: it does not)."""
         return None if self.kv_events is None else self.kv_events.address

@@ -66,6 +66,9 @@ class WorkerHost:
     def kv_tier_address(self) -> str | None:
         return self.worker.kv_tier_address()
 
+    def kv_disk_share_id(self) -> str | None:
+        return self.worker.kv_disk_share_id()
+
     async def kv_snapshot(self) -> dict | None:
         return await self.worker.kv_snapshot()
 

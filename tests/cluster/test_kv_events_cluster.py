@@ -3,8 +3,9 @@ disk tier publish their KV block events; the router's index follows them (blocks
 the pool, then moved to disk as later prompts evict them), routes a repeated prompt to the
 worker that holds its prefix, and predicts exactly the prompt tokens that worker then reports
 as prefix hits (loaded from its disk tier), with the same greedy output; the router's
-prediction counters (what ``tandem bench serve`` reads from /metrics) show the same; and a
-request for the other worker is pointed at the owner's tier server."""
+prediction counters (what ``tandem bench serve`` reads from /metrics) show the same; the other
+worker, sharing the owner's folder, is matched with its disk blocks, and pointed at the
+owner's tier server only once it has a folder of its own."""
 
 from __future__ import annotations
 
@@ -71,10 +72,10 @@ def test_the_index_follows_the_workers_and_predicts_their_hits(precise, tokenize
     # (Placed blocks count at once; the worker's events then say they are in its pool.)
     owner = wait_for(lambda: next((n for n in names if index.match(n, hashes).tiers == ("pool",) * len(hashes)),
                                   None), "the prompt's blocks in the index, in a pool")
-    # Other prompts until the owner's pool evicted the prompt's prefix to its disk tier.
+    # Other prompts until the owner's pool evicted the prompt's whole prefix to its disk tier.
     for i in range(16):
         greedy(precise, english_token_ids(tokenizer, 300, skip=400 + 97 * i), 2)
-        if "disk" in on_loop(lambda: index.match(owner, hashes).tiers):
+        if on_loop(lambda: index.num_leading_in(owner, hashes, frozenset({"disk"}))) == len(hashes):
             break
     time.sleep(0.2)  # (the last events in)
     match = on_loop(lambda: index.match(owner, hashes))
@@ -97,10 +98,20 @@ def test_the_index_follows_the_workers_and_predicts_their_hits(precise, tokenize
     overall = prediction(start, end)
     assert overall["reported_tokens"] == reported and overall["error_tokens"] == 0, overall
     assert index.num_gaps == 0
-    # Reuse across hosts: a request for the other worker is pointed at the owner, whose pool
-    # and disk tier serve the prompt's blocks (kv_sources.py). (These two share one folder:
-    # that worker would find the disk's files itself.)
+    # The two share one folder: the other worker is matched with the owner's disk blocks (it
+    # reads those files itself) and is sent to fetch nothing.
     other = next(w for w in backend.colocated if w.instance != owner)
-    source = on_loop(lambda: backend._with_kv_source(other, WorkerRequest("r", prompt, SamplingParams())).kv_source)
-    assert source == KVSource(ray.get(loads[owner].handle.kv_tier_address.remote()), len(hashes))
+    assert on_loop(lambda: index.match(other.instance, hashes).tiers) == ("disk",) * len(hashes)
+
+    def kv_source() -> KVSource | None:
+        return backend._with_kv_source(other, WorkerRequest("r", prompt, SamplingParams())).kv_source
+
+    assert on_loop(kv_source) is None
+    # Reuse across hosts: were it on another host (a folder of its own), it would be pointed at
+    # the owner, whose pool and disk tier serve the prompt's blocks (kv_sources.py).
+    share_id = ray.get(other.handle.kv_disk_share_id.remote())
+    assert share_id == ray.get(loads[owner].handle.kv_disk_share_id.remote())
+    on_loop(lambda: index.share_disk(other.instance, None))
+    assert on_loop(kv_source) == KVSource(ray.get(loads[owner].handle.kv_tier_address.remote()), len(hashes))
+    on_loop(lambda: index.share_disk(other.instance, share_id))
     assert_workers_empty(precise)

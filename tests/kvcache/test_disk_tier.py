@@ -5,11 +5,12 @@ capacity kept by dropping the least recently used, and pools of another layout a
 from __future__ import annotations
 
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
-from tandem.kvcache.disk_tier import HEADER, DiskTier, layout_key
+from tandem.kvcache.disk_tier import HEADER, DiskTier, layout_key, share_id_of
 
 SHAPE = (3, 2, 10, 4, 2, 8)  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -89,7 +90,7 @@ def test_capacity_drops_the_least_recently_used(tmp_path):
     tier.flush()
     assert [tier.holds(h(i)) for i in range(4)] == [True, False, True, True]
     assert tier.counters.num_dropped_blocks == 1
-    assert len(os.listdir(tier.directory)) == 3
+    assert sorted(os.listdir(tier.directory)) == sorted([h(i).hex() + ".kv" for i in (0, 2, 3)] + ["share-id"])
     tier.close()
 
 
@@ -103,5 +104,16 @@ def test_layouts_keep_apart_and_share_within(tmp_path):
     same_model = pool(seed=2)  # another worker of the same model on this host
     reader = DiskTier(same_model, str(tmp_path), 1 << 20, layout_key("model-a", "float32"))
     assert reader.holds(h(9)) and reader.load(h(9), 0) and torch.equal(same_model[:, :, 0], kv[:, :, 4])
+    # The folder's id says who reads whose files: the same for the reader, not the other model.
+    assert reader.share_id == writer.share_id != other_model.share_id
     for tier in (writer, other_model, reader):
         tier.close()
+
+
+def test_workers_starting_together_agree_on_their_folders_id(tmp_path):
+    with ThreadPoolExecutor(8) as threads:
+        ids = list(threads.map(lambda _: share_id_of(str(tmp_path)), range(32)))
+    assert len(set(ids)) == 1 and len(ids[0]) == 32
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    assert share_id_of(str(elsewhere)) != ids[0]

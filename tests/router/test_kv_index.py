@@ -117,6 +117,31 @@ def test_placed_blocks_count_until_the_events_speak_for_them():
     assert index.match("w1", [h(1)]).num_blocks == 0  # another worker: nothing placed there
 
 
+def test_a_worker_is_matched_with_the_disk_blocks_of_the_workers_sharing_its_folder():
+    # w0 and w1 keep their disk tiers in one folder (one host): each loads the other's files.
+    index = KVBlockIndex()
+    index.resync("w0", "e", 1, {h(1): ["pool"], h(2): ["disk"], h(3): ["disk"], h(5): ["disk"], h(6): ["pool"]})
+    index.resync("w1", "e", 1, {h(1): ["disk"]})
+    index.resync("w2", "e", 1, {})
+    prompt = [h(1), h(2), h(3), h(4), h(5)]
+    assert index.match("w1", prompt).num_blocks == 1  # no folder known yet: its own only
+    for worker, share_id in (("w0", "dir-a"), ("w1", "dir-a"), ("w2", "dir-b")):
+        index.share_disk(worker, share_id)
+    m = index.match("w1", prompt)
+    assert (m.num_blocks, m.tiers) == (3, ("disk", "disk", "disk"))  # its own, then w0's up to the gap
+    assert index.match("w1", [h(6)]).num_blocks == 0  # w0's pool is another process's memory
+    assert index.match("w2", [h(2)]).num_blocks == 0  # another folder
+    assert not index.apply(batch(9, ("stored", 7, "disk"), worker="w0"))  # a gap: w0 is stale
+    assert index.match("w1", [h(1), h(2)]).num_blocks == 1
+    index.resync("w0", "e", 9, {h(2): ["disk"]})
+    assert index.match("w1", [h(1), h(2)]).num_blocks == 2
+    index.share_disk("w1", None)  # (restarted without a disk tier)
+    assert index.match("w1", [h(1), h(2)]).num_blocks == 1
+    index.share_disk("w1", "dir-a")
+    index.forget("w0")
+    assert index.match("w1", [h(1), h(2)]).num_blocks == 1
+
+
 def test_the_index_health_reaches_the_routers_metrics():
     now = [100.0]
     index = KVBlockIndex(clock=lambda: now[0])

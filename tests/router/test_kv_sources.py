@@ -1,7 +1,8 @@
 """Where a worker fetches the prefix blocks it lacks: the worker whose disk tier, by the KV
 index, holds the most blocks that follow what it holds itself in its pool or disk tier (at
 least MIN_FETCH_BLOCKS, counted from the first it lacks), never itself, never a stale worker,
-never a block held only in a host tier or only placed."""
+never a block held only in a host tier or only placed, nor a disk block from a worker whose
+folder it shares (it reads those files itself)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,13 @@ def test_a_salted_prompt_matches_only_blocks_of_its_salt():
     salted = prefix_hashes(PROMPT, 16, cache_salt="tenant-a")
     index.resync("w1", "e", 2, {h: ["disk"] for h in salted})
     assert kv_source_for(index, ADDRESSES, worker("w0"), PROMPT, "tenant-a") == KVSource("tcp://w1:1", 6)
+
+
+def test_no_fetch_of_disk_blocks_from_a_worker_sharing_the_folder():
+    index = index_of({"w0": {i: ["disk"] for i in range(4)}, "w1": {}})
+    assert kv_source_for(index, ADDRESSES, worker("w1"), PROMPT, None) == KVSource("tcp://w0:1", 4)
+    index.share_disk("w0", "dir-a")
+    index.share_disk("w1", "dir-a")  # w1 reads w0's files itself
+    assert kv_source_for(index, ADDRESSES, worker("w1"), PROMPT, None) is None
+    index.resync("w0", "e", 2, {**{HASHES[i]: ["disk"] for i in range(4)}, HASHES[4]: ["pool"], HASHES[5]: ["pool"]})
+    assert kv_source_for(index, ADDRESSES, worker("w1"), PROMPT, None) == KVSource("tcp://w0:1", 6)  # its pool's
