@@ -240,23 +240,21 @@ class DiskTier:
 
 
 def share_id_of(directory: str) -> str:
-    """``directory``'s id, made once by whichever tier comes first (an exclusive create: two
-    workers starting together agree) and read by the others."""
+    """``directory``'s id: the first tier to look makes it, the others read it."""
     path = os.path.join(directory, SHARE_ID_FILE)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-    except FileExistsError:
-        for _ in range(100):  # (its maker may not have written it yet)
-            with open(path) as f:
-                share_id = f.read()
-            if share_id:
-                return share_id
-            time.sleep(0.01)
-        raise RuntimeError(f"{path} stays empty") from None
-    share_id = uuid.uuid4().hex
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".writing-")
     with os.fdopen(fd, "w") as f:
-        f.write(share_id)
-    return share_id
+        f.write(uuid.uuid4().hex)
+    try:
+        # NOTE: a link is made whole or not at all, and never over another: tiers starting
+        # together agree, and none ever reads a half-written id.
+        os.link(tmp, path)
+    except FileExistsError:
+        pass
+    finally:
+        os.unlink(tmp)
+    with open(path) as f:
+        return f.read()
 
 
 def record_of(block_hash: bytes, copy: torch.Tensor) -> bytes:
