@@ -4,7 +4,7 @@ every worker; more are refused at once rather than piling up)."""
 from __future__ import annotations
 
 import concurrent.futures
-import time
+import threading
 import urllib.error
 import urllib.request
 
@@ -15,11 +15,14 @@ from prometheus_client.core import GaugeMetricFamily
 from tandem.router.metrics_endpoint import start_metrics_endpoint
 
 
-class SlowCollector:
-    """A scrape that takes as long as asking busy workers does."""
+class GatedCollector:
+    """A scrape that takes as long as asking busy workers does: until ``opened`` is set."""
+
+    def __init__(self) -> None:
+        self.opened = threading.Event()
 
     def collect(self):
-        time.sleep(1.0)
+        self.opened.wait(30)
         yield GaugeMetricFamily("tandem_test_value", "A value.", 1.0)
 
 
@@ -35,14 +38,16 @@ def scrape(port: int, token: str | None = None) -> int:
 
 
 @pytest.fixture
-def slow_registry():
-    registry = CollectorRegistry()
-    registry.register(SlowCollector())
-    return registry
+def gated() -> tuple[CollectorRegistry, GatedCollector]:
+    registry, collector = CollectorRegistry(), GatedCollector()
+    registry.register(collector)
+    return registry, collector
 
 
-def test_a_token_guards_the_scrapes(slow_registry):
-    endpoint = start_metrics_endpoint(slow_registry, port=0, token="m3trics")
+def test_a_token_guards_the_scrapes(gated):
+    registry, collector = gated
+    collector.opened.set()
+    endpoint = start_metrics_endpoint(registry, port=0, token="m3trics")
     try:
         assert [scrape(endpoint.port), scrape(endpoint.port, "wrong"), scrape(endpoint.port, "m3trics")] == [
             401, 401, 200]
@@ -50,14 +55,19 @@ def test_a_token_guards_the_scrapes(slow_registry):
         endpoint.stop()
 
 
-def test_at_most_max_scrapes_at_once(slow_registry):
-    endpoint = start_metrics_endpoint(slow_registry, port=0, max_scrapes=2)
+def test_at_most_max_scrapes_at_once(gated):
+    registry, collector = gated
+    endpoint = start_metrics_endpoint(registry, port=0, max_scrapes=2)
     try:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            start = time.monotonic()
-            codes = list(pool.map(lambda _: scrape(endpoint.port), range(8)))
-            took = time.monotonic() - start
-        assert sorted(codes) == [200, 200] + [503] * 6 and took < 3
+            scrapes = [pool.submit(scrape, endpoint.port) for _ in range(8)]
+            # Two hold their slots until the gate opens; the other six are refused at once
+            # (without the limit none would return before it opens: as_completed times out).
+            done = concurrent.futures.as_completed(scrapes, timeout=10)
+            assert [next(done).result() for _ in range(6)] == [503] * 6
+            assert sum(not f.done() for f in scrapes) == 2
+            collector.opened.set()
+            assert [f.result() for f in scrapes].count(200) == 2
         assert scrape(endpoint.port) == 200  # the slots are free again
     finally:
         endpoint.stop()
