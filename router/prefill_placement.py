@@ -12,6 +12,7 @@ from tandem.router.backend import NoHealthyWorker
 from tandem.router.disagg import DisaggPolicy, PrefillChoice, PrefillCosts, PrefillInputs, Where
 from tandem.router.policy import Router, Sent, WorkerState
 from tandem.router.prefix_prediction import PrefixPrediction
+from tandem.worker.api import KVSource
 
 
 @dataclass
@@ -29,6 +30,8 @@ class PrefillPlacement:
     """Event-loop seconds at the decision (the cost estimates' observations start here)."""
     destination: Any = None
     """Where a remote prefill sends the KV: the decode worker's reservation."""
+    kv_source: KVSource | None = None
+    """Where the prefill worker fetches prefix blocks it lacks (router/kv_sources.py)."""
     prefix_prediction: PrefixPrediction | None = None
     """A remote prefill's predicted prefix hit on its prefill worker (prefix-aware policies)."""
     _num_pending_tokens: int = 0

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tandem.router.policy import PREFIX_POLICIES, Router, WorkerState
-from tandem.worker.api import Role
+from tandem.worker.api import KVSource, Role
 
 if TYPE_CHECKING:
     from tandem.router.metrics import RouterMetrics
@@ -40,10 +40,13 @@ class PrefixPrediction:
 
 
 def predict(router: Router, role: Role, worker: WorkerState, prompt_token_ids: list[int],
-            cache_salt: str | None) -> PrefixPrediction | None:
+            cache_salt: str | None, kv_source: KVSource | None = None) -> PrefixPrediction | None:
     """The hit ``router`` predicts for the prompt on ``worker``, the one it chose (None unless its
-    policy predicts hits). Call before ``router.record``, which counts the prompt as held there."""
+    policy predicts hits): what the worker holds, or what it was pointed to fetch
+    (``kv_source``: it loads those blocks as hits), whichever is longer. Call before
+    ``router.record``, which counts the prompt as held there."""
     if router.policy not in PREFIX_POLICIES:
         return None
-    return PrefixPrediction(router.policy, role,
-                            router.num_cached_tokens(worker, prompt_token_ids, cache_salt, weighted=False))
+    num_held = router.num_cached_tokens(worker, prompt_token_ids, cache_salt, weighted=False)
+    num_fetched = 0 if kv_source is None or worker.load is None else kv_source.num_blocks * worker.load.block_size
+    return PrefixPrediction(router.policy, role, max(num_held, num_fetched))

@@ -25,7 +25,7 @@ from tandem.router.worker_calls import WORKER_GONE, WorkerCalls, short_error
 from tandem.router.worker_health import WorkerHealth
 from tandem.router.worker_metrics import WorkerMetricsReport
 from tandem.sampling_params import SamplingParams
-from tandem.worker.api import PoolFull, Role, StreamDelta, TokenizerSpec, WorkerLoad, WorkerRequest
+from tandem.worker.api import KVSource, PoolFull, Role, StreamDelta, TokenizerSpec, WorkerLoad, WorkerRequest
 
 if TYPE_CHECKING:
     from tandem.router.metrics import RouterMetrics
@@ -161,9 +161,10 @@ class RayBackend:
         if not order:
             raise NoHealthyWorker("no colocated worker is healthy")
         worker = order[0]
+        source = self._kv_source(worker, request)
         prediction = predict(self.prefill_router, Role.COLOCATED, worker, request.prompt_token_ids,
-                             request.params.cache_salt)
-        request = self._with_kv_source(worker, request)
+                             request.params.cache_salt, source)
+        request = dataclasses.replace(request, kv_source=source)
         self.prefill_router.record(worker, request.prompt_token_ids, request.params.cache_salt)
         release = place_colocated(worker, len(request.prompt_token_ids))  # a burst spreads
         try:
@@ -218,7 +219,7 @@ class RayBackend:
                 placement = place(self.disagg, self.decode_router, self.prefill_router, worker,
                                   prefills[0] if prefills else None, prompt, salt, clock.time())
                 call = (worker.handle.prefill_local if placement.is_local else worker.handle.reserve).remote(
-                    self._with_kv_source(worker, request))
+                    dataclasses.replace(request, kv_source=self._kv_source(worker, request)))
                 try:
                     placement.destination = await self.calls.unless_down(worker, call)
                 except BaseException as e:
@@ -236,8 +237,9 @@ class RayBackend:
                 worker.placed(placement.sent, took=True)
                 self.decode_router.record(worker, prompt, salt)
                 if placement.prefill is not None:
+                    placement.kv_source = self._kv_source(placement.prefill, request)
                     placement.prefix_prediction = predict(self.prefill_router, Role.PREFILL, placement.prefill,
-                                                          prompt, salt)
+                                                          prompt, salt, placement.kv_source)
                 self._count_decision(placement)
                 return placement
             return None
@@ -247,14 +249,13 @@ class RayBackend:
             self.metrics.queue_time.observe(clock.time() - start)
         return placement
 
-    def _with_kv_source(self, worker: WorkerState, request: WorkerRequest) -> WorkerRequest:
-        """``request`` for ``worker``, pointed at another worker's tier that holds more of its
-        prefix when the KV index knows one (router/kv_sources.py)."""
+    def _kv_source(self, worker: WorkerState, request: WorkerRequest) -> KVSource | None:
+        """Another worker's tier that holds more of the request's prefix than ``worker``, when
+        the KV index knows one (router/kv_sources.py): ``worker`` fetches from it."""
         if self.kv_index is None or self.kv_feed is None:
-            return request
-        source = kv_source_for(self.kv_index, self.kv_feed.tier_addresses, worker, request.prompt_token_ids,
-                               request.params.cache_salt)
-        return request if source is None else dataclasses.replace(request, kv_source=source)
+            return None
+        return kv_source_for(self.kv_index, self.kv_feed.tier_addresses, worker, request.prompt_token_ids,
+                             request.params.cache_salt)
 
     def _count_decision(self, placement: PrefillPlacement) -> None:
         logger.debug("%s prefill (%s) on %s", placement.choice.where.value, placement.choice.reason,
@@ -285,7 +286,7 @@ class RayBackend:
         try:
             start = clock.time()
             first = await self.calls.unless_down(prefill, prefill.handle.prefill.remote(
-                self._with_kv_source(prefill, request), placement.destination))
+                dataclasses.replace(request, kv_source=placement.kv_source), placement.destination))
             prefill_s.append(clock.time() - start)
             placement.release_prompt()
             if placement.prefix_prediction is not None:

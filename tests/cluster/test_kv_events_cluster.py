@@ -104,7 +104,7 @@ def test_the_index_follows_the_workers_and_predicts_their_hits(precise, tokenize
     assert on_loop(lambda: index.match(other.instance, hashes).tiers) == ("disk",) * len(hashes)
 
     def kv_source() -> KVSource | None:
-        return backend._with_kv_source(other, WorkerRequest("r", prompt, SamplingParams())).kv_source
+        return backend._kv_source(other, WorkerRequest("r", prompt, SamplingParams()))
 
     assert on_loop(kv_source) is None
     # Reuse across hosts: were it on another host (a folder of its own), it would be pointed at

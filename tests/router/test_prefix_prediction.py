@@ -19,7 +19,7 @@ from tandem.router.metrics import RouterMetrics
 from tandem.router.policy import WorkerState
 from tandem.router.ray_backend import RayBackend
 from tandem.sampling_params import SamplingParams
-from tandem.worker.api import PrefillResult, Role, StreamDelta, WorkerRequest
+from tandem.worker.api import KVSource, PrefillResult, Role, StreamDelta, WorkerRequest
 
 BLOCK_SIZE = 16  # test_burst_spread.idle's
 PROMPT = list(range(1, 41))
@@ -199,3 +199,49 @@ def test_policies_that_predict_nothing_count_nothing(router_tokenizer):
         assert counted(metrics, policy, "colocated") == (0, 0, 0)
     assert metrics.registry.get_sample_value("tandem_router_prefix_reported_tokens_total", {
         "model_name": "m", "policy": "least_loaded", "role": "colocated"}) is None
+
+
+@pytest.mark.parametrize("role", [Role.COLOCATED, Role.PREFILL])
+def test_blocks_the_worker_is_sent_to_fetch_are_predicted_as_hits(router_tokenizer, role):
+    """A worker pointed at another's tier server (a KVSource) loads the blocks it fetches as
+    hits: the prediction counts them, and a fetch that brings nothing shows as error."""
+    reports = [32, 0]
+    sources: list[KVSource | None] = []
+
+    def found(request: WorkerRequest) -> int:
+        sources.append(request.kv_source)
+        return reports.pop(0)
+
+    def generate(request: WorkerRequest) -> list[StreamDelta]:
+        return [delta(request.request_id, found(request))]
+
+    def start(first: PrefillResult) -> None:
+        streams[first.request_id].put_nowait(delta(first.request_id, 0, first.token_ids))
+
+    streams: dict[str, asyncio.Queue[StreamDelta]] = {}
+    if role is Role.COLOCATED:
+        worker = WorkerState("w-0", ColocatedHandle(lambda: idle(role, "w-0"), Streaming(generate)))
+        backend = RayBackend([], [], [worker], "precise_prefix", router_tokenizer.spec)
+    else:
+        prefill = PrefillHandle(lambda: idle(role, "w-0"),
+                                lambda request, _: PrefillResult(request.request_id, [7], [0.0], found(request)))
+        decode = DecodeHandle(lambda: idle(Role.DECODE, "d-0"),
+                              Streaming(lambda request_id: streams.setdefault(request_id, asyncio.Queue())),
+                              start, lambda request_id: True)
+        backend = RayBackend([WorkerState("w-0", prefill)], [WorkerState("d-0", decode)], [], "precise_prefix",
+                             router_tokenizer.spec, disagg_policy="always")
+    backend.metrics = metrics = RouterMetrics("m", 2048)
+    assert backend.kv_index is not None and backend.kv_feed is not None
+    # A worker on another host holds both of PROMPT's full blocks in its pool; w-0 none.
+    backend.kv_index.resync("far", "epoch-1", 0, {h: ["pool"] for h in prefix_hashes(PROMPT, BLOCK_SIZE, 2)})
+    backend.kv_feed.tier_addresses["far"] = "tcp://10.0.0.9:7000"
+
+    async def body():
+        await backend.health.refresh()
+        for _ in range(2):
+            async for _ in backend.generate("r", PROMPT, SamplingParams(max_tokens=1)):
+                pass
+    asyncio.run(body())
+    assert sources == [KVSource("tcp://10.0.0.9:7000", 2)] * 2
+    # Predicted 32 twice: found by the first fetch, not by the second (its peer had gone).
+    assert counted(metrics, "precise_prefix", role.value) == (64, 32, 32)
