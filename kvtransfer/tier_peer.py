@@ -8,17 +8,17 @@ when $TANDEM_KV_SECRET is set, as the KV receivers are). A worker handed a reque
 prefix another worker holds (WorkerRequest.kv_source) asks it for the blocks it lacks
 (`fetch_blocks`) and keeps them in its own tiers; its scheduler then loads them as any tier hit.
 
-Wire (nothing is unpickled): the request is one JSON frame ``{"layout": key, "hashes": [hex,
-...]}``; the reply a JSON frame ``{"num_blocks": n, "error": str | null}`` and n frames, each
-a block record as the disk tier stores it (magic, the block's hash, length and checksum, then
-its KV bytes). Only the leading blocks the server holds go back: a prefix is no use past its
-first gap. The fetcher checks every record against the hash it asked for and keeps the blocks
+Wire: the transfer protocol's messages (protocol.py: a msgpack header, nothing unpickled).
+The fetcher sends FETCH (its layout key and the block hashes); the server answers BLOCKS
+(``num_blocks``, and ``error`` when it refused) followed by that many frames, each a block
+record as the disk tier stores it (magic, the block's hash, length and checksum, then its KV
+bytes). Only the leading blocks the server holds go back: a prefix is no use past its first
+gap. The fetcher checks every record against the hash it asked for and keeps the blocks
 before the first that fails: a flipped byte costs a recompute, never a wrong token.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -29,6 +29,7 @@ import zmq
 
 from tandem.kvcache.disk_tier import DiskTier, parse_record
 from tandem.kvtransfer.curve import CurveKeys
+from tandem.kvtransfer.protocol import MessageKind, ProtocolError, decode, encode, fetch_request
 from tandem.kvtransfer.router_socket import RouterSocket
 
 logger = logging.getLogger(__name__)
@@ -91,17 +92,19 @@ class TierServer:
 
     def answer(self, request: bytes) -> list[bytes]:
         """The reply frames to one request (see the module docstring)."""
+        request_id = ""
         try:
-            message = json.loads(request)
-            layout, hashes = message["layout"], [bytes.fromhex(h) for h in message["hashes"]]
-            if not isinstance(layout, str) or len(hashes) > MAX_BLOCKS_PER_FETCH:
-                raise ValueError(f"a layout string and at most {MAX_BLOCKS_PER_FETCH} hashes")
-        except (ValueError, KeyError, TypeError) as e:
+            kind, request_id, message = decode(request)
+            if kind is not MessageKind.FETCH:
+                raise ProtocolError("malformed", f"a tier server answers FETCH, not {kind.name}")
+            fetch = fetch_request(message, MAX_BLOCKS_PER_FETCH)
+        except ProtocolError as e:
             self._count_refused()
-            return [_header(0, f"malformed request: {e}")]
-        if layout != self.tier.key:
+            return [_header(request_id, 0, f"malformed request: {e}")]
+        if fetch.layout != self.tier.key:
             self._count_refused()
-            return [_header(0, "another KV layout (model, weights, KV dtype or block shape)")]
+            return [_header(request_id, 0, "another KV layout (model, weights, KV dtype or block shape)")]
+        hashes = list(fetch.block_hashes)
         try:
             in_pool = {} if self.read_pool is None else self.read_pool(hashes)
         except Exception as e:  # noqa: BLE001 - the worker's engine stopped or is stuck: its tier answers alone
@@ -114,7 +117,7 @@ class TierServer:
                 break
             records.append(record)
         self.num_served_blocks += len(records)
-        return [_header(len(records), None), *records]
+        return [_header(request_id, len(records), None), *records]
 
     def close(self) -> None:
         self._stop.set()
@@ -122,7 +125,7 @@ class TierServer:
 
 
 def fetch_blocks(address: str, layout: str, block_hashes: list[bytes], block_bytes: int,
-                 curve: CurveKeys | None, timeout_s: float = FETCH_TIMEOUT_S) -> FetchResult:
+                 curve: CurveKeys | None, timeout_s: float = FETCH_TIMEOUT_S, request_id: str = "") -> FetchResult:
     """Ask the TierServer at ``address`` for ``block_hashes`` (a prompt's consecutive blocks)
     of ``layout``; -> the KV bytes of those it held, from the first on, checked. Never raises
     for the peer's sake: a peer gone, slow or wrong gives fewer blocks and the reason."""
@@ -132,7 +135,7 @@ def fetch_blocks(address: str, layout: str, block_hashes: list[bytes], block_byt
         curve.connect(socket)
     try:
         socket.connect(address)
-        socket.send(json.dumps({"layout": layout, "hashes": [h.hex() for h in block_hashes]}).encode())
+        socket.send(encode(MessageKind.FETCH, request_id, layout=layout, block_hashes=block_hashes))
         if not socket.poll(int(timeout_s * 1000)):
             return FetchResult([], f"no reply from {address} in {timeout_s:.0f} s")
         frames = socket.recv_multipart(copy=False)
@@ -141,9 +144,11 @@ def fetch_blocks(address: str, layout: str, block_hashes: list[bytes], block_byt
     finally:
         socket.close()
     try:
-        header = json.loads(frames[0].bytes)
-        num_blocks, error = int(header["num_blocks"]), header["error"]
-    except (ValueError, KeyError, TypeError):
+        kind, _, header = decode(frames[0].buffer)
+    except ProtocolError as e:
+        return FetchResult([], f"a malformed reply: {e}")
+    num_blocks, error = header.get("num_blocks"), header.get("error")
+    if kind is not MessageKind.BLOCKS or not isinstance(num_blocks, int) or not isinstance(error, (str, type(None))):
         return FetchResult([], "a malformed reply")
     if error is not None:
         return FetchResult([], f"refused: {error}")
@@ -177,5 +182,5 @@ class PeerFetchCounters:
         self.num_failed += result.error is not None
 
 
-def _header(num_blocks: int, error: str | None) -> bytes:
-    return json.dumps({"num_blocks": num_blocks, "error": error}).encode()
+def _header(request_id: str, num_blocks: int, error: str | None) -> bytes:
+    return encode(MessageKind.BLOCKS, request_id, num_blocks=num_blocks, error=error)

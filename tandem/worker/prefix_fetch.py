@@ -75,7 +75,8 @@ class PrefixFetcher:
             return 0
         started = time.perf_counter()
         # NOTE: off the engine loop: a slow peer delays only this request's admission.
-        result = await asyncio.to_thread(fetch_blocks, source.address, disk.key, hashes, disk.block_bytes, self.curve)
+        result = await asyncio.to_thread(fetch_blocks, source.address, disk.key, hashes, disk.block_bytes, self.curve,
+                                        request_id=request.request_id)
         blocks = [(block_hash, disk.block_of(payload)) for block_hash, payload in zip(hashes, result.payloads)]
         host = self.host
         if host is None:

@@ -5,16 +5,17 @@ gets nothing, and a peer that never answers costs the timeout, not an error."""
 
 from __future__ import annotations
 
-import json
 import threading
 
+import msgpack
 import pytest
 import torch
 import zmq
 
 from tandem.kvcache.disk_tier import HEADER, MAGIC, DiskTier, checksum, parse_record
 from tandem.kvtransfer.curve import CurveKeys
-from tandem.kvtransfer.tier_peer import TierServer, fetch_blocks
+from tandem.kvtransfer.protocol import MessageKind, decode, encode
+from tandem.kvtransfer.tier_peer import MAX_BLOCKS_PER_FETCH, TierServer, fetch_blocks
 
 SHAPE = (3, 2, 8, 4, 2, 8)  # [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
 
@@ -72,34 +73,67 @@ def test_a_flipped_byte_on_the_wire_is_refused():
     assert parse_record(bytes(record), h(1), len(payload)) is None
 
 
-def test_a_tampered_reply_keeps_only_the_blocks_before_the_bad_one(peer):
-    """A server whose second record has a flipped byte (a link that corrupts it in flight)."""
-    tier, server = peer
+def fetch_from_a_fake(answer, block_hashes: list[bytes], block_bytes: int):
+    """fetch_blocks against a server that replies, once, the frames ``answer(request)`` makes."""
     socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.ROUTER)
     socket.setsockopt(zmq.LINGER, 0)
     port = socket.bind_to_random_port("tcp://127.0.0.1")
+
     def serve() -> None:
         identity, request = socket.recv_multipart()
-        frames = server.answer(request)
-        bad = bytearray(frames[2])
-        bad[HEADER.size + 11] ^= 0x08
-        socket.send_multipart([identity, frames[0], frames[1], bytes(bad), *frames[3:]])
+        socket.send_multipart([identity, *answer(request)])
 
     thread = threading.Thread(target=serve)
     thread.start()
-    result = fetch_blocks(f"tcp://127.0.0.1:{port}", "layout", [h(1), h(2), h(3)], tier.block_bytes, None)
-    thread.join()
-    socket.close()
+    try:
+        return fetch_blocks(f"tcp://127.0.0.1:{port}", "layout", block_hashes, block_bytes, None)
+    finally:
+        thread.join()
+        socket.close()
+
+
+def test_a_tampered_reply_keeps_only_the_blocks_before_the_bad_one(peer):
+    """A server whose second record has a flipped byte (a link that corrupts it in flight)."""
+    tier, server = peer
+
+    def tampered(request: bytes) -> list[bytes]:
+        frames = server.answer(request)
+        bad = bytearray(frames[2])
+        bad[HEADER.size + 11] ^= 0x08
+        return [frames[0], frames[1], bytes(bad), *frames[3:]]
+
+    result = fetch_from_a_fake(tampered, [h(1), h(2), h(3)], tier.block_bytes)
     assert len(result.payloads) == 1 and "failed its check" in (result.error or "")
+
+
+def test_a_reply_that_is_not_blocks_brings_nothing(peer):
+    tier, server = peer
+    for header in (encode(MessageKind.DONE, "r", num_blocks=1, error=None),
+                   encode(MessageKind.BLOCKS, "r", num_blocks="1", error=None), b"\xc1"):
+        result = fetch_from_a_fake(lambda request: [header, *server.answer(request)[1:]], [h(1)], tier.block_bytes)
+        assert result.payloads == [] and "a malformed reply" in (result.error or "")
 
 
 def test_another_layout_or_a_malformed_request_is_refused(peer):
     tier, server = peer
     result = fetch_blocks(server.address, "other", [h(1)], tier.block_bytes, None)
     assert result.payloads == [] and "another KV layout" in (result.error or "")
-    assert json.loads(server.answer(b"not json")[0])["error"].startswith("malformed request")
-    assert json.loads(server.answer(json.dumps({"layout": "layout", "hashes": ["zz"]}).encode())[0])["num_blocks"] == 0
-    assert server.num_refused == 3
+
+    def refusal(request: bytes) -> str:
+        kind, _, reply = decode(server.answer(request)[0])
+        assert kind is MessageKind.BLOCKS and reply["num_blocks"] == 0
+        return reply["error"]
+
+    assert "not msgpack" in refusal(b"\xc1 not msgpack")
+    assert "version" in refusal(msgpack.packb({"v": 99, "kind": 8, "request_id": "r"}))
+    assert "not LAYER" in refusal(encode(MessageKind.LAYER, "r"))
+    assert "block hashes" in refusal(encode(MessageKind.FETCH, "r", layout="layout", block_hashes=["01" * 16]))
+    assert "block hashes" in refusal(encode(MessageKind.FETCH, "r", layout="layout",
+                                            block_hashes=[h(1)] * (MAX_BLOCKS_PER_FETCH + 1)))
+    assert server.num_refused == 6
+    _, request_id, reply = decode(server.answer(encode(MessageKind.FETCH, "req-7", layout="layout",
+                                                       block_hashes=[h(1)]))[0])
+    assert (request_id, reply["num_blocks"], reply["error"]) == ("req-7", 1, None)
 
 
 def test_a_silent_peer_costs_the_timeout_and_a_keyless_one_gets_nothing(peer, tmp_path):
