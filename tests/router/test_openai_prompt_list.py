@@ -255,7 +255,8 @@ def test_echo_streams_each_prompt_before_its_own_choices(router_tokenizer):
 def test_a_prompt_aborted_on_the_workers_ends_the_others_at_once(router_tokenizer, stream):
     """One prompt's run ends "abort" (e.g. its worker aborted it): the client gets the error
     then and there, and the other prompts stop generating (closed before their end)."""
-    backend = backend_for(router_tokenizer, step_delay_s=0.02)
+    # Replies of 40 tokens, 0.8 s each: the abort comes long before any could end.
+    backend = FakeBackend(router_tokenizer, step_delay_s=0.02, reply_of=lambda prompt: " word" * 40)
 
     async def abort_prompt_1():
         while len(backend.seen) < len(PROMPTS) or not backend.running:
