@@ -94,6 +94,8 @@ class TierServer:
         self._curve = curve
         self._sender: KVSender | None = None
         self._offers: dict[str, _Offer] = {}
+        self._lock = threading.Lock()
+        """Held while a message is answered or offers expire (the offers and the sender are its)."""
         self._socket = RouterSocket(f"tcp://{host}:*", MAX_REQUEST_BYTES, curve, self._count_refused)
         self.address = self._socket.address
         self._stop = threading.Event()
@@ -121,14 +123,17 @@ class TierServer:
                     continue
                 socket.send_multipart([frames[0], self.answer(frames[1])])
         finally:
-            for offer in self._offers.values():
-                self.staging.give_back(offer.block_ids)
+            self._expire(float("inf"))
             if self._sender is not None:
                 self._sender.close()
             self._socket.close()
 
     def answer(self, request: bytes) -> bytes:
-        """The reply to one message (see the module docstring)."""
+        """The reply to one message (see the module docstring). Any thread may ask: one at a time."""
+        with self._lock:
+            return self._answer(request)
+
+    def _answer(self, request: bytes) -> bytes:
         request_id = ""
         try:
             kind, request_id, message = decode(request)
@@ -230,8 +235,9 @@ class TierServer:
         return self._sender
 
     def _expire(self, now: float) -> None:
-        for request_id in [r for r, o in self._offers.items() if o.expires_at <= now]:
-            self.staging.give_back(self._offers.pop(request_id).block_ids)
+        with self._lock:
+            for request_id in [r for r, o in self._offers.items() if o.expires_at <= now]:
+                self.staging.give_back(self._offers.pop(request_id).block_ids)
 
     def close(self) -> None:
         self._stop.set()
