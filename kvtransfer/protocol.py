@@ -4,8 +4,8 @@ Every message on the wire is a ZMQ multipart message whose first frame is a msgp
 with at least `v` (PROTOCOL_VERSION), `kind` (MessageKind) and `request_id`; LAYER
 messages are followed by the K frames and then the V frames of their payload (or, on the
 torch.distributed data path, by nothing: the tensors follow on the process group; or, on
-the shared-memory path, by nothing: the rows are in the receiver's pool already). A tier
-server's BLOCKS reply (tier_peer.py) is followed by its block records.
+the shared-memory path, by nothing: the rows are in the receiver's pool already). The
+prefix fetch's messages (FETCH to PULLED) are fetch_messages.py's.
 """
 
 from __future__ import annotations
@@ -50,7 +50,9 @@ class MessageKind(enum.IntEnum):
     DONE = 6  # receiver -> sender: every layer of the request arrived
     FAILED = 7  # receiver -> sender: the request failed on the receiver (reason given)
     FETCH = 8  # worker -> another's tier server: the prefix blocks it asks for (tier_peer.py)
-    BLOCKS = 9  # tier server -> worker: how many of them follow, each a checksummed record
+    OFFER = 9  # tier server -> worker: how many of them, from the first, it holds for the worker
+    PULL = 10  # worker -> tier server: send the offered blocks to this Destination
+    PULLED = 11  # tier server -> worker: the transfer ended (DONE at the receiver, or why not)
 
 
 @dataclass(frozen=True)
@@ -180,26 +182,6 @@ def layer_header(request_id: str, msg: dict[str, Any]) -> LayerHeader:
     return LayerHeader(request_id, msg["layer"], msg["token_start"], msg["num_tokens"], tuple(msg["block_ids"]),
                        msg["dtype"], tuple(msg["row_shape"]), tuple(msg["frame_tokens"]), crc,
                        msg.get("in_place", False), grant_of(msg))
-
-
-@dataclass(frozen=True)
-class FetchRequest:
-    """A FETCH message: prefix blocks of one KV layout, asked for by their chained hashes."""
-
-    layout: str
-    """The fetcher's layout key (DiskTier.key): blocks are interchangeable only under the same."""
-    block_hashes: tuple[bytes, ...]
-    """A prompt's consecutive blocks, from the first the fetcher lacks."""
-
-
-def fetch_request(msg: dict[str, Any], max_blocks: int) -> FetchRequest:
-    """The fields of a FETCH message, type-checked."""
-    layout, hashes = msg.get("layout"), msg.get("block_hashes")
-    if not isinstance(layout, str):
-        raise ProtocolError("malformed", "FETCH needs a layout string")
-    if not isinstance(hashes, list) or not all(isinstance(x, bytes) for x in hashes) or len(hashes) > max_blocks:
-        raise ProtocolError("malformed", f"FETCH needs a list of at most {max_blocks} block hashes (bytes)")
-    return FetchRequest(layout, tuple(hashes))
 
 
 def grant_of(msg: dict[str, Any]) -> str:

@@ -161,14 +161,13 @@ class DiskTier:
 
     # -- files ----------------------------------------------------------------------------
 
-    def record(self, block_hash: bytes) -> bytes | None:
-        """``block_hash``'s block as its file holds it (header, then KV bytes), checked, for a
-        peer that fetches it (kvtransfer/tier_peer.py); None when the tier cannot give it."""
+    def block(self, block_hash: bytes) -> torch.Tensor | None:
+        """``block_hash``'s block ([num_layers, 2, block_size, num_kv_heads, head_dim]), its
+        file checked, for a peer that fetches it (kvtransfer/tier_peer.py); None when the tier
+        cannot give it."""
         with self._lock:
             copy = self._pending.get(block_hash)
-        if copy is not None:
-            return record_of(block_hash, copy)
-        return self._read_file(block_hash)
+        return copy if copy is not None else self._read(block_hash)
 
     def block_of(self, payload: bytes | memoryview) -> torch.Tensor:
         """A block's KV bytes as a tensor of this tier's block shape and dtype

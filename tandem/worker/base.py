@@ -98,7 +98,7 @@ class Worker:
             self.engine, instance, events_host(config.kv_transfer))
         """Publishes the pool's block events (None: not asked for)."""
         # The router points workers at each other's tiers only by its KV index: no events, no server.
-        self.prefix_fetch = PrefixFetcher(self.loop, events_host(config.kv_transfer), config.publish_kv_events)
+        self.prefix_fetch = PrefixFetcher(self.loop, config.kv_transfer, config.publish_kv_events)
         if self.prefix_fetch.disk is not None:
             self.metrics.peer_fetch = self.prefix_fetch.counters
         logger.info("%s worker %s ready on %s, %s, KV cache %s (pid %d, %d torch threads)", self.role.value, instance,

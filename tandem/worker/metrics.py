@@ -19,7 +19,7 @@ from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
 from tandem.kvcache.prefix_tier import TierCounters, tiers_of
 from tandem.kvtransfer.connectors.registry import path_labels
-from tandem.kvtransfer.tier_peer import PeerFetchCounters
+from tandem.kvtransfer.tier_fetch import PeerFetchCounters
 from tandem.worker.api import Role
 from tandem.worker.metric_buckets import REQUEST_SECONDS
 
