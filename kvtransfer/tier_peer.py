@@ -59,9 +59,10 @@ PoolReader = Callable[[list[bytes]], dict[bytes, torch.Tensor]]
 """Block hashes -> copies of the leading ones the worker's pool holds (read between its steps)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class SenderSettings:
-    """How a tier server's KVSender reaches fetchers (the worker's KV transfer settings)."""
+    """The worker's KV transfer settings a fetch takes on either side: which data paths the
+    tier server's KVSender may take, and the node both it and the fetcher's KVReceiver name."""
 
     transport: str = "auto"
     node_id: str | None = None
