@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
+from zmq.auth.base import Authenticator
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
@@ -65,10 +66,12 @@ class CurveKeys:
         socket.curve_publickey = self.client_public
         socket.curve_secretkey = self.client_secret
 
-    def authenticator(self, context: zmq.Context, on_denied: Callable[[], None]) -> ThreadAuthenticator:
+    def authenticator(self, context: zmq.Context, on_denied: Callable[[], None],
+                      kind: type[Authenticator] = ThreadAuthenticator) -> Authenticator:
         """A started ZAP handler on `context` that admits only the cluster's client key;
-        `on_denied` runs (on its thread) for each handshake with another key."""
-        auth = ThreadAuthenticator(context, log=logger)
+        `on_denied` runs (on its thread, or its event loop for an AsyncioAuthenticator on an
+        asyncio context) for each handshake with another key."""
+        auth = kind(context, log=logger)
         auth.start()
         auth.configure_curve_callback("*", credentials_provider=_OnlyKey(self.client_public, on_denied))
         return auth

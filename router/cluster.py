@@ -11,6 +11,8 @@ import ray
 from ray.util.placement_group import remove_placement_group
 
 from tandem.config import WorkerConfig
+from tandem.kvtransfer.curve import CurveKeys
+from tandem.router.delta_inbox import LOOPBACK, DeltaInbox
 from tandem.router.disagg import DEFAULT_MAX_LOCAL_STALL_S
 from tandem.router.placement import (
     GPU,
@@ -154,6 +156,9 @@ async def start_cluster(cfg: ClusterConfig) -> RayBackend:
     backend = RayBackend(states[Role.PREFILL], states[Role.DECODE], states[Role.COLOCATED], cfg.policy, spec,
                          disagg_policy=cfg.disagg_policy, max_local_stall_s=cfg.max_local_stall_s)
     backend.pool_changes = PoolChanges(backend, start_one, cfg.name_prefix)
+    # Workers on other hosts reach the router's inbox at its Ray node's address.
+    backend.streams.inbox = DeltaInbox(ray.util.get_node_ip_address() if cfg.address else LOOPBACK,
+                                       CurveKeys.from_env())
     await backend.loads()
     logger.info("cluster ready: %s", ", ".join(w.instance for w in everyone))
     return backend

@@ -9,7 +9,6 @@ import logging
 import uuid
 from typing import TYPE_CHECKING, AsyncIterator
 
-import ray
 from ray.exceptions import RayTaskError
 
 from tandem.router.admission import AdmissionQueue
@@ -24,6 +23,7 @@ from tandem.router.prefix_prediction import predict
 from tandem.router.worker_calls import WORKER_GONE, WorkerCalls, short_error
 from tandem.router.worker_health import WorkerHealth
 from tandem.router.worker_metrics import WorkerMetricsReport
+from tandem.router.worker_stream import WorkerStreams
 from tandem.sampling_params import SamplingParams
 from tandem.worker.api import KVSource, PoolFull, Role, StreamDelta, TokenizerSpec, WorkerLoad, WorkerRequest
 
@@ -59,6 +59,8 @@ class RayBackend:
         self.prefill_costs = PrefillCosts()
         self.disagg = make_disagg_policy(disagg_policy, self.prefill_costs, max_local_stall_s)
         self.calls = WorkerCalls()
+        self.streams = WorkerStreams(self.calls, self.mark_unhealthy)
+        """The requests' output streams (their deltas reach the router's inbox socket)."""
         self.health = WorkerHealth(self.workers, decode, self.calls, self.admission.room_freed)
         self._worker_ids: dict[str, set[str]] = {}
         """The client's request id -> the ids its calls have on the workers."""
@@ -121,6 +123,7 @@ class RayBackend:
         await self.health.stop()
         if self.kv_feed is not None:
             await self.kv_feed.stop()
+        await self.streams.inbox.stop()
 
     def mark_unhealthy(self, w: WorkerState, why: str | BaseException = "died") -> None:
         self.health.mark_down(w, why)
@@ -168,8 +171,8 @@ class RayBackend:
         self.prefill_router.record(worker, request.prompt_token_ids, request.params.cache_salt)
         release = place_colocated(worker, len(request.prompt_token_ids))  # a burst spreads
         try:
-            async for delta in self._follow(worker, worker.handle.generate.options(
-                    num_returns="streaming").remote(request), request, [worker]):
+            async for delta in self.streams.follow(worker, lambda inbox: worker.handle.generate.remote(request, inbox),
+                                                   request, [worker]):
                 if delta.token_ids:
                     release()
                     if prediction is not None:  # its first tokens: the prompt's hit is known
@@ -182,7 +185,6 @@ class RayBackend:
         placement = await self._reserve(request)
         decode, prefill = placement.decode, placement.prefill
         clock = asyncio.get_running_loop()
-        stream = decode.handle.stream.options(num_returns="streaming").remote(request.request_id)
         died: list[BaseException] = []
         failed: list[BaseException] = []
         prefill_s: list[float] = []
@@ -191,7 +193,9 @@ class RayBackend:
         holders = [decode] if prefill is None else [decode, prefill]
         first = True
         try:
-            async for delta in self._follow(decode, stream, request, holders, died, failed):
+            async for delta in self.streams.follow(
+                    decode, lambda inbox: decode.handle.stream.remote(request.request_id, inbox), request, holders,
+                    died, failed):
                 if first and delta.token_ids:
                     first = False
                     placement.release_prompt()
@@ -306,41 +310,3 @@ class RayBackend:
                 self.mark_unhealthy(worker, e)
             await self.calls.abort_on([decode], request.request_id)
             raise
-
-    async def _follow(self, streamer: WorkerState, stream, request: WorkerRequest, holders: list[WorkerState],
-                      died: list[BaseException] | None = None, failed: list[BaseException] | None = None
-                      ) -> AsyncIterator[StreamDelta]:
-        """Yield a worker stream's deltas; on any early exit abort the request on every holder.
-        A streamer that dies is marked unhealthy (the request then fails with UNAVAILABLE), and
-        so does a request aborted because its prefill worker died (`died`); one aborted because
-        its prefill phase failed otherwise (`failed`) ends with that failure, not as an abort."""
-        finished = False
-        refs = stream.__aiter__()
-        try:
-            while True:
-                try:
-                    ref = await self.calls.unless_down(streamer, refs.__anext__())
-                except StopAsyncIteration:
-                    break
-                delta: StreamDelta = await ref
-                if delta.error is not None:
-                    raise WorkerFailed(f"{request.request_id}: {delta.error}")
-                if delta.finish_reason == "abort" and died:
-                    raise WorkerFailed(f"{request.request_id}: the prefill worker is gone: {short_error(died[0])}")
-                if delta.finish_reason == "abort" and failed:
-                    raise NoHealthyWorker(f"{request.request_id}: prefill failed: {short_error(failed[0])}")
-                finished = delta.request_finished  # with n > 1, each completion finishes on its own
-                yield delta
-                if finished:
-                    return
-        except WORKER_GONE as e:
-            self.mark_unhealthy(streamer, e)
-            raise
-        finally:
-            if not finished:
-                try:
-                    ray.cancel(stream)
-                except Exception:  # already finished on the worker side
-                    pass
-                await self.calls.abort_on(holders, request.request_id)
-

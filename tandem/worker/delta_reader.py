@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from tandem.worker.api import StreamDelta
 
@@ -40,22 +40,27 @@ def merge(first: StreamDelta, then: StreamDelta) -> StreamDelta:
 
 
 class DeltaReader:
-    """Reads a request's delta queue (EngineLoop.open_stream's) for a worker's stream."""
+    """Reads a request's delta queue: EngineLoop.open_stream's for a worker's stream, or the
+    router's inbox queue (router/delta_inbox.py), where other items (a call's end) may come
+    between deltas: those are never merged, and come out in their place."""
 
-    def __init__(self, queue: asyncio.Queue[StreamDelta]) -> None:
+    def __init__(self, queue: asyncio.Queue[Any]) -> None:
         self._queue = queue
-        self._held: StreamDelta | None = None
-        """A delta taken off the queue that could not be merged: the next one to go."""
+        self._held: Any = None
+        """An item taken off the queue that could not be merged: the next one to go."""
 
-    async def next(self) -> StreamDelta:
-        """The next delta (waiting for one), with every delta queued behind it that can
-        follow it merged in; the queue's order is kept."""
-        delta, self._held = self._held, None
-        if delta is None:
-            delta = await self._queue.get()
+    async def next(self) -> Any:
+        """The next item (waiting for one); a delta with every delta queued behind it that
+        can follow it merged in. The queue's order is kept."""
+        item, self._held = self._held, None
+        if item is None:
+            item = await self._queue.get()
+        if not isinstance(item, StreamDelta):
+            return item
+        delta = item
         while not self._queue.empty():
             then = self._queue.get_nowait()
-            if not can_follow(delta, then):
+            if not (isinstance(then, StreamDelta) and can_follow(delta, then)):
                 self._held = then
                 break
             delta = merge(delta, then)

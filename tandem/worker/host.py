@@ -6,13 +6,14 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import os
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from tandem.config import WorkerConfig
+from tandem.kvtransfer.curve import CurveKeys
 from tandem.kvtransfer.protocol import Destination
 from tandem.worker import step_priority
 from tandem.worker.api import (
@@ -24,6 +25,7 @@ from tandem.worker.api import (
     WorkerLoad,
     WorkerRequest,
 )
+from tandem.worker.delta_outbox import DeltaOutbox
 
 WORKER_CLASSES = {
     Role.PREFILL: "tandem.prefill_node.worker:PrefillWorker",
@@ -45,6 +47,8 @@ class WorkerHost:
             config = dataclasses.replace(config, kv_transfer=kv_transfer)
         module, name = WORKER_CLASSES[role].split(":")
         self.worker = getattr(importlib.import_module(module), name)(config, instance, placement_group)
+        self.outbox = DeltaOutbox(CurveKeys.from_env())
+        """Where the streams' deltas leave for the router (a socket per router inbox)."""
         self.worker.exit_on_engine_down = True  # NOTE: Ray restarts a process that ended, not a thread
         if self.worker.engine.config.device.type == "cpu":
             step_priority.favour_the_step(self.worker.loop.native_id)  # the serving path shares its cores here
@@ -115,13 +119,21 @@ class WorkerHost:
     async def start(self, first: PrefillResult) -> None:
         await self.worker.start(first)
 
-    async def stream(self, request_id: str) -> AsyncIterator[StreamDelta]:
-        async for delta in self.worker.stream(request_id):
-            yield delta
+    async def stream(self, request_id: str, inbox: str) -> None:
+        """A decode worker's request's deltas, each sent to the router's ``inbox``
+        (tcp://HOST:PORT, router/delta_inbox.py) as it comes; returns once the last is sent.
+        Cancelling the call aborts the request."""
+        await self._send_all(inbox, lambda: self.worker.stream(request_id))
 
-    async def generate(self, request: WorkerRequest) -> AsyncIterator[StreamDelta]:
-        async for delta in self.worker.generate(request):
-            yield delta
+    async def generate(self, request: WorkerRequest, inbox: str) -> None:
+        """A colocated worker's request, run; its deltas go as `stream`'s do."""
+        await self._send_all(inbox, lambda: self.worker.generate(request))
+
+    async def _send_all(self, inbox: str, deltas: Callable[[], AsyncIterator[StreamDelta]]) -> None:
+        if not (isinstance(inbox, str) and inbox.startswith("tcp://")):
+            raise ValueError(f"inbox must be a tcp:// address, got {inbox!r}")
+        async for delta in deltas():
+            self.outbox.send(inbox, delta)
 
 
 def pool_resource(role: Role) -> str:

@@ -8,6 +8,7 @@ import uuid
 
 import pytest
 import ray
+from delta_sink import DeltaSink
 from reference import english_token_ids
 from worker_checks import assert_workers_empty
 
@@ -17,39 +18,49 @@ from tandem.worker.api import PrefillResult, WorkerRequest
 pytestmark = pytest.mark.slow
 
 
-def _reserve_and_start(decode, prompt: list[int], max_tokens: int, token_id: int):
+@pytest.fixture
+def sink():
+    sink = DeltaSink()
+    yield sink
+    sink.close()
+
+
+def _reserve_and_start(decode, prompt: list[int], max_tokens: int, token_id: int, sink: DeltaSink):
+    """-> the request's id and its streaming call (its deltas go to ``sink``)."""
     rid = uuid.uuid4().hex
     request = WorkerRequest(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=True))
     ray.get(decode.handle.reserve.remote(request), timeout=60)
-    stream = decode.handle.stream.options(num_returns="streaming").remote(rid)
+    call = decode.handle.stream.remote(rid, sink.address)
     ray.get(decode.handle.start.remote(PrefillResult(rid, [token_id], [-0.25], 0)), timeout=60)
-    return rid, stream
+    return rid, call
 
 
-def test_first_token_is_streamed_before_the_kv_arrives(clusters, tokenizer):
+def test_first_token_is_streamed_before_the_kv_arrives(clusters, tokenizer, sink):
     cluster = clusters["disaggregated"]
     decode = cluster.backend.decode[0]
     prompt = english_token_ids(tokenizer, 40, skip=5)
     token_id = english_token_ids(tokenizer, 1, skip=77)[0]
-    rid, stream = _reserve_and_start(decode, prompt, 5, token_id)
-    first = ray.get(next(stream), timeout=30)
+    rid, call = _reserve_and_start(decode, prompt, 5, token_id, sink)
+    first = sink.next()
     assert (first.token_ids, first.logprobs, first.finish_reason) == ([token_id], [-0.25], None)
     assert first.text == tokenizer.decode([token_id])
     inventory = ray.get(decode.handle.inventory.remote(), timeout=30)
     # Streamed, but not decoding: its KV has not arrived.
     assert (inventory.num_running, inventory.num_first_tokens, inventory.num_pending_transfers) == (0, 1, 1)
     assert ray.get(decode.handle.abort.remote(rid), timeout=30)
-    last = ray.get(next(stream), timeout=30)
+    last = sink.next()
     assert last.finish_reason == "abort" and last.request_finished
+    assert ray.get(call, timeout=30) is None  # the call returns once its last delta is sent
     assert_workers_empty(cluster)
 
 
-def test_a_first_token_that_ends_the_request_frees_its_blocks_after_the_transfer(clusters, tokenizer):
+def test_a_first_token_that_ends_the_request_frees_its_blocks_after_the_transfer(clusters, tokenizer, sink):
     cluster = clusters["disaggregated"]
     decode = cluster.backend.decode[0]
     prompt = english_token_ids(tokenizer, 40, skip=9)
-    rid, stream = _reserve_and_start(decode, prompt, 1, english_token_ids(tokenizer, 1, skip=3)[0])
-    (last,) = [ray.get(ref, timeout=30) for ref in stream]
+    rid, call = _reserve_and_start(decode, prompt, 1, english_token_ids(tokenizer, 1, skip=3)[0], sink)
+    (last,) = sink.until_finished()
+    ray.get(call, timeout=30)
     assert last.finish_reason == "length" and last.request_finished and last.num_output_tokens == 1
     # The stream has ended, but the KV may still be landing in the request's blocks.
     inventory = ray.get(decode.handle.inventory.remote(), timeout=30)

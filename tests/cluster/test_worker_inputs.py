@@ -59,8 +59,9 @@ def test_malformed_worker_calls_fail_alone(clusters, tokenizer, mode):
                                (WorkerRequest("x-1", [vocab + 5], params), ("vocab", "[0,")),
                                # A str for the params: the wrong type is what this sends.
                                (WorkerRequest("x-2", [1], "greedy"), ("SamplingParams",))]:  # type: ignore[arg-type]
-            (ref,) = list(worker.handle.generate.options(num_returns="streaming").remote(bad))[:1]
-            _fails(ref, *fragments)
+            _fails(worker.handle.generate.remote(bad, "tcp://127.0.0.1:9"), *fragments)  # (refused before any send)
+        request_ok = WorkerRequest("x-3", [1, 2], params)
+        _fails(worker.handle.generate.remote(request_ok, "ipc:///tmp/x"), "tcp:// address")
     else:
         (prefill,) = backend.prefill
         decode = next(w for w in backend.decode if ray.get(w.handle.inventory.remote()).num_running)
@@ -70,6 +71,7 @@ def test_malformed_worker_calls_fail_alone(clusters, tokenizer, mode):
         _fails(decode.handle.start.remote(PrefillResult(rid, [5], [0.0], 0)), "first token already")
         _fails(decode.handle.start.remote({"request_id": rid}), "must be a PrefillResult")
         assert ray.get(decode.handle.abort.remote("never-seen")) is False
+        _fails(decode.handle.stream.remote(rid, None), "tcp:// address")
         destination = Destination("x-4", "tcp://127.0.0.1:1", (0,), 1)
         _fails(prefill.handle.prefill.remote(WorkerRequest("x-5", [1], params), destination), "destination is for")
         _fails(prefill.handle.prefill.remote(WorkerRequest("x-4", [1, 2], params), destination), "holds 1 tokens")

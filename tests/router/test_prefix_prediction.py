@@ -13,13 +13,14 @@ from test_burst_spread import idle
 from test_worker_health import Handle, Method
 
 from tandem.kvcache.block_hash import prefix_hashes
-from tandem.router import ray_backend
+from tandem.router import worker_stream
 from tandem.router.backend import NoHealthyWorker, WorkerFailed
 from tandem.router.metrics import RouterMetrics
 from tandem.router.policy import WorkerState
 from tandem.router.ray_backend import RayBackend
 from tandem.sampling_params import SamplingParams
 from tandem.worker.api import KVSource, PrefillResult, Role, StreamDelta, WorkerRequest
+from tandem.worker.delta_outbox import DeltaOutbox
 
 BLOCK_SIZE = 16  # test_burst_spread.idle's
 PROMPT = list(range(1, 41))
@@ -30,36 +31,33 @@ PROMPT = list(range(1, 41))
 def no_ray(monkeypatch):
     """A stream left early is cancelled with ray.cancel, which would start a local Ray for these
     fakes: a no-op instead."""
-    monkeypatch.setattr(ray_backend.ray, "cancel", lambda stream: None)
+    monkeypatch.setattr(worker_stream.ray, "cancel", lambda call: None)
 
 
 class Streaming:
-    """A Ray streaming method's stand-in: .options(num_returns="streaming").remote(...) -> an
-    async iterator of the deltas' refs (awaitables), like Ray's ObjectRefGenerator."""
+    """A worker's streaming method's stand-in: .remote(*args, inbox) -> an awaitable that sends
+    each of the deltas ``deltas(*args)`` gives (a list, or a queue read up to a last delta) to
+    the router's inbox over a real socket, as the worker's DeltaOutbox does, then returns."""
 
     def __init__(self, deltas: Callable[..., list[StreamDelta] | asyncio.Queue[StreamDelta]]) -> None:
         self.deltas = deltas
-
-    def options(self, **_) -> Streaming:
-        return self
+        self.outbox = DeltaOutbox()
 
     def remote(self, *args):
-        deltas = self.deltas(*args)
+        deltas = self.deltas(*args[:-1])
+        inbox = args[-1]
 
-        async def ref(delta: StreamDelta) -> StreamDelta:
-            return delta
-
-        async def refs():
+        async def call() -> None:
             if isinstance(deltas, list):
                 for delta in deltas:
-                    yield ref(delta)
-            else:
-                while True:
-                    delta = await deltas.get()
-                    yield ref(delta)
-                    if delta.request_finished or delta.finish_reason == "abort":
-                        return
-        return refs()
+                    self.outbox.send(inbox, delta)
+                return
+            while True:
+                delta = await deltas.get()
+                self.outbox.send(inbox, delta)
+                if delta.request_finished or delta.finish_reason == "abort":
+                    return
+        return call()
 
 
 class ColocatedHandle(Handle):
@@ -114,11 +112,18 @@ def test_colocated_workers_report_their_hit_on_the_first_tokens(router_tokenizer
         return [d async for d in backend.generate("r", prompt, SamplingParams(max_tokens=2))]
 
     async def body():
+        try:
+            await main()
+        finally:
+            await backend.stop_polling()  # the sockets of its inbox (and KV event feed) closed
+
+    async def main():
         await backend.health.refresh()
         await run(PROMPT)  # nothing routed yet: predicted 0, found 0
         assert counted(metrics, "prefix_aware", "colocated") == (0, 0, 0)
         # The router remembers c-0 holds PROMPT's 2 full blocks; c-0 found one of them.
-        assert [d.num_cached_tokens for d in await run(PROMPT[:32] + [900] * 8)] == [16, 16]
+        deltas = await run(PROMPT[:32] + [900] * 8)  # (one or two: the router merges what arrives together)
+        assert [t for d in deltas for t in d.token_ids] == [7, 8] and {d.num_cached_tokens for d in deltas} == {16}
         assert counted(metrics, "prefix_aware", "colocated") == (32, 16, 16)
         with pytest.raises(WorkerFailed):  # predicted 32 again, but no report: counted nowhere
             await run(PROMPT)
@@ -169,6 +174,12 @@ def test_a_prefill_worker_reports_its_hit_against_the_precise_index(router_token
             pass
 
     async def body():
+        try:
+            await main()
+        finally:
+            await backend.stop_polling()  # the sockets of its inbox (and KV event feed) closed
+
+    async def main():
         await backend.health.refresh()
         p_0 = backend.prefill[0]
         assert backend.prefill_router.num_cached_tokens(p_0, PROMPT) == 28  # routing's view: the disk block is 0.8
@@ -191,6 +202,12 @@ def test_policies_that_predict_nothing_count_nothing(router_tokenizer):
     backend.metrics = metrics = RouterMetrics("m", 2048)
 
     async def body():
+        try:
+            await main()
+        finally:
+            await backend.stop_polling()  # the sockets of its inbox (and KV event feed) closed
+
+    async def main():
         await backend.health.refresh()
         async for _ in backend.generate("r", PROMPT, SamplingParams(max_tokens=1)):
             pass
@@ -237,6 +254,12 @@ def test_blocks_the_worker_is_sent_to_fetch_are_predicted_as_hits(router_tokeniz
     backend.kv_feed.tier_addresses["far"] = "tcp://10.0.0.9:7000"
 
     async def body():
+        try:
+            await main()
+        finally:
+            await backend.stop_polling()  # the sockets of its inbox (and KV event feed) closed
+
+    async def main():
         await backend.health.refresh()
         for _ in range(2):
             async for _ in backend.generate("r", PROMPT, SamplingParams(max_tokens=1)):
