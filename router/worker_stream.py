@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import ray
@@ -37,6 +38,12 @@ class CallEnded:
     call: asyncio.Future
 
 
+def _ended(queue: asyncio.Queue[Any], call: asyncio.Future) -> None:
+    if not call.cancelled():
+        call.exception()  # retrieved: the stream reads it only if it is still followed
+    queue.put_nowait(CallEnded(call))
+
+
 class WorkerStreams:
     """The router's side of every worker stream."""
 
@@ -59,12 +66,12 @@ class WorkerStreams:
         if not self.inbox.started:
             self.inbox.start()
         queue = self.inbox.open(request.request_id)  # NOTE: before the call, so no delta comes first
-        ref = None
+        ref = call = None
         finished = False
         try:
             ref = start(self.inbox.address)
             call = asyncio.ensure_future(self.calls.unless_down(streamer, ref))
-            call.add_done_callback(lambda done: queue.put_nowait(CallEnded(done)))
+            call.add_done_callback(partial(_ended, queue))
             deltas = DeltaReader(queue)
             returned = False
             while True:
@@ -94,6 +101,8 @@ class WorkerStreams:
             raise WorkerFailed(f"{request.request_id}: its worker's last deltas never came") from None
         finally:
             self.inbox.close(request.request_id)
+            if call is not None:
+                call.cancel()  # (the wait only)
             if not finished:
                 if ref is not None:
                     try:

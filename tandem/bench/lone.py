@@ -8,7 +8,7 @@ first token) / (tokens - 1), as a client sees it) is measured two ways in one ru
   step and its detokenizing, nothing else; at each --bare-threads torch thread count;
 - served: a fresh `tandem serve` for each measured run (its own process and local Ray; the
   default cluster, and `--colocated`), driven over gRPC from this process: the engine loop,
-  Ray's streaming of each token to the router, the router, gRPC to the client.
+  each token's frame to the router's inbox socket, the router, gRPC to the client.
 
 The runs alternate (bare, then each mode, the modes' order flipped every --repeats round), so
 drift in the machine's speed hits both alike. The table prints each run's median TPOT and its
