@@ -44,15 +44,23 @@ def _ended(queue: asyncio.Queue[Any], call: asyncio.Future) -> None:
     queue.put_nowait(CallEnded(call))
 
 
+async def _last(deltas: DeltaReader, request_id: str) -> Any:
+    """The next item, once the worker's call has returned: its last deltas are on the wire."""
+    try:
+        return await asyncio.wait_for(deltas.next(), LAST_DELTAS_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise WorkerFailed(f"{request_id}: its worker's last deltas never came") from None
+
+
 class WorkerStreams:
     """The router's side of every worker stream."""
 
-    def __init__(self, calls: WorkerCalls, mark_unhealthy: Callable[[WorkerState, BaseException], None],
-                 inbox: DeltaInbox | None = None) -> None:
+    def __init__(self, calls: WorkerCalls, mark_unhealthy: Callable[[WorkerState, BaseException], None]) -> None:
         self.calls = calls
         self.mark_unhealthy = mark_unhealthy
-        self.inbox = inbox or DeltaInbox()
-        """Started on the first stream (on the event loop that reads it)."""
+        self.inbox = DeltaInbox()
+        """Started on the first stream (on the event loop that reads it); a cluster's router
+        replaces it with one on its own address and keys (router/cluster.py)."""
 
     async def follow(self, streamer: WorkerState, start: Callable[[str], Any], request: WorkerRequest,
                      holders: list[WorkerState], died: list[BaseException] | None = None,
@@ -75,8 +83,7 @@ class WorkerStreams:
             deltas = DeltaReader(queue)
             returned = False
             while True:
-                item = await (deltas.next() if not returned
-                              else asyncio.wait_for(deltas.next(), LAST_DELTAS_TIMEOUT_S))
+                item = await (deltas.next() if not returned else _last(deltas, request.request_id))
                 if isinstance(item, CallEnded):
                     error = item.call.exception()
                     if error is not None:
@@ -97,8 +104,6 @@ class WorkerStreams:
         except WORKER_GONE as e:
             self.mark_unhealthy(streamer, e)
             raise
-        except asyncio.TimeoutError:
-            raise WorkerFailed(f"{request.request_id}: its worker's last deltas never came") from None
         finally:
             self.inbox.close(request.request_id)
             if call is not None:
