@@ -23,7 +23,7 @@ Each step of the way is a state of the worker's handoff table (handoff.py).
 from __future__ import annotations
 
 import logging
-from typing import Any, AsyncIterator
+from typing import Any
 
 import torch
 
@@ -46,7 +46,7 @@ from tandem.outputs import FirstSample
 from tandem.parallel.runner import TensorParallelRunner
 from tandem.worker.api import PoolFull, PrefillResult, Role, StreamDelta, WorkerRequest, checked
 from tandem.worker.base import Worker
-from tandem.worker.delta_reader import DeltaReader
+from tandem.worker.delta_stream import Send
 from tandem.worker.engine_loop import EngineLoop
 from tandem.worker.state_table import StateTable
 
@@ -139,25 +139,19 @@ class DecodeWorker(Worker):
         first = checked(first, PrefillResult, "first")
         await self.loop.call(lambda engine: self._start(engine, first))
 
-    async def stream(self, request_id: str) -> AsyncIterator[StreamDelta]:
-        """The request's deltas until its last; leaving early aborts it."""
+    async def stream(self, request_id: str, send: Send) -> None:
+        """Send the request's deltas to ``send`` (on the engine thread) until its last, the
+        ones published before this call first; leaving early aborts it."""
         try:
-            deltas = DeltaReader(self.loop.stream_queue(request_id))
+            stream = self.loop.stream(request_id)
         except KeyError:  # aborted before its reader came
-            yield StreamDelta(request_id, [], "", "abort", 0, 0)
+            send(StreamDelta(request_id, [], "", "abort", 0, 0))
             return
         self._readers.add(request_id)
-        finished = False
         try:
-            while not finished:
-                delta = await deltas.next()
-                finished = delta.request_finished
-                yield delta
+            await self.send_deltas(stream, send)
         finally:
             self._readers.discard(request_id)
-            self.loop.close_stream(request_id)
-            if not finished:
-                await self.abort(request_id)
 
     async def abort(self, request_id: str) -> bool:
         aborted = await self.loop.call(lambda engine: self._abort(engine, request_id))

@@ -121,9 +121,6 @@ class PrefillWorker(Worker):
             await self.abort(request.request_id)
             raise
 
-    async def abort(self, request_id: str) -> bool:
-        return await self.loop.call(lambda engine: self._abort(engine, request_id))
-
     # -- on the loop thread -------------------------------------------------------------
     def _admit(self, engine: LLMEngine, request: WorkerRequest, destination: Destination, result: asyncio.Future,
                peer: Peer | None) -> None:

@@ -20,10 +20,10 @@ import ray
 
 from tandem.router.backend import NoHealthyWorker, WorkerFailed
 from tandem.router.delta_inbox import DeltaInbox
+from tandem.router.delta_reader import DeltaReader
 from tandem.router.policy import WorkerState
 from tandem.router.worker_calls import WORKER_GONE, WorkerCalls, short_error
 from tandem.worker.api import StreamDelta, WorkerRequest
-from tandem.worker.delta_reader import DeltaReader
 
 logger = logging.getLogger(__name__)
 

@@ -27,6 +27,7 @@ from tandem.model.source import resolve_model_source
 from tandem.parallel.launch import start_engine_model
 from tandem.worker import faults
 from tandem.worker.api import EngineDown, Role, TokenizerSpec, WorkerInventory, WorkerLoad, WorkerRequest
+from tandem.worker.delta_stream import DeltaStream, Send
 from tandem.worker.engine_loop import EngineLoop
 from tandem.worker.heartbeat_file import HeartbeatFile
 from tandem.worker.kv_events_publisher import KVEventPublisher, events_host
@@ -134,6 +135,25 @@ class Worker:
         if constraint is not None:
             await asyncio.to_thread(self.engine.grammars.compile, constraint)
         await self.prefix_fetch.fetch(request)
+
+    async def send_deltas(self, stream: DeltaStream, send: Send) -> None:
+        """Send ``stream``'s deltas to ``send`` until the request's last; leaving early (the
+        call cancelled, or ``send`` failed) aborts the request. The stream is closed either way."""
+        finished = False
+        try:
+            await stream.bind(send)
+            finished = True
+        finally:
+            self.loop.close_stream(stream.request_id)
+            if not finished:
+                await self.abort(stream.request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort a request (its stream gets a last delta saying so) -> whether it was here."""
+        return await self.loop.call(lambda engine: self._abort(engine, request_id))
+
+    def _abort(self, engine: LLMEngine, request_id: str) -> bool:
+        raise NotImplementedError
 
     async def inject_fault(self, kind: str) -> None:
         """Break the engine on purpose (faults.FAULTS): only with fault_injection on."""

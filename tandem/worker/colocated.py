@@ -3,38 +3,30 @@ baseline the disaggregated cluster is measured against."""
 
 from __future__ import annotations
 
-from typing import AsyncIterator
-
 from tandem.engine.engine import LLMEngine
-from tandem.worker.api import Role, StreamDelta, WorkerRequest, checked
+from tandem.worker.api import Role, WorkerRequest, checked
 from tandem.worker.base import Worker
-from tandem.worker.delta_reader import DeltaReader
+from tandem.worker.delta_stream import Send
 
 
 class ColocatedWorker(Worker):
     role = Role.COLOCATED
 
-    async def generate(self, request: WorkerRequest) -> AsyncIterator[StreamDelta]:
-        """The request's deltas until its last; leaving early aborts it."""
+    async def generate(self, request: WorkerRequest, send: Send) -> None:
+        """Run the request, its deltas sent to ``send`` (on the engine thread) until its
+        last; leaving early aborts it."""
         request = checked(request, WorkerRequest, "request")
-        deltas = DeltaReader(self.loop.open_stream(request.request_id))
-        finished = False
+        stream = self.loop.open_stream(request.request_id)
         try:
             await self.before_admission(request)
             await self.loop.call(lambda engine: engine.add_request(
                 request.request_id, request.prompt_token_ids, request.params, priority=request.priority,
                 num_resumed_tokens=request.num_resumed_tokens) and None)
-            while not finished:
-                delta = await deltas.next()
-                finished = delta.request_finished
-                yield delta
-        finally:
+        except BaseException:  # a cancelled call's admission may have run all the same: undo it
             self.loop.close_stream(request.request_id)
-            if not finished:
-                await self.abort(request.request_id)
-
-    async def abort(self, request_id: str) -> bool:
-        return await self.loop.call(lambda engine: self._abort(engine, request_id))
+            await self.abort(request.request_id)
+            raise
+        await self.send_deltas(stream, send)
 
     def _abort(self, engine: LLMEngine, request_id: str) -> bool:
         delta = engine.abort_request(request_id)

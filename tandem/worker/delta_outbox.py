@@ -8,7 +8,6 @@ Ray actors, this worker included, ended by Ray).
 
 from __future__ import annotations
 
-import logging
 import threading
 
 import zmq
@@ -16,8 +15,6 @@ import zmq
 from tandem.kvtransfer.curve import CurveKeys
 from tandem.worker.api import StreamDelta
 from tandem.worker.delta_wire import encode_delta
-
-logger = logging.getLogger(__name__)
 
 MAX_INBOXES = 8
 """Sockets kept (a router that restarted has a new inbox; the least recently opened goes)."""

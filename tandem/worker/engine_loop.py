@@ -1,7 +1,8 @@
 """One engine stepped on a thread of its own, driven from asyncio (a worker's actor methods).
 
 NOTE: only the loop thread touches the engine (and a worker's transfer sockets): other
-threads hand it work with `submit`, and it hands deltas back through `open_stream` queues.
+threads hand it work with `submit`, and it hands deltas out through `open_stream`'s streams
+(delta_stream.py: sent to their reader on the loop thread itself).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Callable
 from tandem.engine.engine import LLMEngine
 from tandem.outputs import RequestDelta
 from tandem.worker.api import EngineDown, StreamDelta
+from tandem.worker.delta_stream import DeltaStream
 from tandem.worker.heartbeat_file import HeartbeatFile
 from tandem.worker.step_priority import ENGINE_THREAD, name_os_thread
 
@@ -51,7 +53,7 @@ class EngineLoop:
         self.down: EngineDown | None = None
         """Why the loop stopped on an error; from then on every call fails with it."""
         self._commands: queue.Queue[tuple[Callable[[LLMEngine], Any], concurrent.futures.Future]] = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue[StreamDelta]]] = {}
+        self._streams: dict[str, DeltaStream] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._last_iteration_at = time.monotonic()
@@ -73,18 +75,17 @@ class EngineLoop:
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         return await asyncio.wrap_future(self.submit(fn))
 
-    def open_stream(self, request_id: str) -> asyncio.Queue[StreamDelta]:
-        """Deltas of `request_id` from now on (call from the event loop that reads them).
+    def open_stream(self, request_id: str) -> DeltaStream:
+        """Deltas of `request_id` from now on, held until their reader binds to the stream.
         Raises ValueError when the id has a stream already (it belongs to another call)."""
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        q: asyncio.Queue[StreamDelta] = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), q)
-        return q
+        stream = self._streams[request_id] = DeltaStream(request_id)
+        return stream
 
-    def stream_queue(self, request_id: str) -> asyncio.Queue[StreamDelta]:
-        """The queue `open_stream` made for a request; KeyError when there is none."""
-        return self._streams[request_id][1]
+    def stream(self, request_id: str) -> DeltaStream:
+        """The stream `open_stream` made for a request; KeyError when there is none."""
+        return self._streams[request_id]
 
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -95,11 +96,10 @@ class EngineLoop:
         return len(self._streams)
 
     def publish(self, delta: StreamDelta) -> None:
-        """Hand a delta to its stream's reader (any thread)."""
-        target = self._streams.get(delta.request_id)
-        if target is not None:
-            loop, q = target
-            loop.call_soon_threadsafe(q.put_nowait, delta)
+        """Hand a delta to its stream (any thread; the loop thread's deltas go out on it)."""
+        stream = self._streams.get(delta.request_id)
+        if stream is not None:
+            stream.put(delta)
 
     def publish_engine_delta(self, d: RequestDelta, error: str | None = None) -> None:
         self.publish(stream_delta(d, error))

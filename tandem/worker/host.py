@@ -4,9 +4,10 @@ never imports torch: the worker class is imported inside the actor's own process
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import os
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group
@@ -19,13 +20,13 @@ from tandem.worker import step_priority
 from tandem.worker.api import (
     PrefillResult,
     Role,
-    StreamDelta,
     TokenizerSpec,
     WorkerInventory,
     WorkerLoad,
     WorkerRequest,
 )
 from tandem.worker.delta_outbox import DeltaOutbox
+from tandem.worker.delta_stream import Send
 
 WORKER_CLASSES = {
     Role.PREFILL: "tandem.prefill_node.worker:PrefillWorker",
@@ -123,17 +124,17 @@ class WorkerHost:
         """A decode worker's request's deltas, each sent to the router's ``inbox``
         (tcp://HOST:PORT, router/delta_inbox.py) as it comes; returns once the last is sent.
         Cancelling the call aborts the request."""
-        await self._send_all(inbox, lambda: self.worker.stream(request_id))
+        await self.worker.stream(request_id, self._sender(inbox))
 
     async def generate(self, request: WorkerRequest, inbox: str) -> None:
         """A colocated worker's request, run; its deltas go as `stream`'s do."""
-        await self._send_all(inbox, lambda: self.worker.generate(request))
+        await self.worker.generate(request, self._sender(inbox))
 
-    async def _send_all(self, inbox: str, deltas: Callable[[], AsyncIterator[StreamDelta]]) -> None:
+    def _sender(self, inbox: str) -> Send:
+        """Sends to ``inbox`` from the engine thread: no wake-up of this actor's thread per token."""
         if not (isinstance(inbox, str) and inbox.startswith("tcp://")):
             raise ValueError(f"inbox must be a tcp:// address, got {inbox!r}")
-        async for delta in deltas():
-            self.outbox.send(inbox, delta)
+        return functools.partial(self.outbox.send, inbox)
 
 
 def pool_resource(role: Role) -> str:

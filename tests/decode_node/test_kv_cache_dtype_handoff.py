@@ -21,7 +21,7 @@ from tandem.kvtransfer.protocol import TransferRefused
 from tandem.model.loader import LoadedModel
 from tandem.prefill_node.worker import PrefillWorker
 from tandem.worker import base
-from tandem.worker.api import WorkerRequest
+from tandem.worker.api import StreamDelta, WorkerRequest
 
 PARAMS = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 _ids = itertools.count()
@@ -72,11 +72,10 @@ async def _disaggregated(prefill: PrefillWorker, decode: DecodeWorker, prompt: l
         await decode.abort(request.request_id)
         raise
     await decode.start(first)
-    tokens: list[int] = []
-    async for delta in decode.stream(request.request_id):
-        assert delta.error is None, delta.error
-        tokens += delta.token_ids
-    return tokens
+    deltas: list[StreamDelta] = []
+    await decode.stream(request.request_id, deltas.append)
+    assert all(d.error is None for d in deltas), deltas[-1].error
+    return [t for d in deltas for t in d.token_ids]
 
 
 @pytest.mark.parametrize("transport", ["zmq", "auto"])

@@ -75,9 +75,11 @@ def test_an_error_in_the_step_fails_every_stream_and_call():
     loop = EngineLoop(cast("LLMEngine", engine), on_down=downs.append)  # a fake with what the loop calls
 
     async def main() -> tuple[StreamDelta, BaseException]:
-        queue = loop.open_stream("r1")
+        sent: list[StreamDelta] = []
+        done = loop.open_stream("r1").bind(sent.append)
         engine.has_unfinished = True
-        delta = await asyncio.wait_for(queue.get(), 10)
+        await asyncio.wait_for(done, 10)
+        [delta] = sent
         try:
             await loop.call(lambda engine: "never run")
         except EngineDown as e:
@@ -121,7 +123,7 @@ def test_an_idle_loop_waits_as_long_as_told_yet_a_command_wakes_it():
 def test_a_stream_delta_carries_the_engines_prefix_hit_to_the_router():
     from tandem.engine.sequence import FinishReason
     from tandem.outputs import RequestDelta
-    from tandem.worker.delta_reader import merge
+    from tandem.router.delta_reader import merge
     from tandem.worker.engine_loop import stream_delta
 
     first = stream_delta(RequestDelta("r", [5], "a", None, None, None, 40, 1, num_cached_tokens=32))

@@ -46,8 +46,8 @@ def workers(loaded, tmp_path_factory) -> Iterator[tuple[ColocatedWorker, Colocat
 
 async def _run(worker: ColocatedWorker, prompt: list[int], source: KVSource | None = None) -> tuple[list[int], int]:
     """-> the request's tokens and its cached prompt tokens."""
-    deltas: list[StreamDelta] = [d async for d in worker.generate(
-        WorkerRequest(f"r{next(_ids)}", prompt, PARAMS, kv_source=source))]
+    deltas: list[StreamDelta] = []
+    await worker.generate(WorkerRequest(f"r{next(_ids)}", prompt, PARAMS, kv_source=source), deltas.append)
     assert all(d.error is None for d in deltas)
     return [t for d in deltas for t in d.token_ids], deltas[0].num_cached_tokens
 

@@ -1,11 +1,11 @@
-"""A request's deltas as a worker streams them out: the ones already waiting go as one.
+"""A request's deltas as the router reads them from its inbox: the ones already waiting go as one.
 
-Each delta a worker yields costs the serving path the same whatever it holds: Ray reports it
-to the router, the router awaits it, writes a gRPC message, and the client wakes. When that
-path falls behind the engine (it shares the cores with the step), deltas queue up; merging
-the queued ones into one costs nothing in latency (each token still leaves as soon as the
-path can take it) and makes the path's work per token shrink exactly when it is short of CPU.
-A delta is never held back to wait for another.
+Each delta costs the router the same whatever it holds: a wake-up, an HTTP or gRPC message
+written, a client woken. When the router falls behind the engine (on a CPU host it shares
+the cores with the step), deltas queue up in its inbox; merging the queued ones into one
+costs nothing in latency (each token still leaves as soon as the router can take it) and
+makes its work per token shrink exactly when it is short of CPU. A delta is never held back
+to wait for another.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ def merge(first: StreamDelta, then: StreamDelta) -> StreamDelta:
 
 
 class DeltaReader:
-    """Reads a request's delta queue: EngineLoop.open_stream's for a worker's stream, or the
-    router's inbox queue (router/delta_inbox.py), where other items (a call's end) may come
-    between deltas: those are never merged, and come out in their place."""
+    """Reads a request's queue in the router's inbox (router/delta_inbox.py), where other
+    items (a call's end) may come between deltas: those are never merged, and come out in
+    their place."""
 
     def __init__(self, queue: asyncio.Queue[Any]) -> None:
         self._queue = queue

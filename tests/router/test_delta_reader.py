@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from tandem.logprobs import TopLogprobs
+from tandem.router.delta_reader import DeltaReader, can_follow, merge
 from tandem.worker.api import StreamDelta
-from tandem.worker.delta_reader import DeltaReader, can_follow, merge
 
 
 def delta(tokens: list[int], index: int = 0, finish: str | None = None, error: str | None = None,
