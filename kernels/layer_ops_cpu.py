@@ -1,9 +1,10 @@
 """The small operations of a float32 layer on the CPU, each one compiled call
 (csrc/layer_ops_cpu.cpp): RMSNorm, the residual add with the next RMSNorm, and RoPE with the
-KV store. A decode step runs about twenty operations a layer on a handful of rows, where each
-of torch's costs ~5-10 us of dispatch on the 2-core machine against ~1 us of arithmetic. Their
-torch references are `tandem.model.layer_ops`' other paths; a float32 CPU model takes these
-where they are built (cpu_build.py).
+KV store; and after the layers, a greedy row's token with its log-probability. A decode step
+runs about twenty operations a layer on a handful of rows, where each of torch's costs ~5-10 us
+of dispatch on the 2-core machine against ~1 us of arithmetic. Their torch references are
+`tandem.model.layer_ops`' other paths and the sampler's own greedy path; a float32 CPU model
+takes these where they are built (cpu_build.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ _openmp = ("-fopenmp",) if sys.platform.startswith("linux") else ()
 # -ffp-contract=off: no fused multiply-add, so that RoPE rounds as torch does (bit for bit).
 EXTENSION = CpuExtension("tandem_layer_ops_cpu", (_csrc / "layer_ops_cpu.cpp",),
                          (_csrc / "rms_norm_cpu.h", _csrc / "rope_cpu.h", _csrc / "silu_mul_cpu.h",
-                          _csrc / "exp_cpu.h"),
+                          _csrc / "exp_cpu.h", _csrc / "greedy_pick_cpu.h"),
                          ("-O3", "-ffp-contract=off", *_openmp), _openmp)
 
 

@@ -60,11 +60,13 @@ def sample_step(
     plain_on_device = False
     if plain:
         # Entries without drafts share one sampler call, as without speculation.
-        rows = step_inputs.to_device(torch.tensor([row_starts[i] for i in plain], dtype=torch.long), logits.device)
         plain_params, plain_generators = [params[i] for i in plain], [generators[i] for i in plain]
-        plain_raw = None if raw_logits is None else raw_logits[rows]
+        plain_logits, plain_raw = logits, raw_logits
+        if len(plain) < logits.shape[0]:  # (else every row is a plain entry's, in order: nothing to pick)
+            rows = step_inputs.to_device(torch.tensor([row_starts[i] for i in plain], dtype=torch.long), logits.device)
+            plain_logits, plain_raw = logits[rows], None if raw_logits is None else raw_logits[rows]
         if any(p.top_logprobs for p in plain_params):  # (only plain entries ask: no drafts, no beams)
-            sampled = sampler.sample(logits[rows], plain_params, plain_generators, raw_logits=plain_raw)
+            sampled = sampler.sample(plain_logits, plain_params, plain_generators, raw_logits=plain_raw)
             for i, t, lp in zip(plain, sampled.token_ids, sampled.logprobs):
                 token_ids[i], logprobs[i] = [t], [lp]
             if sampled.top_logprobs is not None:
@@ -72,7 +74,7 @@ def sample_step(
                 for i, top in zip(plain, sampled.top_logprobs):
                     top_logprobs[i] = [top]
         else:
-            reads += sampler.sample_on_device(logits[rows], plain_params, plain_generators, plain_raw)
+            reads += sampler.sample_on_device(plain_logits, plain_params, plain_generators, plain_raw)
             plain_on_device = True
     for i in beams:
         k = min(num_candidates(params[i].beam_width, num_eos_tokens), logits.shape[-1])

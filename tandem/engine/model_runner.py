@@ -143,8 +143,10 @@ class ModelRunner:
                 generators.append(None if seed is None else draw_generator(seed, target.num_tokens))
                 drafts.append(batch.draft_token_ids[i] if batch.draft_token_ids else [])
             offset += num_rows
-        rows_t = step_inputs.to_device(torch.tensor(rows, dtype=torch.long), logits.device)
-        raw = logits[rows_t]
+        if rows == list(range(logits.shape[0])):  # (the usual case: a row each, in order)
+            raw = logits
+        else:
+            raw = logits[step_inputs.to_device(torch.tensor(rows, dtype=torch.long), logits.device)]
         # NOTE: a target whose logits are processed has no drafts (Speculation.propose).
         processed = apply_logits_processors(raw, targets, self.config.model.eos_token_ids)
         if any(t.grammar is not None for t in targets):

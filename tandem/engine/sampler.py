@@ -18,6 +18,7 @@ import torch
 
 from tandem.engine import step_inputs
 from tandem.engine.device_random import UNSEEDED, device_keys, exponentials, row_keys
+from tandem.kernels import layer_ops_cpu
 from tandem.logprobs import TopLogprobs
 from tandem.sampling_params import SamplingParams
 
@@ -120,8 +121,12 @@ class Sampler:
         """sample's work, left on ``logits``' device: -> (chosen [num_seqs] int64, their
         logprobs [num_seqs] float32, under raw_logits when given)."""
         logits = logits.float()  # logits: [num_seqs, vocab_size]
+        raw = logits if raw_logits is None else raw_logits.float()
         greedy = [p.is_greedy for p in params]
         if all(greedy):  # (the usual case: nothing to send)
+            kernels = layer_ops_cpu.kernels_for(logits, raw)
+            if kernels is not None:  # one compiled pass each, where the lines below take six operations
+                return kernels.greedy_pick(logits.contiguous(), raw.contiguous())
             chosen = torch.argmax(logits, dim=-1)  # [num_seqs]
         else:
             rows = row_params(params, generators, logits)
@@ -131,7 +136,6 @@ class Sampler:
             chosen = torch.where(greedy_t, torch.argmax(logits, dim=-1), sampled) if any(greedy) else sampled
 
         # logprob = logit - logsumexp(logits): avoids materialising a full log_softmax.
-        raw = logits if raw_logits is None else raw_logits.float()
         chosen_logits = raw.gather(1, chosen.unsqueeze(1)).squeeze(1)  # [num_seqs]
         logprobs = chosen_logits - torch.logsumexp(raw, dim=-1)  # [num_seqs]
         return chosen, logprobs
