@@ -47,7 +47,6 @@ class DeltaInbox:
         self._host = host
         self._keys = keys
         self._queues: dict[str, asyncio.Queue[Any]] = {}
-        self._context: zmq.asyncio.Context | None = None
         self._socket: zmq.asyncio.Socket | None = None
         self._auth: Authenticator | None = None
         self._task: asyncio.Task | None = None
@@ -63,12 +62,12 @@ class DeltaInbox:
         return self._task is not None
 
     def start(self) -> None:
-        self._context = _shared_context()
-        socket = self._context.socket(zmq.PULL)
+        context = _shared_context()
+        socket = context.socket(zmq.PULL)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RCVHWM, 0)  # the workers' sends must never be refused
         if self._keys is not None:
-            self._auth = self._keys.authenticator(self._context, self._denied, kind=AsyncioAuthenticator)
+            self._auth = self._keys.authenticator(context, self._denied, kind=AsyncioAuthenticator)
             self._keys.serve(socket)
         port = socket.bind_to_random_port(f"tcp://{self._host}")
         self.address = f"tcp://{self._host}:{port}"
