@@ -53,7 +53,7 @@ class DeltaStream:
         request's last delta has been sent (its exception: the error ``send`` raised)."""
         loop = asyncio.get_running_loop()
         with self._lock:
-            if self._send is not None or self._done is not None:
+            if self._done is not None:
                 raise ValueError(f"request {self.request_id!r} has a reader already")
             self._done = loop.create_future()
             self._send = send

@@ -27,8 +27,8 @@ def reference(logits: torch.Tensor, raw: torch.Tensor) -> tuple[torch.Tensor, to
 @pytest.mark.parametrize("rows, vocab", [(1, 49152), (3, 49152), (9, 1000), (2, 17), (1, 5), (5, 1)])
 def test_matches_argmax_and_float64_log_softmax(kernel, rows, vocab):
     g = torch.Generator().manual_seed(rows * vocab)
-    logits = torch.randn(rows, vocab, generator=g) * 4
-    raw = logits + torch.randn(rows, vocab, generator=g)  # processed logits differ from the raw ones
+    logits = torch.randn(rows, vocab, generator=g, device="cpu") * 4  # (a CPU kernel)
+    raw = logits + torch.randn(rows, vocab, generator=g, device="cpu")  # processed logits differ from the raw ones
     for raw_ in (logits, raw):
         chosen, logprobs = kernel.greedy_pick(logits, raw_)
         want_chosen, want_logprobs = reference(logits, raw_)
@@ -39,7 +39,7 @@ def test_matches_argmax_and_float64_log_softmax(kernel, rows, vocab):
 
 def test_ties_masks_and_nans_as_torch(kernel):
     vocab = 49152
-    logits = torch.full((4, vocab), -float("inf"))
+    logits = torch.full((4, vocab), -float("inf"), device="cpu")
     logits[0, [7, 40000, 41]] = 3.0  # a tie: the first index wins, wherever the lanes put them
     logits[1] = torch.linspace(-5, 5, vocab)
     logits[1, :vocab - 1] = -float("inf")  # banned everywhere but the last (a tail element)
@@ -54,7 +54,7 @@ def test_ties_masks_and_nans_as_torch(kernel):
 
 
 def test_a_strided_row_view_and_other_dtypes(kernel):
-    base = torch.randn(4, 2000)
+    base = torch.randn(4, 2000, device="cpu")
     rows = base[::2]  # [2, 2000]: rows contiguous, strided between them
     chosen, logprobs = kernel.greedy_pick(rows, rows)
     want_chosen, want_logprobs = reference(rows, rows)
@@ -67,7 +67,7 @@ def test_a_strided_row_view_and_other_dtypes(kernel):
 
 
 def test_the_sampler_takes_it_for_a_greedy_batch_and_torch_for_the_rest(kernel, monkeypatch):
-    logits = torch.randn(3, 49152, generator=torch.Generator().manual_seed(1))
+    logits = torch.randn(3, 49152, generator=torch.Generator().manual_seed(1), device="cpu")
     greedy = [SamplingParams(temperature=0)] * 3
     calls: list[int] = []
 
