@@ -18,6 +18,7 @@
 
 #include "f32_gemv_cpu.h"
 #include "int4_gemv_cpu.h"
+#include "int4_q8_gemv_cpu.h"
 #include "int8_gemv_cpu.h"
 #include "paged_decode_attention_cpu_items.h"
 #include "rms_norm_cpu.h"
@@ -31,22 +32,34 @@ using tandem_cpu::kGemvChannels;
 
 const tandem_cpu::Isa kIsa = tandem_cpu::detect_isa();
 
-// A weight as one of the GEMV kernels takes it: int4 (scale_offset int32) or int8 (scale float32)
-// packed, or float32 as torch holds it ([N, K], no scales).
+// A product's input as the int4 kernels take it: group sums of x (float32 activations), or x
+// rounded to 8 bits (int4_q8_gemv_cpu.h). Each thread's own, made once per stage.
+struct ProductInput {
+  std::vector<float> sums, scales;
+  std::vector<int8_t> q;
+  explicit ProductInput(int64_t max_elements)
+      : sums(max_elements / tandem_cpu::int4::kGroup + 1), scales(sums.size()), q(max_elements) {}
+};
+
+// A weight as one of the GEMV kernels takes it: int4 (scale_offset int32; with float32 or
+// 8-bit activations) or int8 (scale float32) packed, or float32 as torch holds it ([N, K], no scales).
 struct Projection {
-  enum class Kind { kInt4, kInt8, kF32 };
+  enum class Kind { kInt4, kInt4Int8Activations, kInt8, kF32 };
   torch::Tensor values, scales;
   Kind kind;
   bool int4;
   int64_t N, K;
 
-  Projection(torch::Tensor v, torch::Tensor s)
+  Projection(torch::Tensor v, torch::Tensor s, bool int8_activations)
       : values(v), scales(s),
         kind(v.scalar_type() == torch::kFloat32 ? Kind::kF32
-             : s.scalar_type() == torch::kInt32 ? Kind::kInt4 : Kind::kInt8),
-        int4(kind == Kind::kInt4),
+             : s.scalar_type() != torch::kInt32 ? Kind::kInt8
+             : int8_activations ? Kind::kInt4Int8Activations : Kind::kInt4),
+        int4(s.scalar_type() == torch::kInt32),
         N(kind == Kind::kF32 ? v.size(0) : v.size(0) * kGemvChannels),
         K(kind == Kind::kF32 ? v.size(1) : v.size(1) * (int4 ? 8 : 4)) {
+    TORCH_CHECK(!int8_activations || (int4 && tandem_cpu::int4_q8::cpu_has_int8_dot()),
+                "Projection: 8-bit activations need an int4 weight and AVX-512 VNNI");
     if (kind == Kind::kF32) {
       TORCH_CHECK(v.dim() == 2 && v.is_contiguous() && N % kGemvChannels == 0 && K % tandem_cpu::f32::kColumns == 0,
                   "Projection: a float32 weight [N, K], contiguous, N and K multiples of 16");
@@ -57,14 +70,28 @@ struct Projection {
     }
   }
 
-  // out[:, blocks [first, end)] of x: [M, K] (xsum: int4::group_sums of x, for int4).
-  void run_blocks(const float* x, int64_t M, float* out, int64_t first, int64_t end, const float* xsum) const {
+  // What an int4 product needs of x: [M, K] before its blocks run (into `in`).
+  void prepare(const float* x, int64_t M, ProductInput& in) const {
+    if (kind == Kind::kInt4) tandem_cpu::int4::group_sums(x, M, K, in.sums.data());
+    if (kind == Kind::kInt4Int8Activations)
+      tandem_cpu::int4_q8::quantize_rows(x, M, K, in.q.data(), in.scales.data(), in.sums.data());
+  }
+
+  // out[:, blocks [first, end)] of x: [M, K] (`in`: what prepare made of x).
+  void run_blocks(const float* x, int64_t M, float* out, int64_t first, int64_t end, const ProductInput& in) const {
+    // NOTE: data_ptr<T> throws for another dtype, and nothing may throw in the parallel region.
+    const auto* packed = static_cast<const uint32_t*>(values.data_ptr());
+    const auto* scale_offset = static_cast<const uint32_t*>(scales.data_ptr());
     switch (kind) {
       case Kind::kInt4:
-        tandem_cpu::int4::gemv_blocks(tandem_cpu::int4::int4_blocks(kIsa),
-                                      reinterpret_cast<const uint32_t*>(values.data_ptr<int32_t>()),
-                                      reinterpret_cast<const uint32_t*>(scales.data_ptr<int32_t>()), x, xsum, M, K,
-                                      N, out, first, end);
+        tandem_cpu::int4::gemv_blocks(tandem_cpu::int4::int4_blocks(kIsa), packed, scale_offset, x, in.sums.data(),
+                                      M, K, N, out, first, end);
+        break;
+      case Kind::kInt4Int8Activations:
+#ifdef TANDEM_HAS_Q8_GEMV
+        tandem_cpu::int4_q8::gemv_blocks(packed, scale_offset, in.q.data(), in.scales.data(), in.sums.data(), M, K,
+                                         N, out, first, end);
+#endif
         break;
       case Kind::kInt8:
         tandem_cpu::int8::gemv_blocks(tandem_cpu::int8::int8_blocks(kIsa), values.data_ptr<int32_t>(),
@@ -164,20 +191,21 @@ class DecodeStep {
     tandem_cpu::StepStages stages(static_cast<int64_t>(layers_.size()) * 9 + 3);
 #pragma omp parallel num_threads(threads)
     {
-      std::vector<float> xsum(B * max_k / tandem_cpu::int4::kGroup + 1), acc(Q), m(num_heads_), l(num_heads_);
+      ProductInput input(B * max_k);
+      std::vector<float> acc(Q), m(num_heads_), l(num_heads_);
       tandem_cpu::StepStages::Cursor at;
-      // An int4 product's input groups, summed by each thread once per stage, before its first unit.
-      auto sum_groups_once = [&](bool& summed, const Projection& p, const float* in, int64_t rows_in) {
-        if (!summed && p.int4) tandem_cpu::int4::group_sums(in, rows_in, p.K, xsum.data());
-        summed = true;
+      // A product's input, made by each thread once per stage, before its first unit.
+      auto prepare_once = [&](bool& prepared, const Projection& p, const float* in, int64_t rows_in) {
+        if (!prepared) p.prepare(in, rows_in, input);
+        prepared = true;
       };
       // A product's stage: its blocks in units.
       auto product = [&](const Projection& p, const float* in, int64_t rows_in, float* out) {
         const tandem_cpu::BlockUnits units(p.num_blocks(), threads);
-        bool summed = false;
+        bool prepared = false;
         stages.run(at, units.count(), [&](int64_t u) {
-          sum_groups_once(summed, p, in, rows_in);
-          p.run_blocks(in, rows_in, out, units.first(u), units.end(u), xsum.data());
+          prepare_once(prepared, p, in, rows_in);
+          p.run_blocks(in, rows_in, out, units.first(u), units.end(u), input);
         });
       };
       stages.run(at, B, [&](int64_t b) {  // embedding, the first norm
@@ -187,10 +215,10 @@ class DecodeStep {
       for (size_t li = 0; li < layers_.size(); ++li) {
         const Layer& L = layers_[li];
         const tandem_cpu::BlockUnits qkv_units(L.qkv.num_blocks(), threads);
-        bool summed = false;
+        bool prepared = false;
         stages.run(at, qkv_units.count(), [&](int64_t u) {  // the qkv product and its bias
-          sum_groups_once(summed, L.qkv, xp, B);
-          L.qkv.run_blocks(xp, B, qkvp, qkv_units.first(u), qkv_units.end(u), xsum.data());
+          prepare_once(prepared, L.qkv, xp, B);
+          L.qkv.run_blocks(xp, B, qkvp, qkv_units.first(u), qkv_units.end(u), input);
           if (L.qkv_bias.defined())
             for (int64_t b = 0; b < B; ++b)
               for (int64_t c = qkv_units.first(u) * kGemvChannels; c < qkv_units.end(u) * kGemvChannels; ++c)
@@ -225,12 +253,12 @@ class DecodeStep {
         });
         // Gate block g pairs with up block g + I / 16: a unit's SwiGLU needs only its own products.
         const tandem_cpu::BlockUnits gates(I / kGemvChannels, threads);
-        summed = false;
+        prepared = false;
         stages.run(at, gates.count(), [&](int64_t u) {
-          sum_groups_once(summed, L.gate_up, xp, B);
+          prepare_once(prepared, L.gate_up, xp, B);
           const int64_t first = gates.first(u), end = gates.end(u), up = I / kGemvChannels;
-          L.gate_up.run_blocks(xp, B, gup, first, end, xsum.data());
-          L.gate_up.run_blocks(xp, B, gup, first + up, end + up, xsum.data());
+          L.gate_up.run_blocks(xp, B, gup, first, end, input);
+          L.gate_up.run_blocks(xp, B, gup, first + up, end + up, input);
           const int64_t c0 = first * kGemvChannels, width = (end - first) * kGemvChannels;
           for (int64_t b = 0; b < B; ++b)
             tandem_cpu::silu_mul_row(gup + b * 2 * I + c0, gup + b * 2 * I + I + c0, actp + b * I + c0, width);
@@ -271,8 +299,9 @@ class DecodeStep {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
-  py::class_<Projection>(m, "Projection").def(py::init<torch::Tensor, torch::Tensor>(), py::arg("values"),
-                                              py::arg("scales"));
+  py::class_<Projection>(m, "Projection")
+      .def(py::init<torch::Tensor, torch::Tensor, bool>(), py::arg("values"), py::arg("scales"),
+           py::arg("int8_activations") = false);
   py::class_<Layer>(m, "Layer")
       .def(py::init([](Projection qkv, Projection o, Projection gate_up, Projection down,
                        std::optional<torch::Tensor> qkv_bias, torch::Tensor input_norm,

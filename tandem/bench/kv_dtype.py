@@ -19,6 +19,7 @@ import logging
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -99,10 +100,11 @@ def default_model(model: str | None, quantization: str) -> tuple[LoadedModel, st
 
 
 def greedy_tokens(loaded: LoadedModel, quantization: str | None, kv_cache_dtype: str, prompts: list[list[int]],
-                  max_tokens: int) -> tuple[list[list[int]], int, str]:
-    """-> (each prompt's greedy tokens, KV bytes per token, the resolved KV dtype) on a fresh engine."""
+                  max_tokens: int, **engine_args: Any) -> tuple[list[list[int]], int, str]:
+    """-> (each prompt's greedy tokens, KV bytes per token, the resolved KV dtype) on a fresh
+    engine (engine_args: more of its options)."""
     llm = LLM.from_loaded(loaded, quantization=quantization or "none", kv_cache_dtype=kv_cache_dtype,
-                          kv_cache_memory_gib=0.1, max_num_seqs=len(prompts))
+                          kv_cache_memory_gib=0.1, max_num_seqs=len(prompts), **engine_args)
     config = llm.config
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)

@@ -109,12 +109,13 @@ def fixed_text_ids(tokenizer, num_tokens: int) -> list[int]:
 
 
 def teacher_forced_logits(loaded: LoadedModel, dtype: str, token_ids: list[int], chunk: int | None = None,
-                          quantization: str | None = None) -> torch.Tensor:
+                          quantization: str | None = None, **engine_args: Any) -> torch.Tensor:
     """The model's logits after each of ``token_ids`` but the last, fed ``chunk`` tokens per
-    forward (None: all in one prefill). -> [len(token_ids) - 1, vocab] float32."""
+    forward (None: all in one prefill); engine_args: more EngineConfig.build options.
+    -> [len(token_ids) - 1, vocab] float32."""
     block_size = 16
     config = EngineConfig.build(loaded.config, dtype=dtype, block_size=block_size, quantization=quantization,
-                                num_kv_blocks=-(-len(token_ids) // block_size))
+                                num_kv_blocks=-(-len(token_ids) // block_size), **engine_args)
     loaded = quantized(loaded, quantization)
     model = LlamaModel(loaded.config, loaded.weights, config.max_model_len)
     runner = ModelRunner(config, model)

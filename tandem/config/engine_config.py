@@ -12,7 +12,14 @@ from typing import TYPE_CHECKING
 from tandem.config.engine_options import ENGINE_DEFAULTS as DEFAULTS
 from tandem.config.engine_options import SCHEDULING_POLICIES
 from tandem.config.model_config import ModelConfig, gib_to_bytes
-from tandem.config.names import DTYPE_BYTES, PREEMPTION_MODES, QUANTIZATION_CHOICES, require, resolve_kv_cache_dtype
+from tandem.config.names import (
+    DTYPE_BYTES,
+    INT4_ACTIVATIONS,
+    PREEMPTION_MODES,
+    QUANTIZATION_CHOICES,
+    require,
+    resolve_kv_cache_dtype,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -85,6 +92,10 @@ class EngineConfig:
     """The disk tier's capacity for evicted prefix blocks (0: none; tandem/kvcache/disk_tier.py)."""
     kv_offload_dir: str | None = None
     """The disk tier's folder (resolved when kv_offload_disk_bytes > 0, else None)."""
+    int4_activations: str = "auto"
+    """How int4 products on the CPU take their activations: float32, int8 (rounded to 8 bits per
+    group of 32) or auto: int8 where the engine's CPU has AVX-512 VNNI, resolved as the engine
+    packs its weights, by the CPU that runs them (kernels/int4_gemv_cpu.py)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -151,6 +162,7 @@ class EngineConfig:
         kv_offload_host_gib: float = DEFAULTS["kv_offload_host_gib"],
         kv_offload_disk_gib: float = DEFAULTS["kv_offload_disk_gib"],
         kv_offload_dir: str | None = DEFAULTS["kv_offload_dir"],
+        int4_activations: str = DEFAULTS["int4_activations"],
     ) -> EngineConfig:
         """The defaults of the engine options are tandem.config.engine_options' (the CLI flags' too).
         device, dtype and kv_cache_dtype may be ``auto`` (resolved here: see tandem/config/device.py and
@@ -163,6 +175,8 @@ class EngineConfig:
         require(max_num_seqs >= 1, "max_num_seqs", max_num_seqs, ">= 1")
         require(max_num_batched_tokens >= 1, "max_num_batched_tokens", max_num_batched_tokens, ">= 1")
         require(max_cudagraph_capture_size >= 1, "max_cudagraph_capture_size", max_cudagraph_capture_size, ">= 1")
+        require(int4_activations in INT4_ACTIVATIONS, "int4_activations", int4_activations,
+                f"one of {', '.join(INT4_ACTIVATIONS)}")
         require(tensor_parallel_size >= 1, "tensor_parallel_size", tensor_parallel_size, ">= 1")
         require(quantization is None or quantization in QUANTIZATION_CHOICES, "quantization", quantization,
                  f"None or one of {', '.join(QUANTIZATION_CHOICES)}")
@@ -243,4 +257,5 @@ class EngineConfig:
             kv_offload_host_bytes=gib_to_bytes(kv_offload_host_gib),
             kv_offload_disk_bytes=gib_to_bytes(kv_offload_disk_gib),
             kv_offload_dir=kv_offload_dir if kv_offload_disk_gib > 0 else None,
+            int4_activations=int4_activations,
         )

@@ -234,22 +234,32 @@ def with_cpu_pack(w: Int4Weight) -> Int4Weight:
     return w
 
 
-def pack_for_cpu_kernels(weights: ModelWeights, device: torch.device, dtype: torch.dtype) -> None:
+def pack_for_cpu_kernels(weights: ModelWeights, device: torch.device, dtype: torch.dtype,
+                         int4_activations: str = "auto") -> None:
     """Build tandem's CPU kernel layouts of the quantized weights now, where an engine on
     `device` in `dtype` will run them (float32 on the CPU, unless Triton is asked for), so the
-    first step does not pay."""
+    first step does not pay. int4_activations: EngineConfig.int4_activations (auto resolved here:
+    int8 where this CPU has AVX-512 VNNI); int8 where it has not is a ValueError."""
     if device.type != "cpu" or dtype != torch.float32 or ops.requested_backend() is ops.Backend.TRITON:
         return
+    has_int8_dot = int4_gemv_cpu.has_int8_dot()
+    if int4_activations == "int8" and not has_int8_dot:
+        raise ValueError("int4_activations int8 needs a CPU with AVX-512 VNNI (and the compiled kernel); "
+                         "this one runs float32 activations (int4_activations float32 or auto)")
+    int8_activations = has_int8_dot and int4_activations != "float32"
     for layer in weights.layers:
         for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-            _pack_for_gemv(w)
-    _pack_for_gemv(weights.lm_head)
+            _pack_for_gemv(w, int8_activations)
+    _pack_for_gemv(weights.lm_head, int8_activations)
 
 
-def _pack_for_gemv(w: Weight) -> None:
+def _pack_for_gemv(w: Weight, int8_activations: bool) -> None:
     if isinstance(w, Int4Weight) and int4_gemv_cpu.takes(w.shape[0], w.shape[1], w.group_size):
         if int4_gemv_cpu.load_extension() is not None:
-            w.gemv_pack  # noqa: B018 (a cached property: built once, kept on the instance)
+            # NOTE: a cached property (kept in the instance's dict, as functools keeps it on a frozen
+            # dataclass), set to the pack of this engine's choice of activations (the same tensors):
+            # engines sharing one weight object share the choice of the last one built.
+            vars(w)["gemv_pack"] = dataclasses.replace(w.gemv_pack, int8_activations=int8_activations)
             # float32 products never read torch's layout (tandem's kernel, or dequantizing above its bound)
             w.__dict__.pop("cpu_pack", None)
     elif isinstance(w, Int8Weight) and int8_gemv_cpu.takes(*w.shape):

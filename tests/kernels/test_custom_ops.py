@@ -115,7 +115,7 @@ def int4_gemv() -> tuple[Any, Callable[..., Any], tuple[Any, ...], tuple[int, ..
     g = gen(4)
     pack = int4_gemv_cpu.pack(*_int4_parts(quantize_int4(torch.randn(48, 576, generator=g))))
     return (torch.ops.tandem.int4_gemv_cpu, built(int4_gemv_cpu.load_extension).int4_gemv,
-            (torch.randn(3, 576, generator=g), pack.values, pack.scale_offset), ())
+            (torch.randn(3, 576, generator=g), pack.values, pack.scale_offset, int4_gemv_cpu.has_int8_dot()), ())
 
 
 @_cpu_case

@@ -16,7 +16,7 @@ from tandem.config import EngineConfig
 from tandem.engine.model_runner import ModelRunner
 from tandem.engine.scheduler import ScheduledBatch
 from tandem.engine.sequence import Sequence
-from tandem.kernels import decode_step_cpu, ops
+from tandem.kernels import decode_step_cpu, int4_gemv_cpu, ops
 from tandem.model.compiled_step import CompiledDecodeStep
 from tandem.model.llama import LlamaModel, ModelWeights
 from tandem.model.quantization import quantize_weights
@@ -88,6 +88,26 @@ def test_a_bfloat16_cache_and_an_int8_model_too(loaded) -> None:
     r.kv_cache = r.kv_cache.to(torch.bfloat16)
     eager, eager_cache, compiled, compiled_cache = both_ways(r, decode_args(r, [300, 20]))
     assert torch.equal(compiled, eager) and torch.equal(compiled_cache, eager_cache)
+
+
+def test_the_other_int4_activations_too(loaded, int4_weights, runner) -> None:
+    """The runner fixture's products take auto's activations (int8 on a CPU with AVX-512 VNNI,
+    else float32); the other choice, on weights of its own (the choice is kept on their packs),
+    is also the same in both paths."""
+    auto_int8 = int4_gemv_cpu.has_int8_dot()
+    weights = quantize_weights(loaded.weights, "int4") if auto_int8 else int4_weights
+    if not auto_int8:
+        with pytest.raises(ValueError, match="AVX-512 VNNI"):
+            make_runner(loaded, weights, int4_activations="int8")
+        return
+    r = make_runner(loaded, weights, int4_activations="float32")
+    assert not any(vars(lw.down_proj)["gemv_pack"].int8_activations for lw in weights.layers)
+    eager, eager_cache, compiled, compiled_cache = both_ways(r, decode_args(r, [300, 20, 9]))
+    assert torch.equal(compiled, eager) and torch.equal(compiled_cache, eager_cache)
+    # The runner's int8 activations, on the same values of weights: other products (the rounding;
+    # its size: tests/kernels/test_int4_gemv_cpu.py per product, `tandem bench int4-activations` in all).
+    assert all(vars(lw.down_proj)["gemv_pack"].int8_activations for lw in runner.model.weights.layers)
+    assert not torch.equal(both_ways(runner, decode_args(runner, [300, 20, 9]))[2], compiled)
 
 
 @pytest.mark.parametrize("lengths", [[9], [5, 300, 17, 1000, 40, 41, 42, 43]], ids=["1 short", "8 mixed"])
