@@ -26,6 +26,7 @@ namespace tandem_cpu {
 namespace {
 
 constexpr int64_t kTile = 16;         // tokens scored together before one softmax update
+constexpr int64_t kRowChunks = 8;     // vectors of a V row summed in registers at once (head_dim 128 in AVX-512)
 
 // exp(x) for x <= 0 (about 1 ulp), for single values; exp_nonpositive below is the same lane
 // by lane. Below -87 it gives ~1e-38, not 0.
@@ -79,6 +80,43 @@ TANDEM_INLINE float hsum(Vec<16>::F x) {
               __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15));
 }
 
+// out[i] = the sum of v[i]'s lanes, for W vectors: a tree of shuffles and adds across the
+// vectors (W - 1 adds of whole vectors), where summing each alone takes log2(W) steps apiece.
+TANDEM_INLINE Vec<4>::F sum_each(const Vec<4>::F* v) {
+  const Vec<4>::F a = __builtin_shufflevector(v[0], v[1], 0, 1, 4, 5) + __builtin_shufflevector(v[0], v[1], 2, 3, 6, 7);
+  const Vec<4>::F b = __builtin_shufflevector(v[2], v[3], 0, 1, 4, 5) + __builtin_shufflevector(v[2], v[3], 2, 3, 6, 7);
+  return __builtin_shufflevector(a, b, 0, 2, 4, 6) + __builtin_shufflevector(a, b, 1, 3, 5, 7);
+}
+TANDEM_INLINE Vec<8>::F sum_each(const Vec<8>::F* v) {
+  Vec<8>::F h[4];  // h[p]: v[2p]'s halves summed in lanes 0-3, v[2p + 1]'s in 4-7
+  for (int p = 0; p < 4; ++p)
+    h[p] = __builtin_shufflevector(v[2 * p], v[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(v[2 * p], v[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  Vec<8>::F q[2];  // q[p]: 2 lanes each of v[4p .. 4p + 3]
+  for (int p = 0; p < 2; ++p)
+    q[p] = __builtin_shufflevector(h[2 * p], h[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(h[2 * p], h[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  return __builtin_shufflevector(q[0], q[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(q[0], q[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+TANDEM_INLINE Vec<16>::F sum_each(const Vec<16>::F* v) {
+  Vec<16>::F h[8];  // h[p]: v[2p]'s halves summed in lanes 0-7, v[2p + 1]'s in 8-15
+  for (int p = 0; p < 8; ++p)
+    h[p] = __builtin_shufflevector(v[2 * p], v[2 * p + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * p], v[2 * p + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                   31);
+  Vec<16>::F q[4];  // q[p]: 4 lanes each of v[4p .. 4p + 3]
+  for (int p = 0; p < 4; ++p)
+    q[p] = __builtin_shufflevector(h[2 * p], h[2 * p + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(h[2 * p], h[2 * p + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  Vec<16>::F e[2];  // e[p]: 2 lanes each of v[8p .. 8p + 7]
+  for (int p = 0; p < 2; ++p)
+    e[p] = __builtin_shufflevector(q[2 * p], q[2 * p + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(q[2 * p], q[2 * p + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(e[0], e[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(e[0], e[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
 // exp_nonpositive, lane by lane.
 template <int W> TANDEM_INLINE typename Vec<W>::F exp_nonpositive(typename Vec<W>::F x) {
   const typename Vec<W>::F lo = x * 0.0f - 87.0f;
@@ -100,13 +138,17 @@ TANDEM_INLINE void attend_range(const float* q, int64_t group, int64_t d_arg, fl
     const int64_t off = t0 % c.block_size;
     const int64_t n = std::min({kTile, c.block_size - off, end - t0});
     const int64_t base = table[t0 / c.block_size] * c.block_stride + off * c.token_stride;
-    for (int64_t i = 0; i < n; ++i) {  // scores: each K row read once for the whole group
-      const T* kr = k + base + i * c.token_stride;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = q + g * d;
-        F dot = load<W>(qg) * load<W>(kr);
-        for (int64_t j = 1; j < chunks; ++j) dot += load<W>(qg + j * W) * load<W>(kr + j * W);
-        s[g][i] = hsum(dot) * scale;
+    for (int64_t g = 0; g < group; ++g) {  // scores: the tile's K rows stay in L1 for the group
+      const float* qg = q + g * d;
+      for (int64_t i0 = 0; i0 < n; i0 += W) {  // W tokens' dot products, summed across in one go
+        F dots[W];
+        for (int64_t i = 0; i < W; ++i) {
+          const T* kr = k + base + std::min(i0 + i, n - 1) * c.token_stride;  // past n: a row again, unused
+          F dot = load<W>(qg) * load<W>(kr);
+          for (int64_t j = 1; j < chunks; ++j) dot += load<W>(qg + j * W) * load<W>(kr + j * W);
+          dots[i] = dot;
+        }
+        store<W>(s[g] + i0, sum_each(dots) * scale);
       }
     }
     for (int64_t g = 0; g < group; ++g) {
@@ -135,14 +177,17 @@ TANDEM_INLINE void attend_range(const float* q, int64_t group, int64_t d_arg, fl
       }
       l[g] += hsum(sum);
     }
-    for (int64_t i = 0; i < n; ++i) {  // values: each V row read once for the whole group
-      const T* vr = v + base + i * c.token_stride;
-      for (int64_t j = 0; j < chunks; ++j) {
-        const F x = load<W>(vr + j * W);
-        for (int64_t g = 0; g < group; ++g) {
-          float* a = acc + g * d + j * W;
-          store<W>(a, load<W>(a) + s[g][i] * x);
+    for (int64_t g = 0; g < group; ++g) {  // values: a head's sums in registers over the tile's rows
+      float* ag = acc + g * d;
+      for (int64_t j0 = 0; j0 < chunks; j0 += kRowChunks) {
+        const int64_t nj = std::min(kRowChunks, chunks - j0);
+        F a[kRowChunks];
+        for (int64_t j = 0; j < nj; ++j) a[j] = load<W>(ag + (j0 + j) * W);
+        for (int64_t i = 0; i < n; ++i) {
+          const T* vr = v + base + i * c.token_stride + j0 * W;
+          for (int64_t j = 0; j < nj; ++j) a[j] += s[g][i] * load<W>(vr + j * W);
         }
+        for (int64_t j = 0; j < nj; ++j) store<W>(ag + (j0 + j) * W, a[j]);
       }
     }
     t0 += n;
