@@ -23,7 +23,7 @@ _openmp = ("-fopenmp",) if sys.platform.startswith("linux") else ()
 EXTENSION = CpuExtension(
     "tandem_decode_step_cpu", (_csrc / "decode_step_cpu.cpp", _csrc / "paged_decode_attention_cpu_loop.cpp"),
     tuple(_csrc / name for name in ("cpu_gemv.h", "int4_gemv_cpu.h", "int4_q8_gemv_cpu.h", "int8_gemv_cpu.h",
-                                    "f32_gemv_cpu.h",
+                                    "int8_q8_gemv_cpu.h", "q8_activations_cpu.h", "f32_gemv_cpu.h",
                                     "paged_decode_attention_cpu.h", "paged_decode_attention_cpu_items.h",
                                     "exp_cpu.h", "rms_norm_cpu.h", "rope_cpu.h", "silu_mul_cpu.h", "step_stages.h")),
     ("-O3", "-Wno-psabi", *_openmp), _openmp)

@@ -82,7 +82,8 @@ def pack(qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> In
 
 _openmp = ("-fopenmp",) if sys.platform.startswith("linux") else ()
 EXTENSION = CpuExtension(EXTENSION_NAME, (CSRC / "int4_gemv_cpu.cpp",),
-                         (CSRC / "cpu_gemv.h", CSRC / "int4_gemv_cpu.h", CSRC / "int4_q8_gemv_cpu.h"),
+                         (CSRC / "cpu_gemv.h", CSRC / "int4_gemv_cpu.h", CSRC / "int4_q8_gemv_cpu.h",
+                          CSRC / "q8_activations_cpu.h"),
                          ("-O3", "-Wno-psabi", *_openmp), _openmp)
 
 def load_extension() -> ModuleType | None:

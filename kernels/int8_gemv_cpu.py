@@ -5,6 +5,8 @@ output channels interleaved, so each vector load feeds 16 outputs).
 torch's ``_weight_int8pack_mm`` (quantization.py) rounds float32 activations to bfloat16;
 this one keeps them in float32, as the int4 kernel does (int4_gemv_cpu.py). Built with the
 other CPU kernels by `make install` (cpu_build.py); torch's kernel runs where it cannot be.
+On CPUs with AVX-512 VNNI a pack may round the activations to 8 bits per group of 32 instead
+(`int8_activations`, csrc/int8_q8_gemv_cpu.h), as int4_gemv_cpu.py's may.
 """
 
 from __future__ import annotations
@@ -23,10 +25,13 @@ CSRC = Path(__file__).with_name("csrc")
 EXTENSION_NAME = "tandem_int8_gemv_cpu"
 CHANNELS = 16
 """Output channels interleaved in the packed layout: the output size must be a multiple."""
+ACTIVATION_GROUP = 32
+"""Columns per scale of 8-bit activations."""
 
 _openmp = ("-fopenmp",) if sys.platform.startswith("linux") else ()
 EXTENSION = CpuExtension(EXTENSION_NAME, (CSRC / "int8_gemv_cpu.cpp",),
-                         (CSRC / "cpu_gemv.h", CSRC / "int8_gemv_cpu.h"),
+                         (CSRC / "cpu_gemv.h", CSRC / "int8_gemv_cpu.h", CSRC / "int8_q8_gemv_cpu.h",
+                          CSRC / "q8_activations_cpu.h"),
                          ("-O3", "-Wno-psabi", *_openmp), _openmp)
 
 
@@ -37,12 +42,15 @@ class Int8GemvPack:
 
     values: torch.Tensor  # [out / 16, in / 4, 16] int32
     scale: torch.Tensor  # [out] float32
+    int8_activations: bool = False
+    """The activations rounded to 8 bits per group of 32 before the product (only where
+    has_int8_dot() and the input size is a multiple of 32)."""
 
     def matmul(self, x2: torch.Tensor) -> torch.Tensor:
         """x2: [M, in] float32 -> [M, out] float32 (the kernel must be available: see load_extension)."""
         if torch.compiler.is_compiling():  # traced: the op (see _int8_gemv_op); eager: the kernel itself
-            return torch.ops.tandem.int8_gemv_cpu(x2, self.values, self.scale)
-        return _module().int8_gemv(x2, self.values, self.scale)
+            return torch.ops.tandem.int8_gemv_cpu(x2, self.values, self.scale, self.int8_activations)
+        return _module().int8_gemv(x2, self.values, self.scale, self.int8_activations)
 
     @property
     def num_bytes(self) -> int:
@@ -52,6 +60,11 @@ class Int8GemvPack:
 def takes(out_features: int, in_features: int) -> bool:
     """Whether the kernel takes a weight of this shape (build aside)."""
     return out_features % CHANNELS == 0 and in_features % 4 == 0
+
+
+def takes_int8_activations(in_features: int) -> bool:
+    """Whether 8-bit activations apply to a weight of this input size (groups of 32)."""
+    return in_features % ACTIVATION_GROUP == 0
 
 
 def pack(qweight: torch.Tensor, scale: torch.Tensor) -> Int8GemvPack:
@@ -76,11 +89,11 @@ def _module() -> ModuleType:
 # The kernel as a torch custom op, so that a traced step holds it as a node of its one graph;
 # eager products skip the op's dispatch (several us a call, about the kernel's own at one row).
 @torch.library.custom_op("tandem::int8_gemv_cpu", mutates_args=())
-def _int8_gemv_op(x2: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return _module().int8_gemv(x2, values, scale)
+def _int8_gemv_op(x2: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, int8_activations: bool) -> torch.Tensor:
+    return _module().int8_gemv(x2, values, scale, int8_activations)
 
 
 @_int8_gemv_op.register_fake
-def _(x2: torch.Tensor, values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def _(x2: torch.Tensor, values: torch.Tensor, scale: torch.Tensor, int8_activations: bool) -> torch.Tensor:
     # scale: [out] -> [M, out] float32
     return x2.new_empty((x2.shape[0], scale.shape[0]), dtype=torch.float32)

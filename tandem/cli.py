@@ -176,7 +176,7 @@ BENCH_HELP = {
     "grammar": "structured outputs: xgrammar, llguidance, outlines-core compile and per-token mask times",
     "gpu": "on a GPU: greedy parity with transformers, decode vs the memory floor, kernels vs SDPA, KV staging",
     "kv-dtype": "a bfloat16 KV cache vs the activations' float32: greedy token agreement on parity prompts",
-    "int4-activations": "int4 products' activations in int8 vs float32 on the CPU: perplexity, greedy agreement",
+    "activations": "quantized weights' products with int8 vs float32 activations on the CPU: perplexity, agreement",
 }
 
 

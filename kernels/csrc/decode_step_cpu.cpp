@@ -20,6 +20,7 @@
 #include "int4_gemv_cpu.h"
 #include "int4_q8_gemv_cpu.h"
 #include "int8_gemv_cpu.h"
+#include "int8_q8_gemv_cpu.h"
 #include "paged_decode_attention_cpu_items.h"
 #include "rms_norm_cpu.h"
 #include "rope_cpu.h"
@@ -32,19 +33,20 @@ using tandem_cpu::kGemvChannels;
 
 const tandem_cpu::Isa kIsa = tandem_cpu::detect_isa();
 
-// A product's input as the int4 kernels take it: group sums of x (float32 activations), or x
-// rounded to 8 bits (int4_q8_gemv_cpu.h). Each thread's own, made once per stage.
+// A product's input as the kernels take it: group sums of x (int4, float32 activations), or x
+// rounded to 8 bits (q8_activations_cpu.h) with its scales, group sums and (int8) offset terms.
+// Each thread's own, made once per stage.
 struct ProductInput {
-  std::vector<float> sums, scales;
+  std::vector<float> sums, scales, offsets;
   std::vector<int8_t> q;
-  explicit ProductInput(int64_t max_elements)
-      : sums(max_elements / tandem_cpu::int4::kGroup + 1), scales(sums.size()), q(max_elements) {}
+  ProductInput(int64_t max_elements, int64_t max_rows)
+      : sums(max_elements / tandem_cpu::q8::kGroup + 1), scales(sums.size()), offsets(max_rows), q(max_elements) {}
 };
 
-// A weight as one of the GEMV kernels takes it: int4 (scale_offset int32; with float32 or
-// 8-bit activations) or int8 (scale float32) packed, or float32 as torch holds it ([N, K], no scales).
+// A weight as one of the GEMV kernels takes it: int4 (scale_offset int32) or int8 (scale float32)
+// packed, each with float32 or 8-bit activations, or float32 as torch holds it ([N, K], no scales).
 struct Projection {
-  enum class Kind { kInt4, kInt4Int8Activations, kInt8, kF32 };
+  enum class Kind { kInt4, kInt4Int8Activations, kInt8, kInt8Int8Activations, kF32 };
   torch::Tensor values, scales;
   Kind kind;
   bool int4;
@@ -53,13 +55,14 @@ struct Projection {
   Projection(torch::Tensor v, torch::Tensor s, bool int8_activations)
       : values(v), scales(s),
         kind(v.scalar_type() == torch::kFloat32 ? Kind::kF32
-             : s.scalar_type() != torch::kInt32 ? Kind::kInt8
+             : s.scalar_type() != torch::kInt32 ? (int8_activations ? Kind::kInt8Int8Activations : Kind::kInt8)
              : int8_activations ? Kind::kInt4Int8Activations : Kind::kInt4),
         int4(s.scalar_type() == torch::kInt32),
         N(kind == Kind::kF32 ? v.size(0) : v.size(0) * kGemvChannels),
         K(kind == Kind::kF32 ? v.size(1) : v.size(1) * (int4 ? 8 : 4)) {
-    TORCH_CHECK(!int8_activations || (int4 && tandem_cpu::int4_q8::cpu_has_int8_dot()),
-                "Projection: 8-bit activations need an int4 weight and AVX-512 VNNI");
+    TORCH_CHECK(!int8_activations || (kind != Kind::kF32 && tandem_cpu::q8::cpu_has_int8_dot() &&
+                                      K % tandem_cpu::q8::kGroup == 0),
+                "Projection: 8-bit activations need an int4 or int8 weight, AVX-512 VNNI and columns in groups of 32");
     if (kind == Kind::kF32) {
       TORCH_CHECK(v.dim() == 2 && v.is_contiguous() && N % kGemvChannels == 0 && K % tandem_cpu::f32::kColumns == 0,
                   "Projection: a float32 weight [N, K], contiguous, N and K multiples of 16");
@@ -74,7 +77,13 @@ struct Projection {
   void prepare(const float* x, int64_t M, ProductInput& in) const {
     if (kind == Kind::kInt4) tandem_cpu::int4::group_sums(x, M, K, in.sums.data());
     if (kind == Kind::kInt4Int8Activations)
-      tandem_cpu::int4_q8::quantize_rows(x, M, K, in.q.data(), in.scales.data(), in.sums.data());
+      tandem_cpu::q8::quantize_rows<tandem_cpu::q8::Order::kNibbles>(x, M, K, in.q.data(), in.scales.data(),
+                                                                      in.sums.data());
+    if (kind == Kind::kInt8Int8Activations) {
+      tandem_cpu::q8::quantize_rows<tandem_cpu::q8::Order::kNatural>(x, M, K, in.q.data(), in.scales.data(),
+                                                                      in.sums.data());
+      tandem_cpu::int8_q8::offset_terms(in.q.data(), in.scales.data(), M, K, in.offsets.data());
+    }
   }
 
   // out[:, blocks [first, end)] of x: [M, K] (`in`: what prepare made of x).
@@ -91,6 +100,13 @@ struct Projection {
 #ifdef TANDEM_HAS_Q8_GEMV
         tandem_cpu::int4_q8::gemv_blocks(packed, scale_offset, in.q.data(), in.scales.data(), in.sums.data(), M, K,
                                          N, out, first, end);
+#endif
+        break;
+      case Kind::kInt8Int8Activations:
+#ifdef TANDEM_HAS_Q8_GEMV
+        tandem_cpu::int8_q8::gemv_blocks(static_cast<const int32_t*>(values.data_ptr()),
+                                         static_cast<const float*>(scales.data_ptr()), in.q.data(), in.scales.data(),
+                                         in.offsets.data(), M, K, N, out, first, end);
 #endif
         break;
       case Kind::kInt8:
@@ -191,7 +207,7 @@ class DecodeStep {
     tandem_cpu::StepStages stages(static_cast<int64_t>(layers_.size()) * 9 + 3);
 #pragma omp parallel num_threads(threads)
     {
-      ProductInput input(B * max_k);
+      ProductInput input(B * max_k, B);
       std::vector<float> acc(Q), m(num_heads_), l(num_heads_);
       tandem_cpu::StepStages::Cursor at;
       // A product's input, made by each thread once per stage, before its first unit.

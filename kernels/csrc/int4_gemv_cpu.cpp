@@ -10,7 +10,7 @@ using tandem_cpu::int4::kGroup;
 
 static const tandem_cpu::Isa kIsa = tandem_cpu::detect_isa();
 
-static const bool kInt8Dot = tandem_cpu::int4_q8::cpu_has_int8_dot();
+static const bool kInt8Dot = tandem_cpu::q8::cpu_has_int8_dot();
 
 // x: [M, K] float32; values: [N / 16, K / 8, 16] int32; scale_offset: [N / 16, K / 32, 16]
 // int32 (see int4_gemv_cpu.h) -> [M, N] float32. int8_activations: x rounded to 8 bits per group
@@ -37,7 +37,7 @@ torch::Tensor int4_gemv(torch::Tensor x, torch::Tensor values, torch::Tensor sca
     auto scales = torch::empty({2, M, K / kGroup}, x.options());
     float* d = scales.data_ptr<float>();
     float* sums = d + M * (K / kGroup);
-    tandem_cpu::int4_q8::quantize_rows(xc.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d, sums);
+    tandem_cpu::q8::quantize_rows<tandem_cpu::q8::Order::kNibbles>(xc.data_ptr<float>(), M, K, q.data_ptr<int8_t>(), d, sums);
     const int8_t* qp = q.data_ptr<int8_t>();
     at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
       tandem_cpu::int4_q8::gemv_blocks(v, so, qp, d, sums, M, K, N, o, begin, end);

@@ -5,15 +5,15 @@
 // copy at one row; at 8 rows the multiply-adds alone are most of the step); this one reads the
 // weight at its bytes' pace. llama.cpp's CPU products work the same way (Q8_1 activations).
 //
-// The activations, per row and group of 32 columns (`quantize_rows`): d = max |x| / 127,
+// The activations (q8_activations_cpu.h), per row and group of 32 columns: d = max |x| / 127,
 // q = round(x / d) in int8 (ties to even), and sum(x) kept in float32 for the offset term:
 //
 //   out[m, n] = sum_g scale[n, g] * d[m, g] * sum_{i in g} w[n, i] * q[m, i]  +  offset[n, g] * xsum[m, g]
 //
 // Each |x - d q| <= d / 2: tests/kernels/test_int4_gemv_cpu.py bounds the product by it.
 // The weight is int4_gemv_cpu.h's packed layout as it is: the low nibbles of a lane's 4 bytes
-// are columns 0, 2, 4, 6 of its 8, the high ones 1, 3, 5, 7, so `quantize_rows` stores each
-// 8 columns' values in that order, and one 4-byte broadcast meets each half.
+// are columns 0, 2, 4, 6 of its 8, the high ones 1, 3, 5, 7, so the activations are stored in
+// that order (kNibbleOrder), and one 4-byte broadcast meets each half.
 #pragma once
 
 #include <cmath>
@@ -22,43 +22,12 @@
 
 #include "cpu_gemv.h"
 #include "int4_gemv_cpu.h"
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define TANDEM_HAS_Q8_GEMV 1
-#endif
+#include "q8_activations_cpu.h"
 
 namespace tandem_cpu {
 namespace int4_q8 {
 
 using int4::kGroup;
-
-// Whether the CPU runs the 8-bit products (AVX-512 with VNNI).
-inline bool cpu_has_int8_dot() {
-#ifdef TANDEM_HAS_Q8_GEMV
-  __builtin_cpu_init();
-  return detect_isa() == Isa::kAvx512 && __builtin_cpu_supports("avx512vnni");
-#else
-  return false;
-#endif
-}
-
-// x: [M, K] -> q: [M, K] int8 (each 8 columns as 0, 2, 4, 6, 1, 3, 5, 7); scale, xsum: [M, K / 32].
-inline void quantize_rows(const float* x, int64_t M, int64_t K, int8_t* q, float* scale, float* xsum) {
-  for (int64_t i = 0; i < M * (K / kGroup); ++i) {
-    const float* xg = x + i * kGroup;
-    float amax = 0.0f, sum = 0.0f;
-    for (int64_t c = 0; c < kGroup; ++c) {
-      amax = std::max(amax, std::fabs(xg[c]));
-      sum += xg[c];
-    }
-    const float d = amax / 127.0f, inv = d > 0.0f ? 1.0f / d : 0.0f;
-    for (int64_t c = 0; c < kGroup; ++c)
-      q[i * kGroup + (c & ~7) + (c & 1) * 4 + (c & 7) / 2] = static_cast<int8_t>(std::nearbyint(xg[c] * inv));
-    scale[i] = d;
-    xsum[i] = sum;
-  }
-}
 
 #ifdef TANDEM_HAS_Q8_GEMV
 // A block of 16 channels (one vector) against R rows. values, scale_offset: the block's packed

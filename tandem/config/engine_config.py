@@ -13,8 +13,8 @@ from tandem.config.engine_options import ENGINE_DEFAULTS as DEFAULTS
 from tandem.config.engine_options import SCHEDULING_POLICIES
 from tandem.config.model_config import ModelConfig, gib_to_bytes
 from tandem.config.names import (
+    ACTIVATION_QUANTIZATIONS,
     DTYPE_BYTES,
-    INT4_ACTIVATIONS,
     PREEMPTION_MODES,
     QUANTIZATION_CHOICES,
     require,
@@ -92,10 +92,10 @@ class EngineConfig:
     """The disk tier's capacity for evicted prefix blocks (0: none; tandem/kvcache/disk_tier.py)."""
     kv_offload_dir: str | None = None
     """The disk tier's folder (resolved when kv_offload_disk_bytes > 0, else None)."""
-    int4_activations: str = "auto"
-    """How int4 products on the CPU take their activations: float32, int8 (rounded to 8 bits per
-    group of 32) or auto: int8 where the engine's CPU has AVX-512 VNNI, resolved as the engine
-    packs its weights, by the CPU that runs them (kernels/int4_gemv_cpu.py)."""
+    activation_quantization: str = "auto"
+    """Whether quantized weights' products on the CPU round their activations to 8 bits per
+    group of 32 (int8) or not (none); auto: int8 where the engine's CPU has AVX-512 VNNI,
+    resolved as the engine packs its weights, by the CPU that runs them (kernels/int4_gemv_cpu.py)."""
 
     @property
     def dtype(self) -> torch.dtype:
@@ -162,7 +162,7 @@ class EngineConfig:
         kv_offload_host_gib: float = DEFAULTS["kv_offload_host_gib"],
         kv_offload_disk_gib: float = DEFAULTS["kv_offload_disk_gib"],
         kv_offload_dir: str | None = DEFAULTS["kv_offload_dir"],
-        int4_activations: str = DEFAULTS["int4_activations"],
+        activation_quantization: str = DEFAULTS["activation_quantization"],
     ) -> EngineConfig:
         """The defaults of the engine options are tandem.config.engine_options' (the CLI flags' too).
         device, dtype and kv_cache_dtype may be ``auto`` (resolved here: see tandem/config/device.py and
@@ -175,8 +175,8 @@ class EngineConfig:
         require(max_num_seqs >= 1, "max_num_seqs", max_num_seqs, ">= 1")
         require(max_num_batched_tokens >= 1, "max_num_batched_tokens", max_num_batched_tokens, ">= 1")
         require(max_cudagraph_capture_size >= 1, "max_cudagraph_capture_size", max_cudagraph_capture_size, ">= 1")
-        require(int4_activations in INT4_ACTIVATIONS, "int4_activations", int4_activations,
-                f"one of {', '.join(INT4_ACTIVATIONS)}")
+        require(activation_quantization in ACTIVATION_QUANTIZATIONS, "activation_quantization", activation_quantization,
+                f"one of {', '.join(ACTIVATION_QUANTIZATIONS)}")
         require(tensor_parallel_size >= 1, "tensor_parallel_size", tensor_parallel_size, ">= 1")
         require(quantization is None or quantization in QUANTIZATION_CHOICES, "quantization", quantization,
                  f"None or one of {', '.join(QUANTIZATION_CHOICES)}")
@@ -257,5 +257,5 @@ class EngineConfig:
             kv_offload_host_bytes=gib_to_bytes(kv_offload_host_gib),
             kv_offload_disk_bytes=gib_to_bytes(kv_offload_disk_gib),
             kv_offload_dir=kv_offload_dir if kv_offload_disk_gib > 0 else None,
-            int4_activations=int4_activations,
+            activation_quantization=activation_quantization,
         )

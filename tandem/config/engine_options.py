@@ -17,8 +17,8 @@ from types import MappingProxyType
 from typing import Any
 
 from tandem.config.names import (
+    ACTIVATION_QUANTIZATIONS,
     DTYPE_CHOICES,
-    INT4_ACTIVATIONS,
     KV_CACHE_DTYPE_CHOICES,
     PREEMPTION_MODES,
     QUANTIZATION_CHOICES,
@@ -111,11 +111,12 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "ones as int8; float checkpoints stay float), none (float weights, a GGUF file dequantized), "
                  "int8 (per output channel) or int4 (groups of 32) (default %(default)s)",
                  choices=QUANTIZATION_CHOICES),
-    EngineOption("int4_activations", str, "auto",
-                 "what int4 weights multiply on the CPU: float32 activations, or int8 (rounded to 8 bits per "
-                 "group of 32, as llama.cpp does: integer dot products, 1.8-2.4x faster, outputs within that "
-                 "rounding of float32's); auto: int8 where the CPU has AVX-512 VNNI (default %(default)s)",
-                 choices=INT4_ACTIVATIONS),
+    EngineOption("activation_quantization", str, "auto",
+                 "on the CPU, whether quantized weights' products round their float32 activations to 8 bits "
+                 "per group of 32, as llama.cpp does (int8: integer dot products, 1.8-2.4x faster, outputs within "
+                 "that rounding: +1.8%% perplexity on the default model) or keep them (none); auto: int8 where "
+                 "the CPU has AVX-512 VNNI (default %(default)s)",
+                 choices=ACTIVATION_QUANTIZATIONS),
     EngineOption("num_speculative_tokens", int, 0,
                  "draft tokens per decode step by prompt lookup (default 0: off)", metavar="K"),
     EngineOption("enable_prefix_caching", bool, True,

@@ -43,10 +43,10 @@ KV_CACHE_DTYPE_CHOICES: tuple[str, ...] = (AUTO, *DTYPE_NAMES)
 of DTYPE_NAMES, which may differ from the activations' dtype (the KV is cast as it is stored)."""
 
 
-INT4_ACTIVATIONS: tuple[str, ...] = (AUTO, "int8", "float32")
-"""What ``--int4-activations`` takes: how the CPU's int4 products take their activations
-(kernels/int4_gemv_cpu.py); auto is int8 where the CPU has AVX-512 VNNI, resolved as the engine
-packs its weights (the CPU that runs them decides)."""
+ACTIVATION_QUANTIZATIONS: tuple[str, ...] = (AUTO, "int8", "none")
+"""What ``--activation-quantization`` takes: whether the CPU's int4 and int8 weight products
+round their activations to 8 bits (kernels/int4_gemv_cpu.py); auto is int8 where the CPU has
+AVX-512 VNNI, resolved as the engine packs its weights (the CPU that runs them decides)."""
 
 
 def check_device_name(name: str) -> str:

@@ -62,7 +62,7 @@ class ModelRunner:
         # The compiled CPU kernels loaded (built if missing) and their weight layouts made now,
         # before any request: never on a step.
         ops.prepare_cpu_kernels(config.device, config.dtype)
-        pack_for_cpu_kernels(model.weights, config.device, config.dtype, config.int4_activations)
+        pack_for_cpu_kernels(model.weights, config.device, config.dtype, config.activation_quantization)
         self.compiled_step = None if config.enforce_eager else CompiledDecodeStep.for_model(
             model, config.tensor_parallel_size)
         """Decode steps as one compiled call on the CPU (None: every step eager; see compiled_step.py)."""

@@ -59,9 +59,8 @@ class CompiledDecodeStep:
             assert pack is not None
             if isinstance(pack, torch.Tensor):
                 return ext.Projection(pack, torch.empty(0))  # float32 as torch holds it: no scales
-            if isinstance(pack, Int4GemvPack):
-                return ext.Projection(pack.values, pack.scale_offset, pack.int8_activations)
-            return ext.Projection(pack.values, pack.scale)
+            scales = pack.scale_offset if isinstance(pack, Int4GemvPack) else pack.scale
+            return ext.Projection(pack.values, scales, pack.int8_activations)
 
         layers = [ext.Layer(projection(lw.qkv_proj), projection(lw.o_proj), projection(lw.gate_up_proj),
                             projection(lw.down_proj), lw.qkv_bias, lw.input_norm, lw.post_attention_norm)

@@ -235,18 +235,18 @@ def with_cpu_pack(w: Int4Weight) -> Int4Weight:
 
 
 def pack_for_cpu_kernels(weights: ModelWeights, device: torch.device, dtype: torch.dtype,
-                         int4_activations: str = "auto") -> None:
+                         activation_quantization: str = "auto") -> None:
     """Build tandem's CPU kernel layouts of the quantized weights now, where an engine on
     `device` in `dtype` will run them (float32 on the CPU, unless Triton is asked for), so the
-    first step does not pay. int4_activations: EngineConfig.int4_activations (auto resolved here:
-    int8 where this CPU has AVX-512 VNNI); int8 where it has not is a ValueError."""
+    first step does not pay. activation_quantization: EngineConfig.activation_quantization (auto
+    resolved here: int8 where this CPU has AVX-512 VNNI); int8 where it has not is a ValueError."""
     if device.type != "cpu" or dtype != torch.float32 or ops.requested_backend() is ops.Backend.TRITON:
         return
     has_int8_dot = int4_gemv_cpu.has_int8_dot()
-    if int4_activations == "int8" and not has_int8_dot:
-        raise ValueError("int4_activations int8 needs a CPU with AVX-512 VNNI (and the compiled kernel); "
-                         "this one runs float32 activations (int4_activations float32 or auto)")
-    int8_activations = has_int8_dot and int4_activations != "float32"
+    if activation_quantization == "int8" and not has_int8_dot:
+        raise ValueError("activation_quantization int8 needs a CPU with AVX-512 VNNI (and the compiled kernels); "
+                         "this one keeps float32 activations (activation_quantization none or auto)")
+    int8_activations = has_int8_dot and activation_quantization != "none"
     for layer in weights.layers:
         for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
             _pack_for_gemv(w, int8_activations)
@@ -254,17 +254,18 @@ def pack_for_cpu_kernels(weights: ModelWeights, device: torch.device, dtype: tor
 
 
 def _pack_for_gemv(w: Weight, int8_activations: bool) -> None:
+    # NOTE: a pack is a cached property (kept in the instance's dict, as functools keeps it on a
+    # frozen dataclass), set here to the pack of this engine's choice of activations (the same
+    # tensors): engines sharing one weight object share the choice of the last one built.
     if isinstance(w, Int4Weight) and int4_gemv_cpu.takes(w.shape[0], w.shape[1], w.group_size):
         if int4_gemv_cpu.load_extension() is not None:
-            # NOTE: a cached property (kept in the instance's dict, as functools keeps it on a frozen
-            # dataclass), set to the pack of this engine's choice of activations (the same tensors):
-            # engines sharing one weight object share the choice of the last one built.
             vars(w)["gemv_pack"] = dataclasses.replace(w.gemv_pack, int8_activations=int8_activations)
             # float32 products never read torch's layout (tandem's kernel, or dequantizing above its bound)
             w.__dict__.pop("cpu_pack", None)
     elif isinstance(w, Int8Weight) and int8_gemv_cpu.takes(*w.shape):
         if int8_gemv_cpu.load_extension() is not None:
-            w.gemv_pack  # noqa: B018
+            rounded = int8_activations and int8_gemv_cpu.takes_int8_activations(w.shape[1])
+            vars(w)["gemv_pack"] = dataclasses.replace(w.gemv_pack, int8_activations=rounded)
 
 
 QUANTIZERS: dict[str, tuple[type[Int8Weight] | type[Int4Weight], Callable[[torch.Tensor], QuantizedWeight]]] = {

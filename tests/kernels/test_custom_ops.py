@@ -124,7 +124,7 @@ def int8_gemv() -> tuple[Any, Callable[..., Any], tuple[Any, ...], tuple[int, ..
     w = quantize_int8(torch.randn(48, 576, generator=g))
     pack = int8_gemv_cpu.pack(w.qweight, w.scale)
     return (torch.ops.tandem.int8_gemv_cpu, built(int8_gemv_cpu.load_extension).int8_gemv,
-            (torch.randn(3, 576, generator=g), pack.values, pack.scale), ())
+            (torch.randn(3, 576, generator=g), pack.values, pack.scale, int4_gemv_cpu.has_int8_dot()), ())
 
 
 @_cpu_case

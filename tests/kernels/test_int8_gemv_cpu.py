@@ -3,9 +3,12 @@ the int8 product's choice of it (float32 rows on the CPU, up to GEMV_MAX_TOKENS)
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
+from tandem.kernels import int4_gemv_cpu
 from tandem.kernels import int8_gemv_cpu as cpu_int8
 from tandem.model import quantization
 from tandem.model.quantization import int8_matmul, quantize_int8
@@ -35,6 +38,34 @@ def test_matches_float64(kernel, num_rows, out_features, in_features):
     error = (out.double() - expected).abs()
     assert bool((error <= bound).all()), float((error / bound).max())
     assert float((error / bound).max()) > 1e-4, "not vacuous: float32 rounding shows somewhere"
+
+
+@pytest.mark.skipif(not int4_gemv_cpu.has_int8_dot(), reason="8-bit activations need AVX-512 VNNI")
+@pytest.mark.parametrize("num_rows", [1, 2, 3, 8, 11])
+@pytest.mark.parametrize("out_features, in_features", [(48, 576), (960, 576), (32, 1536)])
+def test_int8_activations_match_their_float64_definition(kernel, num_rows, out_features, in_features):
+    """Each group of 32 activations rounded to d * round(x / d), d = max |x| / 127 (float32, as
+    the kernel takes them), times the int8 weight, in float64; the kernel's integer sums are
+    exact (its weights read as w + 128, that term taken off per row), float32 rounding aside."""
+    gen = torch.Generator().manual_seed(num_rows * 100 + out_features)
+    w = quantize_int8(torch.randn(out_features, in_features, generator=gen)
+                      * torch.logspace(-3, 0, out_features)[:, None])
+    x = torch.randn(num_rows, in_features, generator=gen) * torch.rand(in_features, generator=gen) * 4
+    x[0, 64:96] = 0.0  # an all-zero group: scale 0
+    out = dataclasses.replace(w.gemv_pack, int8_activations=True).matmul(x)
+    groups = x.view(num_rows, -1, 32)
+    d = groups.abs().amax(-1) / 127
+    q = torch.round(groups * torch.where(d > 0, 1.0 / d, torch.zeros_like(d))[..., None])
+    rounded = (q.double() * d.double()[..., None]).view_as(x)
+    weight = w.dequantize(torch.float64)
+    expected = rounded @ weight.T
+    # the w + 128 term and its removal: float32 rounding on sums ~256 times the weights' magnitude
+    bound = 4 * in_features * U32 * (rounded.abs() @ (weight.abs() + 128 * w.scale.double()[:, None]).T) + 1e-6
+    assert bool(((out.double() - expected).abs() <= bound).all())
+    assert float((out.double() - x.double() @ weight.T).abs().max()) > 1e-4  # rounded: not the float32 product
+    odd = quantize_int8(torch.randn(32, 100, generator=gen))  # 100 columns: not in groups of 32
+    with pytest.raises(RuntimeError, match="groups of 32"):
+        dataclasses.replace(odd.gemv_pack, int8_activations=True).matmul(torch.randn(1, 100))
 
 
 def test_bad_shapes_are_refused(kernel):

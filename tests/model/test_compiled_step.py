@@ -90,7 +90,7 @@ def test_a_bfloat16_cache_and_an_int8_model_too(loaded) -> None:
     assert torch.equal(compiled, eager) and torch.equal(compiled_cache, eager_cache)
 
 
-def test_the_other_int4_activations_too(loaded, int4_weights, runner) -> None:
+def test_the_other_activation_quantization_too(loaded, int4_weights, runner) -> None:
     """The runner fixture's products take auto's activations (int8 on a CPU with AVX-512 VNNI,
     else float32); the other choice, on weights of its own (the choice is kept on their packs),
     is also the same in both paths."""
@@ -98,15 +98,17 @@ def test_the_other_int4_activations_too(loaded, int4_weights, runner) -> None:
     weights = quantize_weights(loaded.weights, "int4") if auto_int8 else int4_weights
     if not auto_int8:
         with pytest.raises(ValueError, match="AVX-512 VNNI"):
-            make_runner(loaded, weights, int4_activations="int8")
+            make_runner(loaded, weights, activation_quantization="int8")
         return
-    r = make_runner(loaded, weights, int4_activations="float32")
-    assert not any(vars(lw.down_proj)["gemv_pack"].int8_activations for lw in weights.layers)
+    r = make_runner(loaded, weights, activation_quantization="none")
+    assert not any(vars(p)["gemv_pack"].int8_activations for p in (*[lw.down_proj for lw in weights.layers],
+                                                                       weights.lm_head))
     eager, eager_cache, compiled, compiled_cache = both_ways(r, decode_args(r, [300, 20, 9]))
     assert torch.equal(compiled, eager) and torch.equal(compiled_cache, eager_cache)
     # The runner's int8 activations, on the same values of weights: other products (the rounding;
-    # its size: tests/kernels/test_int4_gemv_cpu.py per product, `tandem bench int4-activations` in all).
-    assert all(vars(lw.down_proj)["gemv_pack"].int8_activations for lw in runner.model.weights.layers)
+    # its size: tests/kernels/test_int4_gemv_cpu.py per product, `tandem bench activations` in all).
+    assert all(vars(p)["gemv_pack"].int8_activations for p in (*[lw.down_proj for lw in runner.model.weights.layers],
+                                                                   runner.model.weights.lm_head))
     assert not torch.equal(both_ways(runner, decode_args(runner, [300, 20, 9]))[2], compiled)
 
 

@@ -284,10 +284,11 @@ def test_perplexity_close_to_float32(loaded, tokenizer):
     assert abs(quant / base - 1) < 0.03
 
 
-def test_int4_activations_are_chosen_by_the_cpu_unless_asked(monkeypatch, loaded):
+def test_activation_quantization_is_chosen_by_the_cpu_unless_asked(monkeypatch, loaded):
     """auto: 8-bit activations where the CPU has AVX-512 VNNI (as has_int8_dot says), float32
-    elsewhere; int8 asked of a CPU without them is refused as the engine starts; float32 always
-    taken. The choice lands on each int4 weight's pack (an int8 LM head has no such choice)."""
+    elsewhere; int8 asked of a CPU without them is refused as the engine starts; none always
+    taken. The choice lands on each quantized weight's pack, the int8 LM head's too, except
+    where its input size is not in groups of 32."""
     from types import SimpleNamespace
 
     from tandem.config import EngineConfig
@@ -299,18 +300,21 @@ def test_int4_activations_are_chosen_by_the_cpu_unless_asked(monkeypatch, loaded
     layer = SimpleNamespace(**{name: quantize_int4(torch.randn(64, 128)) for name in
                                ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")})
     weights = SimpleNamespace(layers=[layer], lm_head=quantize_int8(torch.randn(32, 128)))
+    odd_head = SimpleNamespace(layers=[], lm_head=quantize_int8(torch.randn(32, 100)))  # 100 columns: not in 32s
 
     def chosen(activations: str) -> set[bool]:
-        pack_for_cpu_kernels(weights, torch.device("cpu"), torch.float32, activations)
-        return {vars(w)["gemv_pack"].int8_activations for w in vars(layer).values()}
+        pack_for_cpu_kernels(weights, torch.device("cpu"), torch.float32, activations)  # type: ignore[arg-type]
+        pack_for_cpu_kernels(odd_head, torch.device("cpu"), torch.float32, activations)  # type: ignore[arg-type]
+        assert not vars(odd_head.lm_head)["gemv_pack"].int8_activations
+        return {vars(w)["gemv_pack"].int8_activations for w in [*vars(layer).values(), weights.lm_head]}
 
     for has_it in (True, False):
         monkeypatch.setattr(int4_gemv_cpu, "has_int8_dot", lambda has_it=has_it: has_it)
-        assert chosen("auto") == {has_it} and chosen("float32") == {False}
+        assert chosen("auto") == {has_it} and chosen("none") == {False}
         if has_it:
             assert chosen("int8") == {True}
         else:
             with pytest.raises(ValueError, match="AVX-512 VNNI"):
                 chosen("int8")
-    with pytest.raises(ValueError, match="int4_activations must be one of auto, int8, float32"):
-        EngineConfig.build(loaded.config, int4_activations="int4")
+    with pytest.raises(ValueError, match="activation_quantization must be one of auto, int8, none"):
+        EngineConfig.build(loaded.config, activation_quantization="int4")

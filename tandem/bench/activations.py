@@ -1,6 +1,7 @@
-"""The int4 products' activations on the CPU, float32 against int8 (``--int4-activations``:
-rounded to 8 bits per group of 32, kernels/int4_gemv_cpu.py), on the default model's own format
-(int4 from its GGUF file, float32 elsewhere): what the rounding costs.
+"""Quantized weights' products on the CPU with float32 activations against int8 ones
+(``--activation-quantization``: rounded to 8 bits per group of 32, kernels/int4_gemv_cpu.py and
+int8_gemv_cpu.py), on the default model's own format (int4 projections from its GGUF file, an
+int8 LM head, float32 elsewhere): what the rounding costs.
 
 Each choice, on a fresh engine over the same weights:
 - the perplexity of a fixed English text (standard-library docstrings), teacher-forced in
@@ -8,7 +9,8 @@ Each choice, on a fresh engine over the same weights:
   more than 160 tokens dequantizes instead); the float32 model (the file dequantized) beside
   them as the floor;
 - greedy tokens on the parity prompts (kv_dtype.PARITY_PROMPTS, never tuned on), against
-  float32 activations' own: tokens equal up to the first divergence, and the share identical.
+  float32 activations' own (`none`): tokens equal up to the first divergence, and the share
+  identical.
 
 Needs a CPU with AVX-512 VNNI for the int8 row. Writes results.json to --out-dir.
 """
@@ -33,8 +35,8 @@ from tandem.model.source import resolve_model_source
 
 logger = logging.getLogger(__name__)
 
-CHOICES = ("float32", "int8")
-"""--int4-activations values compared; the first is the reference."""
+CHOICES = ("none", "int8")
+"""--activation-quantization values compared; the first (float32 activations) is the reference."""
 
 
 def add_args(parser: argparse.ArgumentParser) -> None:
@@ -44,7 +46,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ppl-tokens", type=int, default=1024,
                         help="tokens of the perplexity text (default %(default)s)")
     parser.add_argument("--num-threads", type=int, default=None, help="torch threads (default: all cores)")
-    parser.add_argument("--out-dir", default="bench-results/int4-activations", help="where results.json goes")
+    parser.add_argument("--out-dir", default="bench-results/activation-quantization", help="where results.json goes")
 
 
 def chunked_perplexity(loaded: LoadedModel, quantization: str | None, token_ids: list[int],
@@ -67,24 +69,24 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     reference = None
     for choice in CHOICES:
-        ppl = chunked_perplexity(loaded, fmt, text, int4_activations=choice)
-        tokens, _, _ = greedy_tokens(loaded, fmt, "auto", prompts, args.max_tokens, int4_activations=choice)
+        ppl = chunked_perplexity(loaded, fmt, text, activation_quantization=choice)
+        tokens, _, _ = greedy_tokens(loaded, fmt, "auto", prompts, args.max_tokens, activation_quantization=choice)
         reference = tokens if reference is None else reference
         prefixes = [equal_prefix_len(a, b) for a, b in zip(tokens, reference)]
-        rows.append({"int4_activations": choice, "perplexity": ppl, "equal_prefix": prefixes,
+        rows.append({"activation_quantization": choice, "perplexity": ppl, "equal_prefix": prefixes,
                      "identical_share": sum(a == b for a, b in zip(tokens, reference)) / len(prompts)})
         logger.info("%s activations: perplexity %.3f", choice, ppl)
-    print(f"{loaded.config.name}, int4 weights, {args.ppl_tokens} text tokens in chunks of {TF_CHUNK}, "
-          f"{len(prompts)} parity prompts x {args.max_tokens} greedy tokens")
+    print(f"{loaded.config.name}, int4 weights and an int8 LM head, {args.ppl_tokens} text tokens in chunks of "
+          f"{TF_CHUNK}, {len(prompts)} parity prompts x {args.max_tokens} greedy tokens")
     print(f"float32 model (the file dequantized): perplexity {floor:.3f}")
-    print(f"{'int4 activations':<17} {'perplexity':>10} {'vs float32 act.':>15} {'equal prefix (mean)':>20} "
+    print(f"{'act. quantization':<17} {'perplexity':>10} {'vs none':>15} {'equal prefix (mean)':>20} "
           f"{'identical':>9}")
     for r in rows:
         mean_prefix = sum(r["equal_prefix"]) / len(r["equal_prefix"])
         change = r["perplexity"] / rows[0]["perplexity"] - 1
-        print(f"{r['int4_activations']:<17} {r['perplexity']:>10.3f} {change:>+15.2%} {mean_prefix:>20.2f} "
+        print(f"{r['activation_quantization']:<17} {r['perplexity']:>10.3f} {change:>+15.2%} {mean_prefix:>20.2f} "
               f"{r['identical_share']:>9.0%}")
-    print("int8 vs float32 activations, equal prefix per prompt: " + " ".join(map(str, rows[-1]["equal_prefix"])))
+    print("int8 vs none, equal prefix per prompt: " + " ".join(map(str, rows[-1]["equal_prefix"])))
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps({"model": loaded.config.name, "ppl_tokens": args.ppl_tokens,
