@@ -1,6 +1,5 @@
-"""The ``tandem`` command: ``serve`` (the cluster), ``generate`` (a gRPC client), ``chat``
-(one engine in this process), ``plan`` (KV capacity before loading), ``simulate`` (the cluster on a
-virtual clock) and ``bench``."""
+"""The ``tandem`` command: ``serve`` (the cluster), ``generate`` (a gRPC client), ``chat`` (one engine
+in this process), ``plan`` (KV capacity before loading), ``simulate`` (a virtual clock) and ``bench``."""
 
 from __future__ import annotations
 

@@ -92,10 +92,10 @@ class EngineConfig:
     """The disk tier's capacity for evicted prefix blocks (0: none; tandem/kvcache/disk_tier.py)."""
     kv_offload_dir: str | None = None
     """The disk tier's folder (resolved when kv_offload_disk_bytes > 0, else None)."""
-    activation_quantization: str = "auto"
+    activation_quantization: str = "none"
     """Whether quantized weights' products on the CPU round their activations to 8 bits per
-    group of 32 (int8) or not (none); auto: int8 where the engine's CPU has AVX-512 VNNI,
-    resolved as the engine packs its weights, by the CPU that runs them (kernels/int4_gemv_cpu.py)."""
+    group of 32 (int8, needing AVX-512 VNNI on the engine's CPU) or not (none); see
+    names.ACTIVATION_QUANTIZATIONS and kernels/int4_gemv_cpu.py."""
 
     @property
     def dtype(self) -> torch.dtype:

@@ -111,11 +111,12 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "ones as int8; float checkpoints stay float), none (float weights, a GGUF file dequantized), "
                  "int8 (per output channel) or int4 (groups of 32) (default %(default)s)",
                  choices=QUANTIZATION_CHOICES),
-    EngineOption("activation_quantization", str, "auto",
-                 "on the CPU, whether quantized weights' products round their float32 activations to 8 bits "
-                 "per group of 32, as llama.cpp does (int8: integer dot products, 1.8-2.4x faster, outputs within "
-                 "that rounding: +1.8%% perplexity on the default model) or keep them (none); auto: int8 where "
-                 "the CPU has AVX-512 VNNI (default %(default)s)",
+    EngineOption("activation_quantization", str, "none",
+                 "on the CPU, whether quantized weights' products keep their float32 activations (none) or "
+                 "round them to 8 bits per group of 32, as llama.cpp does (int8, on CPUs with AVX-512 VNNI: "
+                 "integer dot products, 1.8-2.4x faster; +1.8%% perplexity on the default model, and a "
+                 "request's tokens may then depend on what shares its steps and where its prefill ran) "
+                 "(default %(default)s)",
                  choices=ACTIVATION_QUANTIZATIONS),
     EngineOption("num_speculative_tokens", int, 0,
                  "draft tokens per decode step by prompt lookup (default 0: off)", metavar="K"),

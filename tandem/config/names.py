@@ -43,10 +43,16 @@ KV_CACHE_DTYPE_CHOICES: tuple[str, ...] = (AUTO, *DTYPE_NAMES)
 of DTYPE_NAMES, which may differ from the activations' dtype (the KV is cast as it is stored)."""
 
 
-ACTIVATION_QUANTIZATIONS: tuple[str, ...] = (AUTO, "int8", "none")
+ACTIVATION_QUANTIZATIONS: tuple[str, ...] = ("none", "int8")
 """What ``--activation-quantization`` takes: whether the CPU's int4 and int8 weight products
-round their activations to 8 bits (kernels/int4_gemv_cpu.py); auto is int8 where the CPU has
-AVX-512 VNNI, resolved as the engine packs its weights (the CPU that runs them decides)."""
+keep their float32 activations (none) or round them to 8 bits (int8, on CPUs with AVX-512 VNNI;
+kernels/int4_gemv_cpu.py).
+
+NOTE: not int8 by default. The rounding is a step function, so float differences too small to
+move a greedy token elsewhere (the prefill and decode attention kernels' orders, a context
+split by batch size) can move an activation to the next step of 1/127 of its group's maximum:
+with it the compatibility matrix found a request's tokens differing between a disaggregated
+and a colocated run (9 of its cases), where float32 activations keep them equal."""
 
 
 def check_device_name(name: str) -> str:

@@ -235,18 +235,17 @@ def with_cpu_pack(w: Int4Weight) -> Int4Weight:
 
 
 def pack_for_cpu_kernels(weights: ModelWeights, device: torch.device, dtype: torch.dtype,
-                         activation_quantization: str = "auto") -> None:
+                         activation_quantization: str = "none") -> None:
     """Build tandem's CPU kernel layouts of the quantized weights now, where an engine on
     `device` in `dtype` will run them (float32 on the CPU, unless Triton is asked for), so the
-    first step does not pay. activation_quantization: EngineConfig.activation_quantization (auto
-    resolved here: int8 where this CPU has AVX-512 VNNI); int8 where it has not is a ValueError."""
+    first step does not pay. activation_quantization: EngineConfig.activation_quantization; int8
+    where this CPU lacks AVX-512 VNNI is a ValueError."""
     if device.type != "cpu" or dtype != torch.float32 or ops.requested_backend() is ops.Backend.TRITON:
         return
-    has_int8_dot = int4_gemv_cpu.has_int8_dot()
-    if activation_quantization == "int8" and not has_int8_dot:
+    int8_activations = activation_quantization == "int8"
+    if int8_activations and not int4_gemv_cpu.has_int8_dot():
         raise ValueError("activation_quantization int8 needs a CPU with AVX-512 VNNI (and the compiled kernels); "
-                         "this one keeps float32 activations (activation_quantization none or auto)")
-    int8_activations = has_int8_dot and activation_quantization != "none"
+                         "this one keeps float32 activations (activation_quantization none)")
     for layer in weights.layers:
         for w in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
             _pack_for_gemv(w, int8_activations)

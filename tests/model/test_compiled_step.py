@@ -90,25 +90,25 @@ def test_a_bfloat16_cache_and_an_int8_model_too(loaded) -> None:
     assert torch.equal(compiled, eager) and torch.equal(compiled_cache, eager_cache)
 
 
-def test_the_other_activation_quantization_too(loaded, int4_weights, runner) -> None:
-    """The runner fixture's products take auto's activations (int8 on a CPU with AVX-512 VNNI,
-    else float32); the other choice, on weights of its own (the choice is kept on their packs),
-    is also the same in both paths."""
-    auto_int8 = int4_gemv_cpu.has_int8_dot()
-    weights = quantize_weights(loaded.weights, "int4") if auto_int8 else int4_weights
-    if not auto_int8:
+def test_int8_activations_too(loaded, runner) -> None:
+    """With --activation-quantization int8 (on weights of their own: the choice is kept on their
+    packs) both paths run the 8-bit products, to the same bits; where the CPU lacks AVX-512
+    VNNI the engine refuses it as it starts."""
+    if not int4_gemv_cpu.has_int8_dot():
         with pytest.raises(ValueError, match="AVX-512 VNNI"):
-            make_runner(loaded, weights, activation_quantization="int8")
+            make_runner(loaded, quantize_weights(loaded.weights, "int4"), activation_quantization="int8")
         return
-    r = make_runner(loaded, weights, activation_quantization="none")
-    assert not any(vars(p)["gemv_pack"].int8_activations for p in (*[lw.down_proj for lw in weights.layers],
-                                                                       weights.lm_head))
+    weights = quantize_weights(loaded.weights, "int4")
+    r = make_runner(loaded, weights, activation_quantization="int8")
+    assert all(vars(p)["gemv_pack"].int8_activations for p in (*[lw.down_proj for lw in weights.layers],
+                                                               weights.lm_head))
     eager, eager_cache, compiled, compiled_cache = both_ways(r, decode_args(r, [300, 20, 9]))
     assert torch.equal(compiled, eager) and torch.equal(compiled_cache, eager_cache)
-    # The runner's int8 activations, on the same values of weights: other products (the rounding;
+    # The runner's float32 activations, on the same values of weights: other products (the rounding;
     # its size: tests/kernels/test_int4_gemv_cpu.py per product, `tandem bench activations` in all).
-    assert all(vars(p)["gemv_pack"].int8_activations for p in (*[lw.down_proj for lw in runner.model.weights.layers],
-                                                                   runner.model.weights.lm_head))
+    fixture_weights = runner.model.weights
+    assert not any(vars(p)["gemv_pack"].int8_activations for p in (*[lw.down_proj for lw in fixture_weights.layers],
+                                                                       fixture_weights.lm_head))
     assert not torch.equal(both_ways(runner, decode_args(runner, [300, 20, 9]))[2], compiled)
 
 

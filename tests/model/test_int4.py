@@ -284,11 +284,11 @@ def test_perplexity_close_to_float32(loaded, tokenizer):
     assert abs(quant / base - 1) < 0.03
 
 
-def test_activation_quantization_is_chosen_by_the_cpu_unless_asked(monkeypatch, loaded):
-    """auto: 8-bit activations where the CPU has AVX-512 VNNI (as has_int8_dot says), float32
-    elsewhere; int8 asked of a CPU without them is refused as the engine starts; none always
-    taken. The choice lands on each quantized weight's pack, the int8 LM head's too, except
-    where its input size is not in groups of 32."""
+def test_activation_quantization_lands_on_every_pack_where_the_cpu_takes_it(monkeypatch, loaded):
+    """none (the default) keeps float32 activations everywhere; int8 rounds them where the CPU has
+    AVX-512 VNNI (as has_int8_dot says) and is refused as the engine starts where it has not. The
+    choice lands on each quantized weight's pack, the int8 LM head's too, except where its input
+    size is not in groups of 32."""
     from types import SimpleNamespace
 
     from tandem.config import EngineConfig
@@ -310,11 +310,12 @@ def test_activation_quantization_is_chosen_by_the_cpu_unless_asked(monkeypatch, 
 
     for has_it in (True, False):
         monkeypatch.setattr(int4_gemv_cpu, "has_int8_dot", lambda has_it=has_it: has_it)
-        assert chosen("auto") == {has_it} and chosen("none") == {False}
+        assert chosen("none") == {False}
         if has_it:
             assert chosen("int8") == {True}
         else:
             with pytest.raises(ValueError, match="AVX-512 VNNI"):
                 chosen("int8")
-    with pytest.raises(ValueError, match="activation_quantization must be one of auto, int8, none"):
+    assert EngineConfig.build(loaded.config).activation_quantization == "none"
+    with pytest.raises(ValueError, match="activation_quantization must be one of none, int8"):
         EngineConfig.build(loaded.config, activation_quantization="int4")
