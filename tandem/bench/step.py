@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from tandem.bench.bandwidth import measure_copy_bandwidth
+from tandem.config.names import ACTIVATION_QUANTIZATIONS
 from tandem.kernels import ops
 from tandem.llm import LLM
 from tandem.model import llama
@@ -35,6 +37,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="local HF directory or .gguf file (default: the embedded one)")
     parser.add_argument("--formats", nargs="+", default=["none", "auto"],
                         help="--quantization values to profile (default: none auto, i.e. float32 and the file's own)")
+    parser.add_argument("--activation-quantization", nargs="+", default=["none"], choices=ACTIVATION_QUANTIZATIONS,
+                        help="--activation-quantization values to profile each quantized format with (default none)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8], help="decode batch sizes (default 1 8)")
     parser.add_argument("--context", type=int, default=256, help="prompt tokens of each sequence (default 256)")
     parser.add_argument("--steps", type=int, default=20, help="decode steps timed per row (default 20)")
@@ -138,8 +142,10 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.num_threads)
     bandwidth = measure_copy_bandwidth(256 if args.quick else 1024, 3 if args.quick else 5)
     print(f"copy bandwidth {bandwidth.bytes_per_s / 1e9:.2f} GB/s, {torch.get_num_threads()} threads")
-    for fmt in args.formats:
-        llm = LLM(args.model, quantization=fmt, kv_cache_memory_gib=0.25)
+    for fmt, activations in itertools.product(args.formats, args.activation_quantization):
+        if fmt == "none" and activations != "none":
+            continue  # float weights: no quantized products to take the choice
+        llm = LLM(args.model, quantization=fmt, kv_cache_memory_gib=0.25, activation_quantization=activations)
         config = llm.engine.config
         weight_bytes = llm.engine.runner.model.weights.num_bytes
         for batch_size in args.batch_sizes:
@@ -150,7 +156,8 @@ def run(args: argparse.Namespace) -> int:
                 runs = [("eager", *profile(llm, batch_size, args.context, args.steps))]
             if llm.engine.runner.compiled_step is not None:
                 runs.append(("compiled", *profile(llm, batch_size, args.context, args.steps)))
-            print(f"\n--quantization {fmt} ({config.quantization or config.dtype_name}), batch {batch_size}, "
+            acts = f", --activation-quantization {activations}" if config.quantization else ""
+            print(f"\n--quantization {fmt} ({config.quantization or config.dtype_name}){acts}, batch {batch_size}, "
                   f"context {args.context}: floor {floor:.2f} ms ({weight_bytes / 1e6:.0f} MB weights + "
                   f"{kv_bytes / 1e6:.1f} MB KV)")
             for path, parts, total in runs:

@@ -12,7 +12,8 @@ def test_bench_step_quick_times_every_part() -> None:
     run = subprocess.run([sys.executable, "-m", "tandem", "bench", "step", "--quick", "--formats", "auto"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
-    head = re.search(r"--quantization auto \(int4\), batch 1, context 32: floor ([\d.]+) ms", run.stdout)
+    head = re.search(r"--quantization auto \(int4\), --activation-quantization none, batch 1, context 32: "
+                     r"floor ([\d.]+) ms", run.stdout)
     assert head is not None, run.stdout
     floor_ms = float(head.group(1))
     eager, compiled = run.stdout.split("\neager step ")[1].split("\ncompiled step ")
