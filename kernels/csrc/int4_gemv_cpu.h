@@ -9,10 +9,10 @@
 // Packed layout: values [N / 16, K / 8, 16] uint32, lane j of a 16-lane word holding 8 values
 // (columns 8 l .. 8 l + 7) of channel 16 b + j; scale_offset [N / 16, K / 32, 16] uint32, the
 // float16 scale's bits low and the offset's high. So one vector load brings the same 8
-// columns of W channels, nibble k of every lane is a shift and a mask away (no byte widening,
-// which compilers lower to scalar code), each activation is a broadcast, and the accumulators
-// are the W outputs themselves (no horizontal sums). See cpu_gemv.h for the threads and the
-// per-ISA versions.
+// columns of W channels, nibble k of every lane is a shift and a mask (or a table) away (no
+// byte widening, which compilers lower to scalar code), each activation is a broadcast, and
+// the accumulators are the W outputs themselves (no horizontal sums). See cpu_gemv.h for the
+// threads and the per-ISA versions.
 #pragma once
 
 #include <cstdint>
@@ -42,6 +42,20 @@ template <int W> TANDEM_INLINE typename GemvVec<W>::F half_to_float(typename Gem
   return f;
 }
 
+// The low nibble of each lane as a float. AVX-512 (W = 16): one vpermps from a table of 0..15,
+// whose index is the lane's low 4 bits (GCC's __builtin_shuffle takes the mask modulo 16),
+// in place of a mask and a conversion: the loop is bound by its instructions.
+template <int W> TANDEM_INLINE typename GemvVec<W>::F nibbles_to_float(typename GemvVec<W>::U bits) {
+  using F = typename GemvVec<W>::F;
+#if defined(__GNUC__) && !defined(__clang__)
+  if constexpr (W == 16) {
+    const F table = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    return __builtin_shuffle(table, bits);
+  }
+#endif
+  return __builtin_convertvector(bits & 15u, F);
+}
+
 // W channels (one vector) against R activation rows. values, scale_offset: the block's packed
 // words, at this vector's first channel; x: [R, K]; xsum: [R, groups]; out: R rows of stride
 // N, at this vector's first channel.
@@ -67,7 +81,7 @@ TANDEM_INLINE void channels(const uint32_t* values, const uint32_t* scale_offset
       std::memcpy(&lanes, values + (g * (kGroup / 8) + l) * kGemvChannels, sizeof(lanes));
       const int64_t col = g * kGroup + l * 8;
       for (int k = 0; k < 8; ++k) {
-        const F v = __builtin_convertvector((lanes >> (4 * k)) & 15u, F);
+        const F v = nibbles_to_float<W>(lanes >> (4 * k));
         for (int r = 0; r < R; ++r) part[r][(l * 8 + k) % P] += v * x[r * K + col + k];
       }
     }
