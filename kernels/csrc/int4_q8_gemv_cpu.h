@@ -1,9 +1,9 @@
 // The int4 products of int4_gemv_cpu.h with the activations rounded to 8 bits, for CPUs with
 // AVX-512 VNNI: one `vpdpbusd` multiplies 16 channels by 4 columns in integers and adds them up,
-// where the float32 loop spends a shift, a mask, a conversion and a multiply-add per 16
-// weights. That float loop is bound by its instructions, not its bytes (17-22 GB/s of a 32 GB/s
-// copy at one row; at 8 rows the multiply-adds alone are most of the step); this one reads the
-// weight at its bytes' pace. llama.cpp's CPU products work the same way (Q8_1 activations).
+// where the float32 loop spends a shift, a table lookup and a multiply-add per 16 weights and
+// row. That float loop is bound by its instructions at one row (29-31 GB/s of a 32 GB/s copy;
+// 17-22 before the lookup) and by its multiply-adds at 8; this one reads the weight at its
+// bytes' pace. llama.cpp's CPU products work the same way (Q8_1 activations).
 //
 // The activations (q8_activations_cpu.h), per row and group of 32 columns: d = max |x| / 127,
 // q = round(x / d) in int8 (ties to even), and sum(x) kept in float32 for the offset term:
