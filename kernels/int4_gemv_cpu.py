@@ -9,7 +9,7 @@ by `make install` (cpu_build.py); torch's kernel runs where it cannot be built.
 
 On CPUs with AVX-512 VNNI a pack may instead round the activations to 8 bits per group of 32
 (`int8_activations`, csrc/int4_q8_gemv_cpu.h), as llama.cpp does: the products then run in
-integers at the weight's bytes' pace, 1.8x (one row) to 2.4x (eight) the float32 loop's.
+integers at the weight's bytes' pace, 1.5x (one row) to 2.4x (eight) the float32 loop's.
 """
 
 from __future__ import annotations

@@ -114,7 +114,7 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("activation_quantization", str, "none",
                  "on the CPU, whether quantized weights' products keep their float32 activations (none) or "
                  "round them to 8 bits per group of 32, as llama.cpp does (int8, on CPUs with AVX-512 VNNI: "
-                 "integer dot products, 1.8-2.4x faster; +1.8%% perplexity on the default model, and a "
+                 "integer dot products, 1.5-2.4x faster; +1.8%% perplexity on the default model, and a "
                  "request's tokens may then depend on what shares its steps and where its prefill ran) "
                  "(default %(default)s)",
                  choices=ACTIVATION_QUANTIZATIONS),
