@@ -25,17 +25,21 @@ def test_tp_decode_worker_takes_kv_received_on_the_device():
         init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    second = context.Process(target=run_rank, args=(1, init_method, results))  # (rank 0: here)
-    second.start()
+    rank1 = context.Process(target=run_rank, args=(1, init_method, results))  # (rank 0: here)
+    rank1.start()
     try:
         mine: queue.Queue = queue.Queue()
         run_rank(0, init_method, mine)
-        reports = [mine.get(), second_report(second, results)]
+        first = mine.get()
+        # NOTE: rank 0's failure first: rank 1 then waits in a collective that never comes.
+        assert "error" not in first, first["error"]
+        second = second_report(rank1, results)
     finally:
-        second.join(timeout=30)
-    for report in reports:
-        assert "error" not in report, report["error"]
-    first, second = reports
+        rank1.join(timeout=30)
+        if rank1.is_alive():
+            rank1.kill()
+    assert "error" not in second, second["error"]
+    reports = [first, second]
     num_rows = 2 * len(SLOTS)  # K and V of one layer
     assert first["device_backend"] == "fake_nccl"
     assert first["rows_arrived_on"] == "cuda:0" and first["logits_on"] == "cuda:0"
