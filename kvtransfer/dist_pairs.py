@@ -259,17 +259,20 @@ class _StoreClients:
         self._lock = threading.Lock()
         self._clients: dict[tuple[str, int, float], dist.TCPStore] = {}
 
-    def client(self, host: str, port: int, timeout: datetime.timedelta) -> dist.TCPStore:
+    def client(self, host: str, port: int, timeout: datetime.timedelta) -> tuple[dist.TCPStore, bool]:
+        """-> (the store's client, whether it was kept from an earlier pair)."""
         key = (host, port, timeout.total_seconds())
         with self._lock:
             store = self._clients.get(key)
-        if store is None:  # (connect outside the lock: it may take up to `timeout`)
-            store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
-            with self._lock:
-                store = self._clients.setdefault(key, store)
-                while len(self._clients) > self.MAX_CLIENTS:
-                    self._clients.pop(next(iter(self._clients)))
-        return store
+        if store is not None:
+            return store, True
+        # (connect outside the lock: it may take up to `timeout`)
+        store = dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        with self._lock:
+            store = self._clients.setdefault(key, store)
+            while len(self._clients) > self.MAX_CLIENTS:
+                self._clients.pop(next(iter(self._clients)))
+        return store, False
 
     def drop(self, host: str, port: int, store: dist.TCPStore) -> None:
         """Forget `store` (its receiver may be gone); pairs still using it keep it alive."""
@@ -290,13 +293,25 @@ def join_pair(address: str, offer: dict[str, Any], timeout_s: float) -> DistPayl
         raise ValueError(f"a bad torch.distributed offer from {address}: {offer!r}")
     host = address_host(address)
     timeout = datetime.timedelta(seconds=min(timeout_s, MAX_WAIT_S))
-    store = _RENDEZVOUS.client(host, port, timeout)
+    store, kept = _RENDEZVOUS.client(host, port, timeout)
+
+    def build() -> DistPayload:
+        try:
+            return _build(backend, store, key, SENDER_RANK, route_to(host), timeout,
+                          pair_grant.identity(key, backend, str(port), peer), pair_grant.secret())
+        except Exception:
+            _RENDEZVOUS.drop(host, port, store)  # (a receiver gone or restarted: connect afresh next time)
+            raise
+
     try:
-        pair = _build(backend, store, key, SENDER_RANK, route_to(host), timeout,
-                      pair_grant.identity(key, backend, str(port), peer), pair_grant.secret())
-    except Exception:
-        _RENDEZVOUS.drop(host, port, store)  # (a receiver gone or restarted: connect afresh next time)
-        raise
+        pair = build()
+    except dist.DistNetworkError:
+        if not kept:
+            raise
+        # A kept connection to a receiver since gone, whose port a new receiver (this offer's)
+        # now listens on: it fails at once (a broken pipe), and a fresh connect reaches the new one.
+        store, _ = _RENDEZVOUS.client(host, port, timeout)
+        pair = build()
     # The sender's close tells the receiver, whose side is destroyed at its next handshake.
     prefixed = dist.PrefixStore(f"kv-pair/{key}/", store)
     # torch's stubs type Store.set's value as str; the store takes bytes too.

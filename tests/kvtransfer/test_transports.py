@@ -1,5 +1,6 @@
 """The sender's transports in one process: a gloo pair made in the handshake (what
-`tandem serve --kv-transport gloo` uses; one that does not form is made again), transports a
+`tandem serve --kv-transport gloo` uses; one that does not form is made again; a receiver
+restarted on its old rendezvous port is joined at the first try), transports a
 receiver cannot take refused, ZMQ forced past a shared pool, and the GPU path's staging
 through the host (its device work faked on the CPU) sending each layer only once its copy is
 done, in order."""
@@ -8,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import random
+import threading
 
 import numpy as np
 import pytest
@@ -81,6 +84,43 @@ def test_a_pair_that_does_not_form_is_made_again(monkeypatch, caplog):
     finally:
         sender.close()
         receiver.close()
+
+
+def test_a_receiver_restarted_on_its_old_store_port(monkeypatch):
+    """A sender keeps its connection to each receiver's rendezvous store across pairs. When a
+    receiver is gone and a new one's store listens on its old port, the kept connection is
+    broken; the join still succeeds at the first try, on a fresh connection."""
+    address, timeout_s = "tcp://127.0.0.1:5555", 5.0
+
+    def pair_round_trip(receiver: dist_pairs.ReceiverPairs, offer: dict) -> None:
+        mine = dist_pairs.join_pair(address, offer, timeout_s)
+        theirs = receiver.payload(b"prefill")
+        rows = torch.arange(12, dtype=torch.float32).reshape(3, 2, 2)
+        got: list[torch.Tensor] = []
+        t = threading.Thread(target=lambda: got.extend(theirs.recv(dist_pairs.SENDER_RANK, 3, (2, 2), "float32")))
+        t.start()
+        mine.send(dist_pairs.RECEIVER_RANK, rows, rows + 1)
+        t.join(timeout_s)
+        assert len(got) == 2 and torch.equal(got[0], rows) and torch.equal(got[1], rows + 1)
+        mine.close()
+
+    gone = dist_pairs.ReceiverPairs(address, timeout_s)
+    offer = gone.offer(b"prefill", "gloo")
+    pair_round_trip(gone, offer)
+    kept = dist_pairs._RENDEZVOUS._clients[("127.0.0.1", offer["store_port"], timeout_s)]
+    gone.close()
+    del gone
+    gc.collect()  # (its store's server stops with its last reference)
+    restarted = dist_pairs.ReceiverPairs(address, timeout_s)
+    try:
+        offer = restarted.offer(b"prefill", "gloo")
+        # The kept connection under the new store's port, as it is once the kernel hands a
+        # new receiver the old port (it frees it only a minute after: not waited for here).
+        monkeypatch.setitem(dist_pairs._RENDEZVOUS._clients,
+                            ("127.0.0.1", offer["store_port"], timeout_s), kept)
+        pair_round_trip(restarted, offer)
+    finally:
+        restarted.close()
 
 
 def test_nccl_refused_for_a_pool_in_host_memory():
