@@ -2,6 +2,11 @@
 loop, bound before the first request and named in every streaming call (the worker's
 DeltaOutbox connects to it), its frames handed to the queue of the request they belong to.
 
+The socket is read by a reader callback on its file descriptor that takes every frame
+waiting, not by an awaited recv per frame: zmq.asyncio makes a Future, registers and
+unregisters it for each one, which was the largest share of the router's Python work per
+streamed token.
+
 NOTE: a request's queue is opened before its call goes out, so no delta of it can come
 first; a delta of a request that has no queue (the router gave up on it) is dropped.
 """
@@ -47,9 +52,9 @@ class DeltaInbox:
         self._host = host
         self._keys = keys
         self._queues: dict[str, asyncio.Queue[Any]] = {}
-        self._socket: zmq.asyncio.Socket | None = None
+        self._socket: zmq.Socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._auth: Authenticator | None = None
-        self._task: asyncio.Task | None = None
         self.address = ""
         """tcp://HOST:PORT, once started."""
         self.num_malformed = 0
@@ -59,11 +64,13 @@ class DeltaInbox:
 
     @property
     def started(self) -> bool:
-        return self._task is not None
+        return self._socket is not None
 
     def start(self) -> None:
         context = _shared_context()
-        socket = context.socket(zmq.PULL)
+        # A plain socket of the same ZMQ context (the ZAP handler is the context's): read
+        # without a Future per frame (see the module's docstring).
+        socket: zmq.Socket = zmq.Context.shadow(context.underlying).socket(zmq.PULL)
         socket.setsockopt(zmq.LINGER, 0)
         socket.setsockopt(zmq.RCVHWM, 0)  # the workers' sends must never be refused
         if self._keys is not None:
@@ -72,7 +79,10 @@ class DeltaInbox:
         port = socket.bind_to_random_port(f"tcp://{self._host}")
         self.address = f"tcp://{self._host}:{port}"
         self._socket = socket
-        self._task = asyncio.get_running_loop().create_task(self._receive(), name="delta-inbox")
+        self._loop = asyncio.get_running_loop()
+        # NOTE: ZMQ's descriptor is edge-triggered: each wake-up takes every frame waiting.
+        self._loop.add_reader(socket.fileno(), self._receive)
+        self._loop.call_soon(self._receive)  # (frames before the reader was added)
 
     def open(self, request_id: str) -> asyncio.Queue[Any]:
         """The queue that gets ``request_id``'s deltas from now on (the router's own id for
@@ -91,23 +101,22 @@ class DeltaInbox:
         return len(self._queues)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        if self._socket is not None and self._loop is not None:
+            self._loop.remove_reader(self._socket.fileno())
         if self._auth is not None:
             self._auth.stop()
         if self._socket is not None:
             self._socket.close()
+            self._socket = None
 
     def _denied(self) -> None:
         self.num_denied += 1
 
-    async def _receive(self) -> None:
-        assert self._socket is not None
+    def _receive(self) -> None:
         socket = self._socket
-        while True:
-            frame = await socket.recv(copy=True)
+        # (asked before each recv: cheaper than the zmq.Again a recv of nothing raises)
+        while socket is not None and socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+            frame = socket.recv(zmq.NOBLOCK, copy=True)
             try:
                 delta = decode_delta(frame)
             except MalformedDelta as e:

@@ -48,6 +48,16 @@ class _Lane:
     """Started by a migration, and no token yet (its first measures what the migration added)."""
 
 
+@dataclass(frozen=True)
+class _LaneStart:
+    """A lane to start: the backend call that makes its stream."""
+
+    lane: _Lane
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    num_resumed_tokens: int
+
+
 class MigratingStream:
     """One streaming request's deltas, from as many backend streams as its migrations need."""
 
@@ -65,26 +75,49 @@ class MigratingStream:
         self._tasks: dict[_Lane, asyncio.Task[None]] = {}
 
     async def deltas(self) -> AsyncIterator[StreamDelta]:
-        self._start(_Lane(None, time.monotonic(), False), self.prompt_token_ids, self.params, 0)
+        lanes = [_LaneStart(_Lane(None, time.monotonic(), False), self.prompt_token_ids, self.params, 0)]
         try:
+            # NOTE: one lane (every request, until an n > 1 request's completions resume
+            # apart) is read here, inline: no task and no queue between its stream and the
+            # client, which are a wake-up more per token.
+            while len(lanes) == 1:
+                lane, stream = lanes[0].lane, self._stream(lanes[0])
+                try:
+                    async for got in stream:
+                        delta = self._delivered(lane, got)
+                        yield delta
+                        if delta.request_finished:
+                            return
+                    return
+                except WorkerFailed as e:
+                    lanes = self._migrate(lane, e)
+                finally:
+                    await stream.aclose()  # NOTE: what aborts the lane on its workers when it ends early
+            for start in lanes:
+                self._start(start)
             while self._tasks:
                 lane, item = await self._queue.get()
                 if isinstance(item, StreamDelta):
-                    delta = self._taken(lane, item)
-                    if delta.token_ids and lane.migration:
-                        self.on_migrated(time.monotonic() - lane.started)
-                        lane.migration = False
+                    delta = self._delivered(lane, item)
                     yield delta
                     if delta.request_finished:
                         return
                     continue
                 del self._tasks[lane]
                 if isinstance(item, WorkerFailed):
-                    await self._migrate(lane, item)
+                    for start in self._migrate(lane, item):
+                        self._start(start)
                 elif item is not None:
                     raise item
         finally:
             await self._stop()
+
+    def _delivered(self, lane: _Lane, delta: StreamDelta) -> StreamDelta:
+        delta = self._taken(lane, delta)
+        if delta.token_ids and lane.migration:
+            self.on_migrated(time.monotonic() - lane.started)
+            lane.migration = False
+        return delta
 
     def _taken(self, lane: _Lane, delta: StreamDelta) -> StreamDelta:
         """A lane's delta as the request's: its completion's index and the request's counts."""
@@ -97,8 +130,9 @@ class MigratingStream:
             num_output_tokens=sum(len(c.token_ids) for c in self.completions),
             num_unfinished=sum(not c.finished for c in self.completions))
 
-    async def _migrate(self, lane: _Lane, error: WorkerFailed) -> None:
-        """Go on with the failed lane's unfinished completions elsewhere, or raise ``error``."""
+    def _migrate(self, lane: _Lane, error: WorkerFailed) -> list[_LaneStart]:
+        """The lanes that go on with the failed lane's unfinished completions elsewhere, or
+        raise ``error``."""
         # NOTE: no wait for a worker to come back (Ray restarting the only one takes a model
         # load): with no healthy worker to go on, the client hears so at once.
         why = ("beam search does not migrate" if self.params.use_beam_search
@@ -114,8 +148,8 @@ class MigratingStream:
         if lane.index is None and not any(self.completions[i].token_ids for i in resumed):
             logger.warning("request %s: %s; running it again elsewhere (migration %d of at most %d)",
                            self.request_id, error, self.num_migrations, self.max_migrations)
-            self._start(_Lane(None, started, True), self.prompt_token_ids, self.params, 0)
-            return
+            return [_LaneStart(_Lane(None, started, True), self.prompt_token_ids, self.params, 0)]
+        starts = []
         for i in resumed:
             tokens = self.completions[i].token_ids
             logger.warning("request %s: %s; completion %d goes on elsewhere after %d tokens (migration %d of at "
@@ -123,12 +157,17 @@ class MigratingStream:
                            self.max_migrations)
             params = dataclasses.replace(self.params, n=1, seed=None if self.params.seed is None
                                          else self.params.seed + i)
-            self._start(_Lane(i, started, True), self.prompt_token_ids + tokens, params, len(tokens))
+            starts.append(_LaneStart(_Lane(i, started, True), self.prompt_token_ids + tokens, params, len(tokens)))
+        return starts
 
-    def _start(self, lane: _Lane, prompt_token_ids: list[int], params: SamplingParams, num_resumed: int) -> None:
-        stream = cast(AsyncGenerator[StreamDelta, None], self.backend.generate(
-            self.request_id, prompt_token_ids, params, priority=self.priority, num_resumed_tokens=num_resumed))
-        self._tasks[lane] = asyncio.get_running_loop().create_task(self._pump(lane, stream))
+    def _stream(self, start: _LaneStart) -> AsyncGenerator[StreamDelta, None]:
+        return cast(AsyncGenerator[StreamDelta, None], self.backend.generate(
+            self.request_id, start.prompt_token_ids, start.params, priority=self.priority,
+            num_resumed_tokens=start.num_resumed_tokens))
+
+    def _start(self, start: _LaneStart) -> None:
+        """Read the lane by a task of its own, into the request's queue."""
+        self._tasks[start.lane] = asyncio.get_running_loop().create_task(self._pump(start.lane, self._stream(start)))
 
     async def _pump(self, lane: _Lane, stream: AsyncGenerator[StreamDelta, None]) -> None:
         try:
