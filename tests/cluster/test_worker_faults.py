@@ -24,8 +24,8 @@ from tandem.proto import generation_pb2 as pb
 
 pytestmark = pytest.mark.slow
 
-STORM_REQUESTS = 1000
-STORM_SPREAD_S = 20.0
+STORM_REQUESTS = 600
+STORM_SPREAD_S = 12.0
 """Cancels and deadlines fall uniformly in [0, STORM_SPREAD_S) after the storm starts."""
 
 
