@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -115,7 +115,7 @@ class DeltaInbox:
     def _receive(self) -> None:
         socket = self._socket
         # (asked before each recv: cheaper than the zmq.Again a recv of nothing raises)
-        while socket is not None and socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+        while socket is not None and cast(int, socket.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
             frame = socket.recv(zmq.NOBLOCK, copy=True)
             try:
                 delta = decode_delta(frame)
