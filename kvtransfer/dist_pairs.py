@@ -294,24 +294,18 @@ def join_pair(address: str, offer: dict[str, Any], timeout_s: float) -> DistPayl
     host = address_host(address)
     timeout = datetime.timedelta(seconds=min(timeout_s, MAX_WAIT_S))
     store, kept = _RENDEZVOUS.client(host, port, timeout)
-
-    def build() -> DistPayload:
+    while True:
         try:
-            return _build(backend, store, key, SENDER_RANK, route_to(host), timeout,
+            pair = _build(backend, store, key, SENDER_RANK, route_to(host), timeout,
                           pair_grant.identity(key, backend, str(port), peer), pair_grant.secret())
-        except Exception:
+            break
+        except Exception as e:
             _RENDEZVOUS.drop(host, port, store)  # (a receiver gone or restarted: connect afresh next time)
-            raise
-
-    try:
-        pair = build()
-    except dist.DistNetworkError:
-        if not kept:
-            raise
-        # A kept connection to a receiver since gone, whose port a new receiver (this offer's)
-        # now listens on: it fails at once (a broken pipe), and a fresh connect reaches the new one.
-        store, _ = _RENDEZVOUS.client(host, port, timeout)
-        pair = build()
+            # A kept connection to a receiver since gone, whose port a new receiver (this offer's)
+            # now listens on, fails at once (a broken pipe): once more on a fresh connection.
+            if not (kept and isinstance(e, dist.DistNetworkError)):
+                raise
+            store, kept = _RENDEZVOUS.client(host, port, timeout)
     # The sender's close tells the receiver, whose side is destroyed at its next handshake.
     prefixed = dist.PrefixStore(f"kv-pair/{key}/", store)
     # torch's stubs type Store.set's value as str; the store takes bytes too.

@@ -53,7 +53,6 @@ class DeltaInbox:
         self._keys = keys
         self._queues: dict[str, asyncio.Queue[Any]] = {}
         self._socket: zmq.Socket | None = None
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._auth: Authenticator | None = None
         self.address = ""
         """tcp://HOST:PORT, once started."""
@@ -79,10 +78,10 @@ class DeltaInbox:
         port = socket.bind_to_random_port(f"tcp://{self._host}")
         self.address = f"tcp://{self._host}:{port}"
         self._socket = socket
-        self._loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
         # NOTE: ZMQ's descriptor is edge-triggered: each wake-up takes every frame waiting.
-        self._loop.add_reader(socket.fileno(), self._receive)
-        self._loop.call_soon(self._receive)  # (frames before the reader was added)
+        loop.add_reader(socket.fileno(), self._receive)
+        loop.call_soon(self._receive)  # (frames before the reader was added)
 
     def open(self, request_id: str) -> asyncio.Queue[Any]:
         """The queue that gets ``request_id``'s deltas from now on (the router's own id for
@@ -101,13 +100,13 @@ class DeltaInbox:
         return len(self._queues)
 
     async def stop(self) -> None:
-        if self._socket is not None and self._loop is not None:
-            self._loop.remove_reader(self._socket.fileno())
+        socket, self._socket = self._socket, None
+        if socket is not None:
+            asyncio.get_running_loop().remove_reader(socket.fileno())
         if self._auth is not None:
             self._auth.stop()
-        if self._socket is not None:
-            self._socket.close()
-            self._socket = None
+        if socket is not None:
+            socket.close()
 
     def _denied(self) -> None:
         self.num_denied += 1
